@@ -1,0 +1,207 @@
+//! Connection management: a listener and `connect()` that yield connected queue pairs, carrying
+//! a few bytes of private data each way (rdma_cm on verbs, a TCP handshake on `tcp`).
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::Duration;
+
+use crate::device::DeviceImpl;
+use crate::qp::QpImpl;
+use crate::{Device, Error, QpOptions, QueuePair, Result};
+
+/// The most private data either side may carry (the rdma_cm limit for an RC connect on IB/RoCE).
+pub const MAX_PRIVATE_DATA: usize = 56;
+
+fn check_private(data: &[u8]) -> Result<()> {
+    if data.len() > MAX_PRIVATE_DATA {
+        return Err(Error::PrivateDataTooLong {
+            len: data.len(),
+            max: MAX_PRIVATE_DATA,
+        });
+    }
+    Ok(())
+}
+
+/// Listens for queue-pair connections on an address.
+///
+/// # Examples
+/// ```
+/// use std::time::Duration;
+/// use rdma_rpc_transport::{connect, Device, Listener, QpOptions};
+/// let dev = Device::open("tcp")?;
+/// let (pd, cq) = (dev.alloc_pd()?, dev.create_cq(64)?);
+/// let listener = Listener::bind(&dev, "127.0.0.1:0".parse().unwrap())?;
+/// let addr = listener.local_addr()?;
+/// let opts = QpOptions::new(&pd, &cq);
+/// let server = std::thread::spawn({
+///     let opts = opts.clone();
+///     move || {
+///         let req = listener.accept(Some(Duration::from_secs(5)))?;
+///         assert_eq!(req.private_data(), b"hello");
+///         req.accept(&opts, b"welcome")
+///     }
+/// });
+/// let (qp, reply) = connect(addr, &opts, b"hello", Duration::from_secs(5))?;
+/// assert_eq!(reply, b"welcome");
+/// let _server_qp = server.join().unwrap()?;
+/// # drop(qp);
+/// # Ok::<(), rdma_rpc_transport::Error>(())
+/// ```
+pub struct Listener {
+    device: Device,
+    imp: ListenerImpl,
+}
+
+enum ListenerImpl {
+    Tcp(crate::tcp::Listener),
+    #[cfg(feature = "verbs")]
+    Verbs(crate::verbs::Listener),
+}
+
+impl Listener {
+    /// Binds to `addr` (port 0 picks a free port). On verbs, the address must be an IP of an RDMA
+    /// device's netdev (or unspecified).
+    ///
+    /// # Errors
+    /// Socket or rdma_cm errors.
+    pub fn bind(device: &Device, addr: SocketAddr) -> Result<Self> {
+        let imp = match &device.inner.imp {
+            DeviceImpl::Tcp => ListenerImpl::Tcp(crate::tcp::Listener::bind(addr)?),
+            #[cfg(feature = "verbs")]
+            DeviceImpl::Verbs(ctx) => ListenerImpl::Verbs(crate::verbs::Listener::bind(ctx, addr)?),
+        };
+        Ok(Self {
+            device: device.clone(),
+            imp,
+        })
+    }
+
+    /// The bound address (with the port picked).
+    ///
+    /// # Errors
+    /// Socket errors.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        match &self.imp {
+            ListenerImpl::Tcp(l) => l.local_addr(),
+            #[cfg(feature = "verbs")]
+            ListenerImpl::Verbs(l) => l.local_addr(),
+        }
+    }
+
+    /// The device connections arrive on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Waits for the next connection request (up to `timeout`, or forever with `None`).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`]; socket or rdma_cm errors; [`Error::Protocol`] for a peer that is not
+    /// rdma-rpc.
+    pub fn accept(&self, timeout: Option<Duration>) -> Result<ConnectRequest> {
+        match &self.imp {
+            ListenerImpl::Tcp(l) => {
+                let r = l.accept(timeout)?;
+                Ok(ConnectRequest {
+                    private_data: r.private_data.clone(),
+                    peer: Some(r.peer),
+                    imp: RequestImpl::Tcp(r),
+                })
+            }
+            #[cfg(feature = "verbs")]
+            ListenerImpl::Verbs(l) => {
+                let r = l.accept(timeout)?;
+                Ok(ConnectRequest {
+                    private_data: r.private_data().to_vec(),
+                    peer: r.peer(),
+                    imp: RequestImpl::Verbs(r),
+                })
+            }
+        }
+    }
+}
+
+/// An incoming connection: read its private data, then accept or reject it (either consumes it).
+pub struct ConnectRequest {
+    private_data: Vec<u8>,
+    peer: Option<SocketAddr>,
+    imp: RequestImpl,
+}
+
+enum RequestImpl {
+    Tcp(crate::tcp::Request),
+    #[cfg(feature = "verbs")]
+    Verbs(crate::verbs::Request),
+}
+
+impl ConnectRequest {
+    /// The private data the peer sent with its request.
+    pub fn private_data(&self) -> &[u8] {
+        &self.private_data
+    }
+
+    /// The peer's address, when known.
+    pub fn peer(&self) -> Option<SocketAddr> {
+        self.peer
+    }
+
+    /// Creates a QP from `opts`, connects it to the peer, and sends `private_data` back.
+    ///
+    /// # Errors
+    /// [`Error::PrivateDataTooLong`], invalid options, provider errors.
+    pub fn accept(self, opts: &QpOptions, private_data: &[u8]) -> Result<QueuePair> {
+        check_private(private_data)?;
+        opts.validate()?;
+        match self.imp {
+            RequestImpl::Tcp(r) => {
+                let (qp, num) = r.accept(opts, private_data)?;
+                Ok(QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()))
+            }
+            #[cfg(feature = "verbs")]
+            RequestImpl::Verbs(r) => {
+                let (qp, num) = r.accept(opts, private_data)?;
+                Ok(QueuePair::new(QpImpl::Verbs(qp), num, opts.clone()))
+            }
+        }
+    }
+
+    /// Refuses the connection; the peer's `connect` fails with [`Error::Rejected`].
+    pub fn reject(self) {
+        match self.imp {
+            RequestImpl::Tcp(r) => r.reject(),
+            #[cfg(feature = "verbs")]
+            RequestImpl::Verbs(r) => r.reject(),
+        }
+    }
+}
+
+/// Connects a new QP, made from `opts`, to a listener at `addr`, sending `private_data`.
+/// Returns the QP and the private data of the peer's accept.
+///
+/// # Errors
+/// [`Error::Rejected`], [`Error::Timeout`], [`Error::PrivateDataTooLong`], invalid options,
+/// provider errors (address or route resolution on verbs).
+pub fn connect(
+    addr: impl ToSocketAddrs,
+    opts: &QpOptions,
+    private_data: &[u8],
+    timeout: Duration,
+) -> Result<(QueuePair, Vec<u8>)> {
+    check_private(private_data)?;
+    opts.validate()?;
+    match &opts.pd.device().inner.imp {
+        DeviceImpl::Tcp => {
+            let (qp, num, data) = crate::tcp::connect(addr, opts, private_data, timeout)?;
+            Ok((QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), data))
+        }
+        #[cfg(feature = "verbs")]
+        DeviceImpl::Verbs(ctx) => {
+            let addr = addr
+                .to_socket_addrs()
+                .map_err(|e| Error::io("resolving the address", e))?
+                .next()
+                .ok_or_else(|| Error::InvalidArgument("address resolves to nothing".into()))?;
+            let (qp, num, data) = crate::verbs::connect(ctx, addr, opts, private_data, timeout)?;
+            Ok((QueuePair::new(QpImpl::Verbs(qp), num, opts.clone()), data))
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! Completion queues: where finished work requests come back, with their buffers.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::device::DeviceImpl;
+use crate::qp::QpShared;
+use crate::{Device, Error, MemoryRegion, Result, WcOpcode, WcStatus};
+
+/// One finished work request (`struct ibv_wc`), plus the buffer it held.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Completion {
+    /// The `wr_id` given when the request was posted.
+    pub wr_id: u64,
+    /// Success or the reason of failure.
+    pub status: WcStatus,
+    /// What completed (for errors, what was posted).
+    pub opcode: WcOpcode,
+    /// Bytes received (receives) or read (RDMA Read); 8 for atomics.
+    pub byte_len: u32,
+    /// Immediate data of a Send-with-imm or Write-with-imm.
+    pub imm: Option<u32>,
+    /// The queue pair number.
+    pub qp_num: u32,
+    /// Provider-specific error detail (0 when none).
+    pub vendor_err: u32,
+    /// The buffer the request named, handed back: the request can no longer touch it.
+    pub buf: Option<MemoryRegion>,
+}
+
+impl Completion {
+    /// `Ok(self)` on success, else an error naming the status.
+    ///
+    /// # Errors
+    /// [`CompletionError`] with the status, wr_id and the buffer (so it is not lost).
+    pub fn ok(self) -> Result<Self, CompletionError> {
+        if self.status.is_success() {
+            Ok(self)
+        } else {
+            Err(CompletionError { completion: self })
+        }
+    }
+}
+
+/// A completion that did not succeed.
+#[derive(Debug, thiserror::Error)]
+#[error("work request {} on QP {} failed: {}{}", .completion.wr_id, .completion.qp_num, .completion.status,
+    .completion.status.hint().map(|h| format!(" ({h})")).unwrap_or_default())]
+pub struct CompletionError {
+    /// The failed completion, with its buffer.
+    pub completion: Completion,
+}
+
+/// What a provider reports before the buffer is attached.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawWc {
+    pub(crate) qp_num: u32,
+    /// The per-QP sequence number the common layer used as the provider's wr_id.
+    pub(crate) seq: u64,
+    pub(crate) recv: bool,
+    pub(crate) status: WcStatus,
+    pub(crate) opcode: WcOpcode,
+    pub(crate) byte_len: u32,
+    pub(crate) imm: Option<u32>,
+    pub(crate) vendor_err: u32,
+}
+
+/// A completion queue, shareable by many queue pairs. Cheap to clone.
+///
+/// Poll it ([`CompletionQueue::poll`]) or wait on it under tokio ([`CompletionQueue::wait`]).
+#[derive(Clone)]
+pub struct CompletionQueue {
+    pub(crate) inner: Arc<CqShared>,
+}
+
+pub(crate) struct CqShared {
+    pub(crate) device: Device,
+    pub(crate) depth: u32,
+    pub(crate) qps: Mutex<HashMap<u32, Arc<QpShared>>>,
+    scratch: Mutex<Vec<RawWc>>,
+    pub(crate) imp: CqImpl,
+}
+
+pub(crate) enum CqImpl {
+    Tcp(Arc<crate::tcp::Cq>),
+    #[cfg(feature = "verbs")]
+    Verbs(crate::verbs::Cq),
+}
+
+impl CompletionQueue {
+    pub(crate) fn new(device: &Device, depth: u32) -> Result<Self> {
+        if depth == 0 || depth > device.caps().max_cqe {
+            return Err(Error::InvalidArgument(format!(
+                "CQ depth {depth} must be within 1..={}",
+                device.caps().max_cqe
+            )));
+        }
+        let imp = match &device.inner.imp {
+            DeviceImpl::Tcp => CqImpl::Tcp(Arc::new(crate::tcp::Cq::new(depth))),
+            #[cfg(feature = "verbs")]
+            DeviceImpl::Verbs(ctx) => CqImpl::Verbs(crate::verbs::Cq::new(ctx, depth)?),
+        };
+        Ok(Self {
+            inner: Arc::new(CqShared {
+                device: device.clone(),
+                depth,
+                qps: Mutex::new(HashMap::new()),
+                scratch: Mutex::new(Vec::with_capacity(64)),
+                imp,
+            }),
+        })
+    }
+
+    /// Capacity in completions.
+    pub fn depth(&self) -> u32 {
+        self.inner.depth
+    }
+
+    /// Moves up to `max` finished completions into `out` without blocking; returns how many.
+    ///
+    /// # Errors
+    /// A verbs error from `ibv_poll_cq` (the CQ overran, or the device died).
+    pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        let mut scratch = self.inner.scratch.lock();
+        scratch.clear();
+        let n = match &self.inner.imp {
+            CqImpl::Tcp(cq) => cq.poll(&mut scratch, max),
+            #[cfg(feature = "verbs")]
+            CqImpl::Verbs(cq) => cq.poll(&mut scratch, max)?,
+        };
+        if n == 0 {
+            return Ok(0);
+        }
+        let qps = self.inner.qps.lock();
+        for raw in scratch.drain(..) {
+            out.push(match qps.get(&raw.qp_num) {
+                Some(qp) => qp.complete(raw),
+                // The QP was destroyed; its buffers were released when it was.
+                None => QpShared::orphan(raw),
+            });
+        }
+        Ok(n)
+    }
+
+    /// Waits until at least one completion is there, then moves up to `max` into `out`.
+    ///
+    /// Arms the CQ only when it is empty, and polls again after arming, so no completion is
+    /// missed (drain → arm → drain). One task at a time should wait on a CQ.
+    ///
+    /// # Errors
+    /// [`Error::NoRuntime`] outside tokio (verbs); provider errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: completions are only taken from the queue in the `poll` that returns them.
+    pub async fn wait(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        loop {
+            let n = self.poll(out, max)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            match &self.inner.imp {
+                CqImpl::Tcp(cq) => {
+                    let notified = cq.notified();
+                    tokio::pin!(notified);
+                    notified.as_mut().enable();
+                    cq.arm();
+                    let n = self.poll(out, max)?;
+                    if n > 0 {
+                        return Ok(n);
+                    }
+                    notified.await;
+                }
+                #[cfg(feature = "verbs")]
+                CqImpl::Verbs(cq) => {
+                    cq.arm()?;
+                    let n = self.poll(out, max)?;
+                    if n > 0 {
+                        return Ok(n);
+                    }
+                    cq.wait_event().await?;
+                }
+            }
+        }
+    }
+
+    pub(crate) fn attach(&self, qp: &Arc<QpShared>) {
+        self.inner.qps.lock().insert(qp.qp_num, qp.clone());
+    }
+
+    pub(crate) fn detach(&self, qp_num: u32) {
+        self.inner.qps.lock().remove(&qp_num);
+    }
+}
+
+impl std::fmt::Debug for CompletionQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompletionQueue").field("depth", &self.inner.depth).finish()
+    }
+}

@@ -1,0 +1,199 @@
+//! Opening a device by provider spec, and what it can do.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use crate::{Error, Result};
+
+/// The environment variable that names the default provider.
+pub const PROVIDER_ENV: &str = "RDMA_RPC_PROVIDER";
+
+/// Which provider implements the verbs: parsed from `tcp`, `verbs` or `verbs:<device>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ProviderSpec {
+    /// Software reliable connections over TCP: any two hosts, no RDMA card.
+    Tcp,
+    /// Real ibverbs + rdma_cm; `None` picks the first device.
+    Verbs(Option<String>),
+}
+
+impl FromStr for ProviderSpec {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim() {
+            "tcp" => Ok(ProviderSpec::Tcp),
+            "verbs" => Ok(ProviderSpec::Verbs(None)),
+            other => match other.strip_prefix("verbs:") {
+                Some(dev) if !dev.is_empty() => Ok(ProviderSpec::Verbs(Some(dev.to_owned()))),
+                _ => Err(Error::UnknownProvider(other.to_owned())),
+            },
+        }
+    }
+}
+
+impl fmt::Display for ProviderSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ProviderSpec::Tcp => f.write_str("tcp"),
+            ProviderSpec::Verbs(None) => f.write_str("verbs"),
+            ProviderSpec::Verbs(Some(d)) => write!(f, "verbs:{d}"),
+        }
+    }
+}
+
+impl ProviderSpec {
+    /// The spec in `RDMA_RPC_PROVIDER`, or `tcp` when it is unset or empty.
+    ///
+    /// # Errors
+    /// [`Error::UnknownProvider`] when the variable holds something else.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var(PROVIDER_ENV) {
+            Ok(s) if !s.trim().is_empty() => s.parse(),
+            _ => Ok(ProviderSpec::Tcp),
+        }
+    }
+}
+
+/// Limits and capabilities read from the device when it is opened, and honoured by posts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceCaps {
+    /// Largest inline send a QP may ask for.
+    pub max_inline_data: u32,
+    /// Largest message (Send, Write or Read) in bytes.
+    pub max_msg_size: u64,
+    /// Whether CAS and FAA are available.
+    pub atomics: bool,
+    /// Deepest send or receive queue.
+    pub max_qp_wr: u32,
+    /// Deepest completion queue.
+    pub max_cqe: u32,
+    /// Largest memory region.
+    pub max_mr_size: u64,
+}
+
+/// An opened RDMA device of some provider. Cheap to clone.
+///
+/// # Examples
+/// ```
+/// let dev = rdma_rpc_transport::Device::open("tcp")?;
+/// assert_eq!(dev.provider(), "tcp");
+/// assert!(dev.caps().atomics);
+/// # Ok::<(), rdma_rpc_transport::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Device {
+    pub(crate) inner: Arc<DeviceShared>,
+}
+
+pub(crate) struct DeviceShared {
+    pub(crate) spec: ProviderSpec,
+    pub(crate) name: String,
+    pub(crate) caps: DeviceCaps,
+    pub(crate) imp: DeviceImpl,
+}
+
+pub(crate) enum DeviceImpl {
+    Tcp,
+    #[cfg(feature = "verbs")]
+    Verbs(crate::verbs::Context),
+}
+
+impl Device {
+    /// Opens a device by provider spec: `tcp`, `verbs` or `verbs:<device>`.
+    ///
+    /// # Errors
+    /// [`Error::UnknownProvider`] for a bad spec, [`Error::NoDevice`] when verbs finds no device,
+    /// [`Error::ProviderNotBuilt`] when the `verbs` feature is off.
+    pub fn open(spec: &str) -> Result<Device> {
+        Self::open_spec(&spec.parse()?)
+    }
+
+    /// Opens the device named by `RDMA_RPC_PROVIDER` (default `tcp`).
+    ///
+    /// # Errors
+    /// As [`Device::open`].
+    pub fn open_default() -> Result<Device> {
+        Self::open_spec(&ProviderSpec::from_env()?)
+    }
+
+    /// Opens a device from a parsed spec.
+    ///
+    /// # Errors
+    /// As [`Device::open`].
+    pub fn open_spec(spec: &ProviderSpec) -> Result<Device> {
+        let shared = match spec {
+            ProviderSpec::Tcp => DeviceShared {
+                spec: spec.clone(),
+                name: "tcp".to_owned(),
+                caps: crate::tcp::caps(),
+                imp: DeviceImpl::Tcp,
+            },
+            #[cfg(feature = "verbs")]
+            ProviderSpec::Verbs(name) => {
+                let ctx = crate::verbs::Context::open(name.as_deref())?;
+                DeviceShared {
+                    spec: spec.clone(),
+                    name: ctx.name().to_owned(),
+                    caps: ctx.caps().clone(),
+                    imp: DeviceImpl::Verbs(ctx),
+                }
+            }
+            #[cfg(not(feature = "verbs"))]
+            ProviderSpec::Verbs(_) => return Err(Error::ProviderNotBuilt("verbs")),
+        };
+        Ok(Device {
+            inner: Arc::new(shared),
+        })
+    }
+
+    /// The provider's name: `tcp` or `verbs`.
+    pub fn provider(&self) -> &'static str {
+        match self.inner.spec {
+            ProviderSpec::Tcp => "tcp",
+            ProviderSpec::Verbs(_) => "verbs",
+        }
+    }
+
+    /// The spec this device was opened with.
+    pub fn spec(&self) -> &ProviderSpec {
+        &self.inner.spec
+    }
+
+    /// The device name (`tcp`, or the verbs device such as `rxe0` or `mlx5_0`).
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Capabilities read at open.
+    pub fn caps(&self) -> &DeviceCaps {
+        &self.inner.caps
+    }
+
+    /// Allocates a protection domain.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] when `ibv_alloc_pd` fails.
+    pub fn alloc_pd(&self) -> Result<crate::ProtectionDomain> {
+        crate::ProtectionDomain::new(self)
+    }
+
+    /// Creates a completion queue with room for `depth` completions.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `depth` exceeds [`DeviceCaps::max_cqe`]; verbs errors.
+    pub fn create_cq(&self, depth: u32) -> Result<crate::CompletionQueue> {
+        crate::CompletionQueue::new(self, depth)
+    }
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Device")
+            .field("spec", &self.inner.spec)
+            .field("name", &self.inner.name)
+            .field("caps", &self.inner.caps)
+            .finish()
+    }
+}

@@ -1,0 +1,103 @@
+//! The transport layer's one error type.
+
+use std::io;
+
+/// Everything that can go wrong in the transport layer, outside completions.
+///
+/// Failures of posted work requests are not errors of this type: they arrive as completions
+/// with a [`WcStatus`](crate::WcStatus), exactly as on a NIC.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The provider spec is not one of `tcp`, `verbs` or `verbs:<device>`.
+    #[error("unknown provider {0:?}: use `tcp`, `verbs` or `verbs:<device>` (e.g. in RDMA_RPC_PROVIDER)")]
+    UnknownProvider(String),
+    /// The provider exists but was left out of this build.
+    #[error("provider {0} is not compiled in: enable the cargo feature `{0}`")]
+    ProviderNotBuilt(&'static str),
+    /// No RDMA device was found, or not the one that was named.
+    #[error("no RDMA device {wanted}: {detail}. Without an RDMA card use provider `tcp`, or soft-RoCE (`rdma link add rxe0 type rxe netdev <if>`)")]
+    NoDevice {
+        /// The device asked for ("any" when none was named).
+        wanted: String,
+        /// What the system said.
+        detail: String,
+    },
+    /// A verbs call failed.
+    #[error("{call} failed: {source}")]
+    Verbs {
+        /// The libibverbs / librdmacm function.
+        call: &'static str,
+        /// errno as an I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// A socket operation of a software provider or of connection setup failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: &'static str,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// The argument is outside what the device or the API allows.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// More work requests are outstanding than the queue was created for.
+    #[error("{queue} queue full ({depth} work requests outstanding): reap completions before posting more, or create the QP with a deeper queue")]
+    QueueFull {
+        /// "send" or "receive".
+        queue: &'static str,
+        /// The queue depth.
+        depth: u32,
+    },
+    /// Inline data longer than the QP's `max_inline_data`.
+    #[error("inline send of {len} bytes exceeds max_inline_data {max}: send it from a registered buffer without the inline flag")]
+    InlineTooLarge {
+        /// Requested length.
+        len: usize,
+        /// The QP's limit.
+        max: u32,
+    },
+    /// A message longer than the device's maximum message size.
+    #[error("message of {len} bytes exceeds the device's max_msg_size {max}")]
+    MessageTooLarge {
+        /// Requested length.
+        len: usize,
+        /// Device limit.
+        max: u64,
+    },
+    /// The device cannot do atomics.
+    #[error("device {0} has no atomic capability")]
+    AtomicsUnsupported(String),
+    /// Private data larger than connection management can carry.
+    #[error("private data of {len} bytes exceeds the limit of {max} bytes")]
+    PrivateDataTooLong {
+        /// Given length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The peer refused the connection.
+    #[error("connection rejected by the peer")]
+    Rejected,
+    /// The peer did not answer in time.
+    #[error("timed out while {0}")]
+    Timeout(&'static str),
+    /// The peer spoke something other than this protocol.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// Completion waiting needs a tokio runtime with IO enabled.
+    #[error("no tokio runtime with IO enabled: call from within a tokio runtime built with enable_io()")]
+    NoRuntime,
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub(crate) fn io(context: &'static str, source: io::Error) -> Self {
+        Error::Io { context, source }
+    }
+}

@@ -1,0 +1,296 @@
+//! Memory regions that own their buffers, and descriptors of remote ones.
+
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
+use parking_lot::{MappedMutexGuard, Mutex, MutexGuard};
+use serde::{Deserialize, Serialize};
+
+use crate::pd::{PdImpl, PdShared};
+use crate::pool::PoolHome;
+use crate::{AccessFlags, Error, ProtectionDomain, Result};
+
+/// A registered allocation. The memory is a boxed `[u64]` (8-byte aligned for atomics) that never
+/// moves while registered; it is freed only after deregistration, when the last
+/// [`MemoryRegion`] naming it — including those held by work requests in flight — is gone.
+pub(crate) struct Region {
+    // Field order is drop order: deregister (`imp`) before freeing (`mem`) before the PD goes.
+    pub(crate) imp: RegionImpl,
+    /// The bytes. Local users and the software providers' progress engines go through this lock;
+    /// a real NIC reaches the same memory by DMA, as it does in every verbs program.
+    pub(crate) mem: Mutex<Box<[u64]>>,
+    pub(crate) pd: Arc<PdShared>,
+    pub(crate) addr: u64,
+    pub(crate) len: usize,
+    pub(crate) lkey: u32,
+    pub(crate) rkey: u32,
+    pub(crate) access: AccessFlags,
+}
+
+pub(crate) enum RegionImpl {
+    Tcp,
+    #[cfg(feature = "verbs")]
+    Verbs(crate::verbs::Mr),
+}
+
+impl Region {
+    /// Locks the bytes `[off, off + len)` of the region.
+    pub(crate) fn lock_range(&self, off: usize, len: usize) -> MappedMutexGuard<'_, [u8]> {
+        MutexGuard::map(self.mem.lock(), |words| {
+            &mut bytemuck::cast_slice_mut::<u64, u8>(words)[off..off + len]
+        })
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        #[allow(irrefutable_let_patterns)]
+        if let PdImpl::Tcp(pd) = &self.pd.imp {
+            pd.deregister(self.rkey, self.lkey);
+        }
+    }
+}
+
+/// A registered buffer, owned: the unit that work requests take and completions give back.
+///
+/// A `MemoryRegion` names an exclusive byte range of one registration. Posting a work request
+/// moves it into the queue pair; its [`Completion`](crate::Completion) (or the flush of the QP)
+/// hands it back. So a buffer a NIC may still read or write can never be touched, freed or reused
+/// by the program: the type system, not a comment, enforces it.
+///
+/// Remote access is per registration, as on a NIC: a peer holding the rkey may reach any byte of
+/// the registration that the access flags allow, whichever `MemoryRegion` piece currently owns it.
+pub struct MemoryRegion {
+    pub(crate) region: Arc<Region>,
+    pub(crate) off: usize,
+    pub(crate) len: usize,
+    pub(crate) home: Option<PoolHome>,
+}
+
+impl MemoryRegion {
+    pub(crate) fn register(pd: &ProtectionDomain, len: usize, access: AccessFlags) -> Result<Self> {
+        let caps = pd.device().caps();
+        if len == 0 || len as u64 > caps.max_mr_size {
+            return Err(Error::InvalidArgument(format!(
+                "memory region length {len} must be within 1..={}",
+                caps.max_mr_size
+            )));
+        }
+        let needs_local_write = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
+        if access.bits() & needs_local_write.bits() != 0 && !access.contains(AccessFlags::LOCAL_WRITE) {
+            return Err(Error::InvalidArgument(
+                "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE too (as in ibv_reg_mr)".into(),
+            ));
+        }
+        let mut mem: Box<[u64]> = vec![0u64; len.div_ceil(8)].into_boxed_slice();
+        let addr = mem.as_mut_ptr() as u64;
+        let region = match &pd.inner.imp {
+            PdImpl::Tcp(tpd) => {
+                let (lkey, rkey) = tpd.fresh_keys();
+                let region = Arc::new(Region {
+                    pd: pd.inner.clone(),
+                    addr,
+                    len,
+                    lkey,
+                    rkey,
+                    access,
+                    mem: Mutex::new(mem),
+                    imp: RegionImpl::Tcp,
+                });
+                tpd.register(&region);
+                region
+            }
+            #[cfg(feature = "verbs")]
+            PdImpl::Verbs(vpd) => {
+                let mr = vpd.register(mem.as_mut_ptr().cast::<u8>(), len, access)?;
+                Arc::new(Region {
+                    pd: pd.inner.clone(),
+                    addr,
+                    len,
+                    lkey: mr.lkey(),
+                    rkey: mr.rkey(),
+                    access,
+                    mem: Mutex::new(mem),
+                    imp: RegionImpl::Verbs(mr),
+                })
+            }
+        };
+        Ok(MemoryRegion {
+            region,
+            off: 0,
+            len,
+            home: None,
+        })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the buffer has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Virtual address of the first byte, as the NIC and peers see it.
+    pub fn addr(&self) -> u64 {
+        self.region.addr + self.off as u64
+    }
+
+    /// The local key of the registration.
+    pub fn lkey(&self) -> u32 {
+        self.region.lkey
+    }
+
+    /// The remote key of the registration: a capability, give it only to peers that may use it.
+    pub fn rkey(&self) -> u32 {
+        self.region.rkey
+    }
+
+    /// The access flags of the registration.
+    pub fn access(&self) -> AccessFlags {
+        self.region.access
+    }
+
+    /// `{addr, len, rkey}` of this buffer, for a peer's one-sided operations.
+    pub fn remote(&self) -> RemoteRegion {
+        RemoteRegion {
+            addr: self.addr(),
+            len: self.len as u64,
+            rkey: self.region.rkey,
+        }
+    }
+
+    /// The bytes, for reading.
+    pub fn bytes(&self) -> BufRef<'_> {
+        BufRef(self.region.lock_range(self.off, self.len))
+    }
+
+    /// The bytes, for writing.
+    pub fn bytes_mut(&mut self) -> BufMut<'_> {
+        BufMut(self.region.lock_range(self.off, self.len))
+    }
+
+    /// Copies `src` to the start of the buffer.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `src` is longer than the buffer.
+    pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        let end = offset
+            .checked_add(src.len())
+            .filter(|&e| e <= self.len)
+            .ok_or_else(|| Error::InvalidArgument(format!("{} bytes at {offset} do not fit in {}", src.len(), self.len)))?;
+        self.bytes_mut()[offset..end].copy_from_slice(src);
+        Ok(())
+    }
+
+    /// Splits the buffer in two at `at`: `self` keeps `[0, at)`, the result owns `[at, len)`.
+    /// Both keep the registration (lkey, rkey) alive.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `at > len`, or for a buffer that belongs to a pool.
+    pub fn split_off(&mut self, at: usize) -> Result<MemoryRegion> {
+        if at > self.len {
+            return Err(Error::InvalidArgument(format!("split at {at} beyond length {}", self.len)));
+        }
+        if self.home.is_some() {
+            return Err(Error::InvalidArgument("a pooled buffer cannot be split".into()));
+        }
+        let tail = MemoryRegion {
+            region: self.region.clone(),
+            off: self.off + at,
+            len: self.len - at,
+            home: None,
+        };
+        self.len = at;
+        Ok(tail)
+    }
+
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        if let Some(home) = self.home.take() {
+            home.give_back(self.region.clone(), self.off);
+        }
+    }
+}
+
+impl std::fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len)
+            .field("lkey", &format_args!("{:#x}", self.lkey()))
+            .field("rkey", &format_args!("{:#x}", self.rkey()))
+            .field("access", &self.region.access)
+            .finish()
+    }
+}
+
+/// Read access to a [`MemoryRegion`]'s bytes.
+pub struct BufRef<'a>(MappedMutexGuard<'a, [u8]>);
+
+impl Deref for BufRef<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// Write access to a [`MemoryRegion`]'s bytes.
+pub struct BufMut<'a>(MappedMutexGuard<'a, [u8]>);
+
+impl Deref for BufMut<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl DerefMut for BufMut<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
+/// A peer's registered buffer: what a peer sends so that we can Read, Write or run atomics on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RemoteRegion {
+    /// Virtual address of the first byte.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The remote key.
+    pub rkey: u32,
+}
+
+impl RemoteRegion {
+    /// The address `offset` bytes in (no bounds check here: the target checks, as a NIC does).
+    pub fn at(&self, offset: u64) -> RemoteAddr {
+        RemoteAddr {
+            addr: self.addr.wrapping_add(offset),
+            rkey: self.rkey,
+        }
+    }
+
+    /// The sub-region `[offset, offset + len)`, or `None` when it does not fit.
+    pub fn slice(&self, offset: u64, len: u64) -> Option<RemoteRegion> {
+        let end = offset.checked_add(len)?;
+        (end <= self.len).then(|| RemoteRegion {
+            addr: self.addr + offset,
+            len,
+            rkey: self.rkey,
+        })
+    }
+}
+
+/// A remote address and the key to reach it: the target of a one-sided operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RemoteAddr {
+    /// Virtual address at the target.
+    pub addr: u64,
+    /// The target's remote key.
+    pub rkey: u32,
+}

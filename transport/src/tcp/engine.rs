@@ -1,0 +1,580 @@
+//! The progress engine of one software queue pair: requester, responder and completer.
+//!
+//! Lock order: the writer lock (`out`) before `state` before a region's memory. The reader thread
+//! never takes `out` and never blocks on the socket's send side (its responses go through the
+//! writer thread), so two engines can never wait on each other.
+
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
+
+use super::wire::{AtomicOp, Encoder, Frame, MAX_BODY};
+use super::Cq;
+use crate::cq::RawWc;
+use crate::mr::Region;
+use crate::pd::PdShared;
+use crate::qp::{RecvDesc, SendDesc, FLUSH};
+use crate::{AccessFlags, Error, SendOp, WcOpcode, WcStatus};
+
+/// How long a Send waits at the target for a receive before the initiator gets
+/// RNR_RETRY_EXC_ERR: seven retries of a 10 ms RNR timer.
+const RNR_BUDGET: Duration = Duration::from_millis(70);
+
+/// A piece of registered memory that a request in flight names.
+struct View {
+    region: Arc<Region>,
+    off: usize,
+    len: usize,
+}
+
+struct Pending {
+    seq: u64,
+    opcode: WcOpcode,
+    signaled: bool,
+    local: Option<View>,
+}
+
+struct PostedRecv {
+    seq: u64,
+    local: Option<View>,
+}
+
+#[derive(Default)]
+struct State {
+    error: bool,
+    /// After an RNR NAK, requests are discarded until the initiator's Fatal arrives.
+    discarding: bool,
+    outstanding: VecDeque<Pending>,
+    recvs: VecDeque<PostedRecv>,
+    /// Responder frames waiting for a receive; the head one is the RNR-stalled request.
+    stalled: VecDeque<Frame>,
+    stall_gen: u64,
+}
+
+enum Out {
+    Frame(Vec<u8>),
+    /// Send what is queued, then close the sending side.
+    Close,
+}
+
+struct Engine {
+    qp_num: u32,
+    pd: Arc<PdShared>,
+    send_cq: Arc<Cq>,
+    recv_cq: Arc<Cq>,
+    socket: TcpStream,
+    out: Mutex<TcpStream>,
+    resp: Mutex<Option<Sender<Out>>>,
+    state: Mutex<State>,
+    error: AtomicBool,
+    destroyed: AtomicBool,
+}
+
+/// A software RC queue pair over one TCP connection.
+pub(crate) struct Qp {
+    engine: Arc<Engine>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Qp {
+    pub(crate) fn start(
+        socket: TcpStream,
+        qp_num: u32,
+        pd: Arc<PdShared>,
+        send_cq: Arc<Cq>,
+        recv_cq: Arc<Cq>,
+    ) -> Result<Self, Error> {
+        let dup = |s: &TcpStream| s.try_clone().map_err(|e| Error::io("cloning the QP socket", e));
+        let (reader, writer) = (dup(&socket)?, dup(&socket)?);
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let engine = Arc::new(Engine {
+            qp_num,
+            pd,
+            send_cq,
+            recv_cq,
+            out: Mutex::new(writer),
+            socket,
+            resp: Mutex::new(Some(tx)),
+            state: Mutex::new(State::default()),
+            error: AtomicBool::new(false),
+            destroyed: AtomicBool::new(false),
+        });
+        let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(f)
+                .map_err(|e| Error::io("spawning a QP progress thread", e))
+        };
+        let (e1, e2) = (engine.clone(), engine.clone());
+        let threads = vec![
+            spawn(format!("rdma-tcp-rx-{qp_num:x}"), Box::new(move || e1.run_reader(reader)))?,
+            spawn(format!("rdma-tcp-tx-{qp_num:x}"), Box::new(move || e2.run_writer(rx)))?,
+        ];
+        Ok(Self { engine, threads })
+    }
+
+    pub(crate) fn is_error(&self) -> bool {
+        self.engine.error.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn post_send(&self, descs: &[SendDesc<'_>]) -> Result<(), (usize, Error)> {
+        let e = &self.engine;
+        let mut out = e.out.lock();
+        for d in descs {
+            let local = d.local.as_ref().map(|l| View {
+                region: l.region.clone(),
+                off: l.off,
+                len: l.len,
+            });
+            {
+                let mut st = e.state.lock();
+                let pending = Pending {
+                    seq: d.seq,
+                    opcode: d.op.wc_opcode(),
+                    signaled: d.signaled,
+                    local,
+                };
+                if st.error {
+                    e.push_send(&pending, FLUSH, 0);
+                    continue;
+                }
+                if let Some(v) = &pending.local {
+                    let wrong_pd = !Arc::ptr_eq(&v.region.pd, &e.pd);
+                    let no_write = d.op.writes_local() && !v.region.access.contains(AccessFlags::LOCAL_WRITE);
+                    if wrong_pd || no_write {
+                        e.error.store(true, Ordering::Release);
+                        e.push_send(&pending, WcStatus::LocProtErr, 0);
+                        e.enter_error(&mut st, None);
+                        continue;
+                    }
+                }
+                st.outstanding.push_back(pending);
+            }
+            let frame = request_frame(d);
+            if out.write_all(&frame).is_err() {
+                // The reader sees the broken connection too and fails what is outstanding.
+                let _ = e.socket.shutdown(Shutdown::Both);
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn post_recv(&self, descs: &[RecvDesc<'_>]) -> Result<(), (usize, Error)> {
+        let e = &self.engine;
+        let mut st = e.state.lock();
+        for d in descs {
+            let posted = PostedRecv {
+                seq: d.seq,
+                local: d.local.as_ref().map(|l| View {
+                    region: l.region.clone(),
+                    off: l.off,
+                    len: l.len,
+                }),
+            };
+            if st.error {
+                e.push_recv(posted.seq, FLUSH, WcOpcode::Recv, 0, None);
+            } else {
+                st.recvs.push_back(posted);
+            }
+        }
+        e.drain_stalled(&mut st);
+        Ok(())
+    }
+
+    /// Stops the engine and waits for its threads, so that nothing touches the QP's buffers
+    /// once this returns. No completions are generated for what was in flight.
+    pub(crate) fn destroy(&mut self) {
+        self.engine.destroyed.store(true, Ordering::Release);
+        let _ = self.engine.socket.shutdown(Shutdown::Both);
+        self.engine.resp.lock().take();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Builds the wire frame of a request, copying its payload out of registered memory once.
+fn request_frame(d: &SendDesc<'_>) -> Vec<u8> {
+    let with_data = |enc: Encoder| match &d.local {
+        Some(l) if d.len > 0 => enc.data(&l.region.lock_range(l.off, d.len)).finish(),
+        _ => enc.finish(),
+    };
+    match d.op {
+        SendOp::Send { imm } => with_data(Encoder::send(d.seq, imm, d.len)),
+        SendOp::Write { remote, imm } => with_data(Encoder::write(d.seq, remote.addr, remote.rkey, imm, d.len)),
+        SendOp::Read { remote } => Encoder::read_req(d.seq, remote.addr, remote.rkey, d.len as u32).finish(),
+        SendOp::CompareSwap { remote, compare, swap } => {
+            Encoder::atomic(d.seq, remote.addr, remote.rkey, AtomicOp::CompareSwap { compare, swap }).finish()
+        }
+        SendOp::FetchAdd { remote, add } => {
+            Encoder::atomic(d.seq, remote.addr, remote.rkey, AtomicOp::FetchAdd { add }).finish()
+        }
+    }
+}
+
+fn needs_recv(f: &Frame) -> bool {
+    matches!(f, Frame::Send { .. } | Frame::Write { imm: Some(_), .. })
+}
+
+impl Engine {
+    fn run_reader(self: Arc<Self>, mut sock: TcpStream) {
+        let mut len = [0u8; 4];
+        loop {
+            if sock.read_exact(&mut len).is_err() {
+                break;
+            }
+            let n = u32::from_le_bytes(len) as usize;
+            if n > MAX_BODY {
+                tracing::warn!(qp = self.qp_num, n, "frame longer than any message: closing");
+                break;
+            }
+            let mut body = vec![0u8; n];
+            if sock.read_exact(&mut body).is_err() {
+                break;
+            }
+            match Frame::decode(&body) {
+                Ok(f) => self.handle(f),
+                Err(err) => {
+                    tracing::warn!(qp = self.qp_num, %err, "malformed frame: closing");
+                    break;
+                }
+            }
+        }
+        // The peer is gone (or spoke garbage): the head request times out, the rest flush.
+        let mut st = self.state.lock();
+        self.enter_error(&mut st, Some(WcStatus::RetryExcErr));
+        drop(st);
+        let _ = self.socket.shutdown(Shutdown::Both);
+    }
+
+    fn run_writer(self: Arc<Self>, rx: Receiver<Out>) {
+        let mut batch = Vec::new();
+        while let Ok(first) = rx.recv() {
+            let mut close = false;
+            let mut next = Some(first);
+            while let Some(msg) = next.take() {
+                match msg {
+                    Out::Frame(f) => batch.extend_from_slice(&f),
+                    Out::Close => close = true,
+                }
+                if batch.len() < 1 << 16 && !close {
+                    next = rx.try_recv().ok();
+                }
+            }
+            if !batch.is_empty() {
+                let ok = self.out.lock().write_all(&batch).is_ok();
+                batch.clear();
+                if !ok {
+                    break;
+                }
+            }
+            if close {
+                let _ = self.socket.shutdown(Shutdown::Write);
+                break;
+            }
+        }
+    }
+
+    fn respond(&self, frame: Encoder) {
+        if let Some(tx) = self.resp.lock().as_ref() {
+            let _ = tx.send(Out::Frame(frame.finish()));
+        }
+    }
+
+    fn push_send(&self, p: &Pending, status: WcStatus, byte_len: u32) {
+        if self.destroyed.load(Ordering::Acquire) || (status.is_success() && !p.signaled) {
+            return;
+        }
+        self.send_cq.push(RawWc {
+            qp_num: self.qp_num,
+            seq: p.seq,
+            recv: false,
+            status,
+            opcode: p.opcode,
+            byte_len,
+            imm: None,
+            vendor_err: 0,
+        });
+    }
+
+    fn push_recv(&self, seq: u64, status: WcStatus, opcode: WcOpcode, byte_len: u32, imm: Option<u32>) {
+        if self.destroyed.load(Ordering::Acquire) {
+            return;
+        }
+        self.recv_cq.push(RawWc {
+            qp_num: self.qp_num,
+            seq,
+            recv: true,
+            status,
+            opcode,
+            byte_len,
+            imm,
+            vendor_err: 0,
+        });
+    }
+
+    /// Moves the QP to the error state: the head request gets `head` (if given), everything
+    /// else outstanding and every posted receive is flushed, and the peer is told.
+    fn enter_error(&self, st: &mut State, head: Option<WcStatus>) {
+        if st.error {
+            return;
+        }
+        st.error = true;
+        self.error.store(true, Ordering::Release);
+        let mut status = head.unwrap_or(FLUSH);
+        for p in st.outstanding.drain(..) {
+            self.push_send(&p, status, 0);
+            status = FLUSH;
+        }
+        for r in st.recvs.drain(..) {
+            self.push_recv(r.seq, FLUSH, WcOpcode::Recv, 0, None);
+        }
+        st.stalled.clear();
+        if let Some(tx) = self.resp.lock().as_ref() {
+            let _ = tx.send(Out::Frame(Encoder::fatal().finish()));
+            let _ = tx.send(Out::Close);
+        }
+    }
+
+    fn handle(self: &Arc<Self>, frame: Frame) {
+        let mut st = self.state.lock();
+        match frame {
+            Frame::Ack { ssn } => self.complete_head(&mut st, ssn, WcStatus::Success, |_| Ok(0)),
+            Frame::ReadResp { ssn, data } => self.complete_head(&mut st, ssn, WcStatus::Success, |p| {
+                match &p.local {
+                    Some(v) if v.len == data.len() => {
+                        v.region.lock_range(v.off, v.len).copy_from_slice(&data);
+                        Ok(data.len() as u32)
+                    }
+                    None if data.is_empty() => Ok(0),
+                    _ => Err(WcStatus::BadRespErr),
+                }
+            }),
+            Frame::AtomicResp { ssn, old } => self.complete_head(&mut st, ssn, WcStatus::Success, |p| match &p.local {
+                Some(v) if v.len >= 8 => {
+                    v.region.lock_range(v.off, 8).copy_from_slice(&old.to_ne_bytes());
+                    Ok(8)
+                }
+                _ => Err(WcStatus::BadRespErr),
+            }),
+            Frame::Nak { ssn, status } => self.complete_head(&mut st, ssn, status, |_| Ok(0)),
+            Frame::Fatal => self.enter_error(&mut st, None),
+            request => {
+                if st.error || st.discarding {
+                    return;
+                }
+                if !st.stalled.is_empty() {
+                    st.stalled.push_back(request);
+                } else if needs_recv(&request) && st.recvs.is_empty() {
+                    self.start_stall(&mut st, request);
+                } else {
+                    self.execute(&mut st, request);
+                }
+            }
+        }
+    }
+
+    /// Completes the oldest outstanding request, which must be `ssn` (RC is in order).
+    fn complete_head(
+        &self,
+        st: &mut State,
+        ssn: u64,
+        status: WcStatus,
+        land: impl FnOnce(&Pending) -> Result<u32, WcStatus>,
+    ) {
+        if st.error {
+            return;
+        }
+        let Some(p) = st.outstanding.pop_front() else {
+            tracing::warn!(qp = self.qp_num, ssn, "response with nothing outstanding");
+            self.enter_error(st, None);
+            return;
+        };
+        if p.seq != ssn {
+            st.outstanding.push_front(p);
+            self.enter_error(st, Some(WcStatus::BadRespErr));
+            return;
+        }
+        let result = if status.is_success() { land(&p) } else { Err(status) };
+        match result {
+            Ok(byte_len) => self.push_send(&p, WcStatus::Success, byte_len),
+            Err(status) => {
+                // The QP is in error before anyone can see the failed completion.
+                self.error.store(true, Ordering::Release);
+                self.push_send(&p, status, 0);
+                self.enter_error(st, None);
+            }
+        }
+    }
+
+    fn start_stall(self: &Arc<Self>, st: &mut State, frame: Frame) {
+        st.stalled.push_front(frame);
+        st.stall_gen += 1;
+        let gen = st.stall_gen;
+        let weak: Weak<Engine> = Arc::downgrade(self);
+        let timer = std::thread::Builder::new().name("rdma-tcp-rnr".into()).spawn(move || {
+            std::thread::sleep(RNR_BUDGET);
+            if let Some(e) = weak.upgrade() {
+                e.rnr_expired(gen);
+            }
+        });
+        if timer.is_err() {
+            // Without a timer the request can only wait; fail it now rather than hang.
+            self.rnr_expired(gen);
+        }
+    }
+
+    fn rnr_expired(&self, gen: u64) {
+        let mut st = self.state.lock();
+        if st.stall_gen != gen || st.error {
+            return;
+        }
+        if let Some(head) = st.stalled.pop_front() {
+            if let Frame::Send { ssn, .. } | Frame::Write { ssn, .. } = head {
+                self.respond(Encoder::nak(ssn, WcStatus::RnrRetryExcErr));
+            }
+            st.stalled.clear();
+            st.discarding = true;
+        }
+    }
+
+    /// Runs stalled requests now that receives may be there.
+    fn drain_stalled(self: &Arc<Self>, st: &mut State) {
+        if st.stalled.is_empty() || st.recvs.is_empty() {
+            return;
+        }
+        st.stall_gen += 1; // the head moves on: its timer is void
+        while let Some(frame) = st.stalled.pop_front() {
+            if needs_recv(&frame) && st.recvs.is_empty() {
+                self.start_stall(st, frame);
+                return;
+            }
+            self.execute(st, frame);
+            if st.error {
+                return;
+            }
+        }
+    }
+
+    /// The target's checks, as a NIC makes them: a registration with this rkey in this QP's PD,
+    /// the access flag, and the range inside the registration.
+    fn check_remote(&self, addr: u64, rkey: u32, len: usize, need: AccessFlags) -> Result<Arc<Region>, WcStatus> {
+        #[allow(irrefutable_let_patterns)]
+        let crate::pd::PdImpl::Tcp(pd) = &self.pd.imp else {
+            return Err(WcStatus::GeneralErr);
+        };
+        let region = pd.lookup(rkey).ok_or(WcStatus::RemAccessErr)?;
+        if !region.access.contains(need) {
+            return Err(WcStatus::RemAccessErr);
+        }
+        let end = addr.checked_add(len as u64).ok_or(WcStatus::RemAccessErr)?;
+        if addr < region.addr || end > region.addr + region.len as u64 {
+            return Err(WcStatus::RemAccessErr);
+        }
+        Ok(region)
+    }
+
+    /// The responder: executes one request whose receive (if it needs one) is available.
+    fn execute(self: &Arc<Self>, st: &mut State, frame: Frame) {
+        let fail = |st: &mut State, ssn: u64, status: WcStatus| {
+            self.respond(Encoder::nak(ssn, status));
+            self.enter_error(st, None);
+        };
+        match frame {
+            Frame::Send { ssn, imm, data } => {
+                let Some(r) = st.recvs.pop_front() else { return };
+                match deliver(&r, &data, &self.pd) {
+                    Ok(()) => {
+                        self.push_recv(r.seq, WcStatus::Success, WcOpcode::Recv, data.len() as u32, imm);
+                        self.respond(Encoder::ack(ssn));
+                    }
+                    Err(status) => {
+                        self.push_recv(r.seq, status, WcOpcode::Recv, 0, None);
+                        let remote = if status == WcStatus::LocLenErr { WcStatus::RemInvReqErr } else { WcStatus::RemOpErr };
+                        fail(st, ssn, remote);
+                    }
+                }
+            }
+            Frame::Write { ssn, addr, rkey, imm, data } => {
+                if !data.is_empty() {
+                    match self.check_remote(addr, rkey, data.len(), AccessFlags::REMOTE_WRITE) {
+                        Ok(region) => {
+                            let off = (addr - region.addr) as usize;
+                            region.lock_range(off, data.len()).copy_from_slice(&data);
+                        }
+                        Err(status) => return fail(st, ssn, status),
+                    }
+                }
+                if let Some(imm) = imm {
+                    let Some(r) = st.recvs.pop_front() else { return };
+                    self.push_recv(r.seq, WcStatus::Success, WcOpcode::RecvRdmaWithImm, data.len() as u32, Some(imm));
+                }
+                self.respond(Encoder::ack(ssn));
+            }
+            Frame::ReadReq { ssn, addr, rkey, len } => {
+                let len = len as usize;
+                if len == 0 {
+                    return self.respond(Encoder::read_resp(ssn, 0));
+                }
+                match self.check_remote(addr, rkey, len, AccessFlags::REMOTE_READ) {
+                    Ok(region) => {
+                        let off = (addr - region.addr) as usize;
+                        let bytes = region.lock_range(off, len);
+                        self.respond(Encoder::read_resp(ssn, len).data(&bytes));
+                    }
+                    Err(status) => fail(st, ssn, status),
+                }
+            }
+            Frame::Atomic { ssn, addr, rkey, op } => {
+                if addr % 8 != 0 {
+                    return fail(st, ssn, WcStatus::RemInvReqErr);
+                }
+                match self.check_remote(addr, rkey, 8, AccessFlags::REMOTE_ATOMIC) {
+                    Ok(region) => {
+                        let off = (addr - region.addr) as usize;
+                        let old = {
+                            let mut word = region.lock_range(off, 8);
+                            let mut cur = [0u8; 8];
+                            cur.copy_from_slice(&word);
+                            let old = u64::from_ne_bytes(cur);
+                            let new = match op {
+                                AtomicOp::CompareSwap { compare, swap } => if old == compare { swap } else { old },
+                                AtomicOp::FetchAdd { add } => old.wrapping_add(add),
+                            };
+                            word.copy_from_slice(&new.to_ne_bytes());
+                            old
+                        };
+                        self.respond(Encoder::atomic_resp(ssn, old));
+                    }
+                    Err(status) => fail(st, ssn, status),
+                }
+            }
+            Frame::Ack { .. } | Frame::Nak { .. } | Frame::ReadResp { .. } | Frame::AtomicResp { .. } | Frame::Fatal => {}
+        }
+    }
+}
+
+/// Copies a Send's payload into a posted receive, with the NIC's local checks.
+fn deliver(r: &PostedRecv, data: &[u8], pd: &Arc<PdShared>) -> Result<(), WcStatus> {
+    match &r.local {
+        None if data.is_empty() => Ok(()),
+        None => Err(WcStatus::LocLenErr),
+        Some(v) => {
+            if !Arc::ptr_eq(&v.region.pd, pd) || !v.region.access.contains(AccessFlags::LOCAL_WRITE) {
+                return Err(WcStatus::LocProtErr);
+            }
+            if data.len() > v.len {
+                return Err(WcStatus::LocLenErr);
+            }
+            v.region.lock_range(v.off, data.len()).copy_from_slice(data);
+            Ok(())
+        }
+    }
+}

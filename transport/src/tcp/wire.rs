@@ -1,0 +1,263 @@
+//! The tcp provider's frames: a 4-byte little-endian length, then a kind byte and fields.
+//! Decoded once, at the edge, into [`Frame`]; malformed input is an error, never a panic.
+
+use crate::WcStatus;
+
+/// Longest frame body accepted: the largest message plus headers. A peer cannot make us
+/// allocate more than this from a length field.
+pub(crate) const MAX_BODY: usize = super::MAX_MSG as usize + 64;
+
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Frame {
+    Send { ssn: u64, imm: Option<u32>, data: Vec<u8> },
+    Write { ssn: u64, addr: u64, rkey: u32, imm: Option<u32>, data: Vec<u8> },
+    ReadReq { ssn: u64, addr: u64, rkey: u32, len: u32 },
+    Atomic { ssn: u64, addr: u64, rkey: u32, op: AtomicOp },
+    Ack { ssn: u64 },
+    Nak { ssn: u64, status: WcStatus },
+    ReadResp { ssn: u64, data: Vec<u8> },
+    AtomicResp { ssn: u64, old: u64 },
+    /// The sender's QP entered the error state.
+    Fatal,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AtomicOp {
+    CompareSwap { compare: u64, swap: u64 },
+    FetchAdd { add: u64 },
+}
+
+const SEND: u8 = 1;
+const WRITE: u8 = 2;
+const READ_REQ: u8 = 3;
+const ATOMIC: u8 = 4;
+const ACK: u8 = 10;
+const NAK: u8 = 11;
+const READ_RESP: u8 = 12;
+const ATOMIC_RESP: u8 = 13;
+const FATAL: u8 = 20;
+
+/// Encodes a frame whose payload, if any, is appended by `data` (copied straight from the
+/// registered buffer, once).
+pub(crate) struct Encoder {
+    buf: Vec<u8>,
+}
+
+impl Encoder {
+    fn new(kind: u8, cap: usize) -> Self {
+        let mut buf = Vec::with_capacity(cap + 32);
+        buf.extend_from_slice(&[0; 4]);
+        buf.push(kind);
+        Self { buf }
+    }
+    fn u8(mut self, v: u8) -> Self {
+        self.buf.push(v);
+        self
+    }
+    fn u32(mut self, v: u32) -> Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn u64(mut self, v: u64) -> Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn imm(self, imm: Option<u32>) -> Self {
+        match imm {
+            Some(v) => self.u8(1).u32(v),
+            None => self.u8(0).u32(0),
+        }
+    }
+    pub(crate) fn data(mut self, d: &[u8]) -> Self {
+        self.buf.extend_from_slice(d);
+        self
+    }
+    pub(crate) fn finish(mut self) -> Vec<u8> {
+        let body = (self.buf.len() - 4) as u32;
+        self.buf[..4].copy_from_slice(&body.to_le_bytes());
+        self.buf
+    }
+
+    pub(crate) fn send(ssn: u64, imm: Option<u32>, len: usize) -> Self {
+        Self::new(SEND, len).u64(ssn).imm(imm)
+    }
+    pub(crate) fn write(ssn: u64, addr: u64, rkey: u32, imm: Option<u32>, len: usize) -> Self {
+        Self::new(WRITE, len).u64(ssn).u64(addr).u32(rkey).imm(imm)
+    }
+    pub(crate) fn read_req(ssn: u64, addr: u64, rkey: u32, len: u32) -> Self {
+        Self::new(READ_REQ, 0).u64(ssn).u64(addr).u32(rkey).u32(len)
+    }
+    pub(crate) fn atomic(ssn: u64, addr: u64, rkey: u32, op: AtomicOp) -> Self {
+        let e = Self::new(ATOMIC, 0).u64(ssn).u64(addr).u32(rkey);
+        match op {
+            AtomicOp::CompareSwap { compare, swap } => e.u8(0).u64(compare).u64(swap),
+            AtomicOp::FetchAdd { add } => e.u8(1).u64(add).u64(0),
+        }
+    }
+    pub(crate) fn ack(ssn: u64) -> Self {
+        Self::new(ACK, 0).u64(ssn)
+    }
+    pub(crate) fn nak(ssn: u64, status: WcStatus) -> Self {
+        Self::new(NAK, 0).u64(ssn).u8(status as u8)
+    }
+    pub(crate) fn read_resp(ssn: u64, len: usize) -> Self {
+        Self::new(READ_RESP, len).u64(ssn)
+    }
+    pub(crate) fn atomic_resp(ssn: u64, old: u64) -> Self {
+        Self::new(ATOMIC_RESP, 0).u64(ssn).u64(old)
+    }
+    pub(crate) fn fatal() -> Self {
+        Self::new(FATAL, 0)
+    }
+}
+
+/// Why a frame could not be decoded.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum WireError {
+    #[error("frame truncated")]
+    Truncated,
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    #[error("trailing bytes in a fixed-size frame")]
+    Trailing,
+    #[error("bad field value")]
+    BadValue,
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn take<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
+        let (head, rest) = self.0.split_first_chunk::<N>().ok_or(WireError::Truncated)?;
+        self.0 = rest;
+        Ok(*head)
+    }
+    fn u8(&mut self) -> Result<u8, WireError> {
+        Ok(self.take::<1>()?[0])
+    }
+    fn u32(&mut self) -> Result<u32, WireError> {
+        Ok(u32::from_le_bytes(self.take()?))
+    }
+    fn u64(&mut self) -> Result<u64, WireError> {
+        Ok(u64::from_le_bytes(self.take()?))
+    }
+    fn imm(&mut self) -> Result<Option<u32>, WireError> {
+        let flag = self.u8()?;
+        let v = self.u32()?;
+        match flag {
+            0 => Ok(None),
+            1 => Ok(Some(v)),
+            _ => Err(WireError::BadValue),
+        }
+    }
+    fn end(self) -> Result<(), WireError> {
+        if self.0.is_empty() {
+            Ok(())
+        } else {
+            Err(WireError::Trailing)
+        }
+    }
+}
+
+impl Frame {
+    /// Decodes one frame body (without the length prefix).
+    pub(crate) fn decode(body: &[u8]) -> Result<Frame, WireError> {
+        let (&kind, rest) = body.split_first().ok_or(WireError::Truncated)?;
+        let mut r = Reader(rest);
+        let f = match kind {
+            SEND => {
+                let ssn = r.u64()?;
+                let imm = r.imm()?;
+                return Ok(Frame::Send { ssn, imm, data: r.0.to_vec() });
+            }
+            WRITE => {
+                let (ssn, addr, rkey) = (r.u64()?, r.u64()?, r.u32()?);
+                let imm = r.imm()?;
+                return Ok(Frame::Write { ssn, addr, rkey, imm, data: r.0.to_vec() });
+            }
+            READ_RESP => {
+                let ssn = r.u64()?;
+                return Ok(Frame::ReadResp { ssn, data: r.0.to_vec() });
+            }
+            READ_REQ => Frame::ReadReq {
+                ssn: r.u64()?,
+                addr: r.u64()?,
+                rkey: r.u32()?,
+                len: r.u32()?,
+            },
+            ATOMIC => {
+                let (ssn, addr, rkey, op, a, b) = (r.u64()?, r.u64()?, r.u32()?, r.u8()?, r.u64()?, r.u64()?);
+                let op = match op {
+                    0 => AtomicOp::CompareSwap { compare: a, swap: b },
+                    1 => AtomicOp::FetchAdd { add: a },
+                    _ => return Err(WireError::BadValue),
+                };
+                Frame::Atomic { ssn, addr, rkey, op }
+            }
+            ACK => Frame::Ack { ssn: r.u64()? },
+            NAK => {
+                let ssn = r.u64()?;
+                let raw = r.u8()?;
+                let status = WcStatus::from_raw(u32::from(raw));
+                if status.is_success() {
+                    return Err(WireError::BadValue);
+                }
+                Frame::Nak { ssn, status }
+            }
+            ATOMIC_RESP => Frame::AtomicResp {
+                ssn: r.u64()?,
+                old: r.u64()?,
+            },
+            FATAL => Frame::Fatal,
+            k => return Err(WireError::UnknownKind(k)),
+        };
+        r.end()?;
+        Ok(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip(bytes: Vec<u8>) -> Frame {
+        let len = u32::from_le_bytes(bytes[..4].try_into().unwrap()) as usize;
+        assert_eq!(len, bytes.len() - 4);
+        Frame::decode(&bytes[4..]).unwrap()
+    }
+
+    #[test]
+    fn frames_roundtrip() {
+        assert_eq!(
+            roundtrip(Encoder::write(3, 0x1000, 77, Some(9), 3).data(b"abc").finish()),
+            Frame::Write { ssn: 3, addr: 0x1000, rkey: 77, imm: Some(9), data: b"abc".to_vec() }
+        );
+        assert_eq!(
+            roundtrip(Encoder::atomic(1, 8, 2, AtomicOp::FetchAdd { add: 5 }).finish()),
+            Frame::Atomic { ssn: 1, addr: 8, rkey: 2, op: AtomicOp::FetchAdd { add: 5 } }
+        );
+        assert_eq!(
+            roundtrip(Encoder::nak(4, WcStatus::RemAccessErr).finish()),
+            Frame::Nak { ssn: 4, status: WcStatus::RemAccessErr }
+        );
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        let mut seed = 0x1234_5678_u64;
+        for len in 0..200 {
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    seed as u8
+                })
+                .collect();
+            let _ = Frame::decode(&bytes);
+        }
+        assert_eq!(Frame::decode(&[]), Err(WireError::Truncated));
+        assert_eq!(Frame::decode(&[99]), Err(WireError::UnknownKind(99)));
+        assert_eq!(Frame::decode(&[ACK, 1, 0, 0, 0, 0, 0, 0, 0, 5]), Err(WireError::Trailing));
+    }
+}
