@@ -15,6 +15,7 @@ use crate::{AccessFlags, Error, ProtectionDomain, Result};
 /// [`MemoryRegion`] naming it — including those held by work requests in flight — is gone.
 pub(crate) struct Region {
     // Field order is drop order: deregister (`imp`) before freeing (`mem`) before the PD goes.
+    #[allow(dead_code)] // held for its Drop
     pub(crate) imp: RegionImpl,
     /// The bytes. Local users and the software providers' progress engines go through this lock;
     /// a real NIC reaches the same memory by DMA, as it does in every verbs program.
@@ -27,6 +28,8 @@ pub(crate) struct Region {
     pub(crate) access: AccessFlags,
 }
 
+/// The provider's registration; kept only to be dropped (deregistered) at the right moment.
+#[allow(dead_code)]
 pub(crate) enum RegionImpl {
     Tcp,
     #[cfg(feature = "verbs")]

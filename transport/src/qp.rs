@@ -374,6 +374,14 @@ impl QueuePair {
             if !caps.atomics {
                 return Err(Error::AtomicsUnsupported(self.opts.pd.device().name().to_owned()));
             }
+            if let SendOp::CompareSwap { remote, .. } | SendOp::FetchAdd { remote, .. } = w.op {
+                if remote.addr % 8 != 0 {
+                    return Err(Error::InvalidArgument(format!(
+                        "atomic target {:#x} is not 8-byte aligned",
+                        remote.addr
+                    )));
+                }
+            }
             if w.buf.as_ref().map(MemoryRegion::len).unwrap_or(0) < 8 || w.len.is_some_and(|l| l != 8) {
                 return Err(Error::InvalidArgument("an atomic needs an 8-byte local buffer for the old value".into()));
             }

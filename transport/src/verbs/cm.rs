@@ -1,0 +1,443 @@
+//! rdma_cm connection management: address and route resolution, connect, listen, accept.
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::ptr::NonNull;
+use std::time::{Duration, Instant};
+
+use rdma_sys::*;
+
+use super::{check, last_os_error, Context, Qp};
+use crate::cq::CqImpl;
+use crate::pd::PdImpl;
+use crate::{Error, QpOptions, Result};
+
+/// rdma_set_option level and name (rdma_cma.h enums that bindgen does not export).
+const RDMA_OPTION_ID: i32 = 0;
+const RDMA_OPTION_ID_ACK_TIMEOUT: i32 = 3;
+/// Local ACK timeout exponent: 4.096 µs × 2^14 ≈ 67 ms per try; with 7 retries a dead peer
+/// becomes RETRY_EXC_ERR in about half a second.
+const ACK_TIMEOUT: u8 = 14;
+const RETRY_COUNT: u8 = 7;
+/// RNR retries: 6 (7 would mean "forever").
+const RNR_RETRY: u8 = 6;
+
+/// An event channel, destroyed on drop unless handed on.
+struct Channel(NonNull<rdma_event_channel>);
+
+impl Channel {
+    fn new() -> Result<Self> {
+        // SAFETY: no preconditions.
+        NonNull::new(unsafe { rdma_create_event_channel() })
+            .map(Channel)
+            .ok_or_else(|| last_os_error("rdma_create_event_channel"))
+    }
+    fn into_raw(self) -> NonNull<rdma_event_channel> {
+        let p = self.0;
+        std::mem::forget(self);
+        p
+    }
+}
+
+impl Drop for Channel {
+    fn drop(&mut self) {
+        // SAFETY: every id on this channel was destroyed first (Id is dropped before Channel).
+        unsafe { rdma_destroy_event_channel(self.0.as_ptr()) };
+    }
+}
+
+/// An rdma_cm id (and its QP, if one was created), destroyed on drop unless handed on.
+struct Id(NonNull<rdma_cm_id>);
+
+impl Id {
+    fn create(ch: &Channel) -> Result<Self> {
+        let mut id: *mut rdma_cm_id = std::ptr::null_mut();
+        // SAFETY: the channel is live; id is a valid out-pointer.
+        check("rdma_create_id", unsafe {
+            rdma_create_id(ch.0.as_ptr(), &mut id, std::ptr::null_mut(), rdma_port_space::RDMA_PS_TCP)
+        })?;
+        NonNull::new(id).map(Id).ok_or_else(|| last_os_error("rdma_create_id"))
+    }
+    fn raw(&self) -> *mut rdma_cm_id {
+        self.0.as_ptr()
+    }
+    fn into_raw(self) -> NonNull<rdma_cm_id> {
+        let p = self.0;
+        std::mem::forget(self);
+        p
+    }
+    fn check_device(&self, ctx: &Context) -> Result<()> {
+        // SAFETY: the id is live; verbs is set once the address is bound or resolved.
+        let verbs = unsafe { (*self.raw()).verbs };
+        if verbs != ctx.raw() {
+            return Err(Error::InvalidArgument(format!(
+                "that address is not on device {}: open the device whose netdev carries it (verbs:<device>)",
+                ctx.name()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Id {
+    fn drop(&mut self) {
+        // SAFETY: the id is live; its QP (if any) goes first; each is destroyed once.
+        unsafe {
+            if !(*self.raw()).qp.is_null() {
+                rdma_destroy_qp(self.raw());
+            }
+            rdma_destroy_id(self.raw());
+        }
+    }
+}
+
+/// What we keep of an rdma_cm event after acknowledging it.
+struct Event {
+    kind: u32,
+    status: i32,
+    id: *mut rdma_cm_id,
+    private_data: Vec<u8>,
+}
+
+fn next_event(ch: &Channel, deadline: Option<Instant>) -> Result<Event> {
+    // SAFETY: the channel is live.
+    let fd = unsafe { (*ch.0.as_ptr()).fd };
+    loop {
+        let ms = match deadline {
+            None => -1,
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(Error::Timeout("waiting for an rdma_cm event"));
+                }
+                left.as_millis().min(i32::MAX as u128) as i32
+            }
+        };
+        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: pfd is one valid pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::io("polling the rdma_cm channel", e));
+        }
+        if n == 0 {
+            continue;
+        }
+        let mut ev: *mut rdma_cm_event = std::ptr::null_mut();
+        // SAFETY: the channel is live and readable; ev is a valid out-pointer.
+        check("rdma_get_cm_event", unsafe { rdma_get_cm_event(ch.0.as_ptr(), &mut ev) })?;
+        // SAFETY: ev is valid until acknowledged; conn is the active member for connection
+        // events on RDMA_PS_TCP, and private_data points at private_data_len bytes (or is NULL).
+        let out = unsafe {
+            let e = &*ev;
+            let conn = e.param.conn;
+            let private_data = if conn.private_data.is_null() {
+                Vec::new()
+            } else {
+                std::slice::from_raw_parts(conn.private_data.cast::<u8>(), usize::from(conn.private_data_len)).to_vec()
+            };
+            Event { kind: e.event, status: e.status, id: e.id, private_data }
+        };
+        // SAFETY: acknowledged once; we copied what we need.
+        unsafe { rdma_ack_cm_event(ev) };
+        return Ok(out);
+    }
+}
+
+fn expect(ev: Event, want: u32, what: &'static str) -> Result<Event> {
+    use rdma_cm_event_type::*;
+    if ev.kind == want {
+        return Ok(ev);
+    }
+    Err(match ev.kind {
+        RDMA_CM_EVENT_REJECTED => Error::Rejected,
+        _ => Error::Verbs {
+            call: what,
+            source: io::Error::other(format!("rdma_cm event {} (status {})", ev.kind, ev.status)),
+        },
+    })
+}
+
+/// Private data travels as [len][bytes]: IB CM pads it to a fixed size.
+fn frame(data: &[u8]) -> Vec<u8> {
+    let mut v = vec![data.len() as u8];
+    v.extend_from_slice(data);
+    v
+}
+
+fn unframe(raw: &[u8]) -> Vec<u8> {
+    match raw.split_first() {
+        Some((&n, rest)) => rest[..usize::from(n).min(rest.len())].to_vec(),
+        None => Vec::new(),
+    }
+}
+
+fn conn_param(ctx: &Context, private: &[u8]) -> rdma_conn_param {
+    rdma_conn_param {
+        private_data: private.as_ptr().cast(),
+        private_data_len: private.len() as u8,
+        responder_resources: ctx.max_rd_atom,
+        initiator_depth: ctx.max_init_rd_atom,
+        flow_control: 1,
+        retry_count: RETRY_COUNT,
+        rnr_retry_count: RNR_RETRY,
+        srq: 0,
+        qp_num: 0,
+    }
+}
+
+fn create_qp(id: &Id, opts: &QpOptions) -> Result<()> {
+    let PdImpl::Verbs(pd) = &opts.pd.inner.imp else {
+        return Err(Error::InvalidArgument("a verbs QP needs a verbs PD".into()));
+    };
+    let cq = |c: &crate::CompletionQueue| match &c.inner.imp {
+        CqImpl::Verbs(c) => Ok(c.raw()),
+        _ => Err(Error::InvalidArgument("a verbs QP needs verbs CQs".into())),
+    };
+    // SAFETY: ibv_qp_init_attr is plain old data.
+    let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+    init.send_cq = cq(&opts.send_cq)?;
+    init.recv_cq = cq(&opts.recv_cq)?;
+    init.cap = ibv_qp_cap {
+        max_send_wr: opts.caps.max_send_wr,
+        max_recv_wr: opts.caps.max_recv_wr,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: opts.caps.max_inline_data,
+    };
+    init.qp_type = ibv_qp_type::IBV_QPT_RC;
+    init.sq_sig_all = 0;
+    // SAFETY: the id is live and bound to the PD's device (checked by the caller); PD and CQs are
+    // live and outlive the QP (QueuePair holds them).
+    check("rdma_create_qp", unsafe { rdma_create_qp(id.raw(), pd.raw(), &mut init) })
+}
+
+fn set_ack_timeout(id: &Id) {
+    let mut t = ACK_TIMEOUT;
+    // SAFETY: the id is live; the option takes one u8.
+    let rc = unsafe {
+        rdma_set_option(id.raw(), RDMA_OPTION_ID, RDMA_OPTION_ID_ACK_TIMEOUT, (&mut t as *mut u8).cast(), 1)
+    };
+    if rc != 0 {
+        tracing::debug!("rdma_set_option(ACK_TIMEOUT) not supported; keeping the default");
+    }
+}
+
+struct SockAddr {
+    storage: libc::sockaddr_storage,
+}
+
+impl SockAddr {
+    fn new(addr: SocketAddr) -> Self {
+        // SAFETY: sockaddr_storage is plain old data.
+        let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        match addr {
+            SocketAddr::V4(a) => {
+                let sin = libc::sockaddr_in {
+                    sin_family: libc::AF_INET as u16,
+                    sin_port: a.port().to_be(),
+                    sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
+                    sin_zero: [0; 8],
+                };
+                // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
+                unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin) };
+            }
+            SocketAddr::V6(a) => {
+                let sin6 = libc::sockaddr_in6 {
+                    sin6_family: libc::AF_INET6 as u16,
+                    sin6_port: a.port().to_be(),
+                    sin6_flowinfo: a.flowinfo(),
+                    sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
+                    sin6_scope_id: a.scope_id(),
+                };
+                // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in6.
+                unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin6) };
+            }
+        }
+        Self { storage }
+    }
+    fn as_ptr(&mut self) -> *mut libc::sockaddr {
+        (&mut self.storage as *mut libc::sockaddr_storage).cast()
+    }
+}
+
+/// Reads a socket address written by the kernel.
+///
+/// # Safety
+/// `sa` must point at a valid sockaddr_in or sockaddr_in6 (as its family says), or be NULL.
+unsafe fn socket_addr(sa: *const libc::sockaddr) -> Option<SocketAddr> {
+    if sa.is_null() {
+        return None;
+    }
+    // SAFETY: the caller promises a valid sockaddr of the family it names.
+    unsafe {
+        match i32::from((*sa).sa_family) {
+            libc::AF_INET => {
+                let sin = &*sa.cast::<libc::sockaddr_in>();
+                let ip = Ipv4Addr::from(sin.sin_addr.s_addr.to_ne_bytes());
+                Some(SocketAddr::new(IpAddr::V4(ip), u16::from_be(sin.sin_port)))
+            }
+            libc::AF_INET6 => {
+                let sin6 = &*sa.cast::<libc::sockaddr_in6>();
+                Some(SocketAddr::new(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)), u16::from_be(sin6.sin6_port)))
+            }
+            _ => None,
+        }
+    }
+}
+
+pub(crate) fn connect(
+    ctx: &Context,
+    addr: SocketAddr,
+    opts: &QpOptions,
+    private_data: &[u8],
+    timeout: Duration,
+) -> Result<(Qp, u32, Vec<u8>)> {
+    let deadline = Instant::now() + timeout;
+    let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+    let ch = Channel::new()?;
+    let id = Id::create(&ch)?;
+    let mut dst = SockAddr::new(addr);
+    // SAFETY: the id is live; a NULL source lets rdma_cm pick; dst is a valid sockaddr.
+    check("rdma_resolve_addr", unsafe { rdma_resolve_addr(id.raw(), std::ptr::null_mut(), dst.as_ptr(), ms) })?;
+    expect(next_event(&ch, Some(deadline))?, rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED, "rdma_resolve_addr")?;
+    id.check_device(ctx)?;
+    set_ack_timeout(&id);
+    // SAFETY: the id is live with a resolved address.
+    check("rdma_resolve_route", unsafe { rdma_resolve_route(id.raw(), ms) })?;
+    expect(next_event(&ch, Some(deadline))?, rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED, "rdma_resolve_route")?;
+    create_qp(&id, opts)?;
+    let framed = frame(private_data);
+    let mut param = conn_param(ctx, &framed);
+    // SAFETY: the id has a route and a QP; param and the private data it points at live across the call.
+    check("rdma_connect", unsafe { rdma_connect(id.raw(), &mut param) })?;
+    let ev = expect(next_event(&ch, Some(deadline))?, rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED, "rdma_connect")?;
+    let reply = unframe(&ev.private_data);
+    let (qp, num) = Qp::new(id.into_raw(), ch.into_raw(), &opts.send_cq, &opts.recv_cq)?;
+    Ok((qp, num, reply))
+}
+
+/// A listening rdma_cm id.
+pub(crate) struct Listener {
+    // Field order is drop order: the id before its channel.
+    id: Id,
+    ch: Channel,
+    ctx_name: String,
+    ctx: *mut ibv_context,
+}
+
+// SAFETY: rdma_cm ids and channels are usable from any thread; accept takes &self but
+// rdma_get_cm_event on one channel is serialised by the kernel.
+unsafe impl Send for Listener {}
+// SAFETY: as above.
+unsafe impl Sync for Listener {}
+
+impl Listener {
+    pub(crate) fn bind(ctx: &Context, addr: SocketAddr) -> Result<Self> {
+        let ch = Channel::new()?;
+        let id = Id::create(&ch)?;
+        let mut sa = SockAddr::new(addr);
+        // SAFETY: the id is live; sa is a valid sockaddr.
+        check("rdma_bind_addr", unsafe { rdma_bind_addr(id.raw(), sa.as_ptr()) })?;
+        if !addr.ip().is_unspecified() {
+            id.check_device(ctx)?;
+        }
+        // SAFETY: the id is bound.
+        check("rdma_listen", unsafe { rdma_listen(id.raw(), 128) })?;
+        Ok(Self { id, ch, ctx_name: ctx.name().to_owned(), ctx: ctx.raw() })
+    }
+
+    pub(crate) fn local_addr(&self) -> Result<SocketAddr> {
+        // SAFETY: the id is live and bound; route.addr.src_addr holds the bound address.
+        let sa = unsafe { rdma_get_local_addr(&*self.id.raw()) as *const libc::sockaddr };
+        // SAFETY: the kernel wrote a sockaddr of the id's family there.
+        unsafe { socket_addr(sa) }.ok_or_else(|| Error::Protocol("listener has no address".into()))
+    }
+
+    pub(crate) fn accept(&self, timeout: Option<Duration>) -> Result<Request> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            let ev = next_event(&self.ch, deadline)?;
+            if ev.kind != rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST {
+                tracing::debug!(kind = ev.kind, "ignoring a listener event");
+                continue;
+            }
+            let child = Id(NonNull::new(ev.id).ok_or_else(|| Error::Protocol("connect request without id".into()))?);
+            // SAFETY: the child id is live.
+            if unsafe { (*child.raw()).verbs } != self.ctx {
+                tracing::warn!(device = %self.ctx_name, "connect request on another device: rejecting");
+                // SAFETY: the child id is live and not yet accepted.
+                unsafe { rdma_reject(child.raw(), std::ptr::null(), 0) };
+                continue;
+            }
+            let ch = Channel::new()?;
+            // SAFETY: both are live; the child moves to its own channel for its later events.
+            check("rdma_migrate_id", unsafe { rdma_migrate_id(child.raw(), ch.0.as_ptr()) })?;
+            // SAFETY: the child id is live; its route holds the peer's address.
+            let peer = unsafe { socket_addr(rdma_get_peer_addr(&*child.raw()) as *const libc::sockaddr) };
+            return Ok(Request { id: Some(child), ch: Some(ch), private_data: unframe(&ev.private_data), peer });
+        }
+    }
+}
+
+/// An incoming connect request on its own event channel.
+pub(crate) struct Request {
+    id: Option<Id>,
+    ch: Option<Channel>,
+    private_data: Vec<u8>,
+    peer: Option<SocketAddr>,
+}
+
+// SAFETY: the id and channel are usable from any thread and owned by this value alone.
+unsafe impl Send for Request {}
+
+impl Request {
+    pub(crate) fn private_data(&self) -> &[u8] {
+        &self.private_data
+    }
+
+    pub(crate) fn peer(&self) -> Option<SocketAddr> {
+        self.peer
+    }
+
+    pub(crate) fn accept(mut self, opts: &QpOptions, private_data: &[u8]) -> Result<(Qp, u32)> {
+        let (Some(id), Some(ch)) = (self.id.take(), self.ch.take()) else {
+            return Err(Error::Protocol("request already answered".into()));
+        };
+        let PdImpl::Verbs(_) = &opts.pd.inner.imp else {
+            return Err(Error::InvalidArgument("a verbs QP needs a verbs PD".into()));
+        };
+        let crate::device::DeviceImpl::Verbs(ctx) = &opts.pd.device().inner.imp else {
+            return Err(Error::InvalidArgument("a verbs QP needs a verbs device".into()));
+        };
+        id.check_device(ctx)?;
+        create_qp(&id, opts)?;
+        let framed = frame(private_data);
+        let mut param = conn_param(ctx, &framed);
+        // SAFETY: the id has a QP; param and its private data live across the call.
+        check("rdma_accept", unsafe { rdma_accept(id.raw(), &mut param) })?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        expect(next_event(&ch, Some(deadline))?, rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED, "rdma_accept")?;
+        Qp::new(id.into_raw(), ch.into_raw(), &opts.send_cq, &opts.recv_cq)
+    }
+
+    pub(crate) fn reject(mut self) {
+        if let Some(id) = self.id.take() {
+            // SAFETY: the id is live and unanswered.
+            unsafe { rdma_reject(id.raw(), std::ptr::null(), 0) };
+        }
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            // SAFETY: an unanswered request is refused before its id is destroyed.
+            unsafe { rdma_reject(id.raw(), std::ptr::null(), 0) };
+        }
+        // Then `id` (already None or dropped above) goes before `ch`, by field order.
+    }
+}
