@@ -197,6 +197,8 @@ impl CompletionQueue {
 
 impl std::fmt::Debug for CompletionQueue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CompletionQueue").field("depth", &self.inner.depth).finish()
+        f.debug_struct("CompletionQueue")
+            .field("depth", &self.inner.depth)
+            .finish()
     }
 }

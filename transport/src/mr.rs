@@ -183,7 +183,9 @@ impl MemoryRegion {
         let end = offset
             .checked_add(src.len())
             .filter(|&e| e <= self.len)
-            .ok_or_else(|| Error::InvalidArgument(format!("{} bytes at {offset} do not fit in {}", src.len(), self.len)))?;
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("{} bytes at {offset} do not fit in {}", src.len(), self.len))
+            })?;
         self.bytes_mut()[offset..end].copy_from_slice(src);
         Ok(())
     }
@@ -195,7 +197,10 @@ impl MemoryRegion {
     /// [`Error::InvalidArgument`] when `at > len`, or for a buffer that belongs to a pool.
     pub fn split_off(&mut self, at: usize) -> Result<MemoryRegion> {
         if at > self.len {
-            return Err(Error::InvalidArgument(format!("split at {at} beyond length {}", self.len)));
+            return Err(Error::InvalidArgument(format!(
+                "split at {at} beyond length {}",
+                self.len
+            )));
         }
         if self.home.is_some() {
             return Err(Error::InvalidArgument("a pooled buffer cannot be split".into()));
@@ -209,7 +214,6 @@ impl MemoryRegion {
         self.len = at;
         Ok(tail)
     }
-
 }
 
 impl Drop for MemoryRegion {

@@ -70,7 +70,9 @@ impl QpOptions {
         let c = dev.caps();
         let same = |cq: &CompletionQueue| Arc::ptr_eq(&cq.inner.device.inner, &dev.inner);
         if !same(&self.send_cq) || !same(&self.recv_cq) {
-            return Err(Error::InvalidArgument("PD and CQs must belong to the same device".into()));
+            return Err(Error::InvalidArgument(
+                "PD and CQs must belong to the same device".into(),
+            ));
         }
         if self.caps.max_inline_data > c.max_inline_data {
             return Err(Error::InvalidArgument(format!(
@@ -78,9 +80,15 @@ impl QpOptions {
                 self.caps.max_inline_data, c.max_inline_data
             )));
         }
-        for (what, n) in [("max_send_wr", self.caps.max_send_wr), ("max_recv_wr", self.caps.max_recv_wr)] {
+        for (what, n) in [
+            ("max_send_wr", self.caps.max_send_wr),
+            ("max_recv_wr", self.caps.max_recv_wr),
+        ] {
             if n == 0 || n > c.max_qp_wr {
-                return Err(Error::InvalidArgument(format!("{what} {n} must be within 1..={}", c.max_qp_wr)));
+                return Err(Error::InvalidArgument(format!(
+                    "{what} {n} must be within 1..={}",
+                    c.max_qp_wr
+                )));
             }
         }
         Ok(())
@@ -101,6 +109,8 @@ pub(crate) struct SendDesc<'a> {
     pub(crate) local: Option<LocalDesc<'a>>,
     pub(crate) len: usize,
     pub(crate) signaled: bool,
+    /// The tcp provider copies every payload at post time, so only verbs reads this.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) inline: bool,
 }
 
@@ -362,13 +372,19 @@ impl QueuePair {
         let len = w.data_len();
         if let Some(b) = &w.buf {
             if len > b.len() {
-                return Err(Error::InvalidArgument(format!("length {len} beyond buffer of {}", b.len())));
+                return Err(Error::InvalidArgument(format!(
+                    "length {len} beyond buffer of {}",
+                    b.len()
+                )));
             }
         } else if len > 0 {
             return Err(Error::InvalidArgument(format!("length {len} with no buffer")));
         }
         if len as u64 > caps.max_msg_size {
-            return Err(Error::MessageTooLarge { len, max: caps.max_msg_size });
+            return Err(Error::MessageTooLarge {
+                len,
+                max: caps.max_msg_size,
+            });
         }
         if w.op.is_atomic() {
             if !caps.atomics {
@@ -383,7 +399,9 @@ impl QueuePair {
                 }
             }
             if w.buf.as_ref().map(MemoryRegion::len).unwrap_or(0) < 8 || w.len.is_some_and(|l| l != 8) {
-                return Err(Error::InvalidArgument("an atomic needs an 8-byte local buffer for the old value".into()));
+                return Err(Error::InvalidArgument(
+                    "an atomic needs an 8-byte local buffer for the old value".into(),
+                ));
             }
         }
         if w.inline {

@@ -116,11 +116,15 @@ impl Context {
         // SAFETY: ibv_device_attr is plain old data; all-zero is a valid value.
         let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
         // SAFETY: the context is live and attr is a valid out-pointer.
-        check("ibv_query_device", unsafe { ibv_query_device(self.ctx.as_ptr(), &mut attr) })?;
+        check("ibv_query_device", unsafe {
+            ibv_query_device(self.ctx.as_ptr(), &mut attr)
+        })?;
         // SAFETY: ibv_port_attr is plain old data.
         let mut port: ibv_port_attr = unsafe { std::mem::zeroed() };
         // SAFETY: port 1 exists on every device; port is a valid out-pointer.
-        check("ibv_query_port", unsafe { ___ibv_query_port(self.ctx.as_ptr(), 1, &mut port) })?;
+        check("ibv_query_port", unsafe {
+            ___ibv_query_port(self.ctx.as_ptr(), 1, &mut port)
+        })?;
         self.caps = DeviceCaps {
             max_inline_data: 0,
             max_msg_size: u64::from(port.max_msg_sz),
@@ -199,7 +203,9 @@ impl Pd {
     pub(crate) fn new(ctx: &Context) -> Result<Self> {
         // SAFETY: the context is live.
         let pd = unsafe { ibv_alloc_pd(ctx.raw()) };
-        NonNull::new(pd).map(|pd| Self { pd }).ok_or_else(|| last_os_error("ibv_alloc_pd"))
+        NonNull::new(pd)
+            .map(|pd| Self { pd })
+            .ok_or_else(|| last_os_error("ibv_alloc_pd"))
     }
 
     pub(crate) fn raw(&self) -> *mut ibv_pd {
@@ -214,7 +220,9 @@ impl Pd {
         // SAFETY: addr..addr+len is memory owned by the caller for longer than the registration
         // (see above); the PD is live.
         let mr = unsafe { ibv_reg_mr(self.raw(), addr.cast(), len, access.bits() as i32) };
-        NonNull::new(mr).map(|mr| Mr { mr }).ok_or_else(|| last_os_error("ibv_reg_mr"))
+        NonNull::new(mr)
+            .map(|mr| Mr { mr })
+            .ok_or_else(|| last_os_error("ibv_reg_mr"))
     }
 }
 

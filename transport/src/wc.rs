@@ -121,10 +121,12 @@ impl WcStatus {
     /// A hint for the operator, where the status has a usual cause.
     pub fn hint(self) -> Option<&'static str> {
         match self {
-            WcStatus::RetryExcErr => Some(
-                "the peer stopped answering: process dead, link down, or on RoCE a lossy fabric (check PFC/ECN)",
-            ),
-            WcStatus::RnrRetryExcErr => Some("the receiver had no receive posted: post receives before the peer sends (credits)"),
+            WcStatus::RetryExcErr => {
+                Some("the peer stopped answering: process dead, link down, or on RoCE a lossy fabric (check PFC/ECN)")
+            }
+            WcStatus::RnrRetryExcErr => {
+                Some("the receiver had no receive posted: post receives before the peer sends (credits)")
+            }
             WcStatus::RemAccessErr => Some("check rkey, address range and the region's REMOTE_* access flags"),
             _ => None,
         }

@@ -162,10 +162,7 @@ pub struct RecvWr {
 impl RecvWr {
     /// A receive into `buf` (registered with LOCAL_WRITE).
     pub fn new(wr_id: u64, buf: MemoryRegion) -> Self {
-        Self {
-            wr_id,
-            buf: Some(buf),
-        }
+        Self { wr_id, buf: Some(buf) }
     }
 
     /// A receive with no buffer: enough for zero-byte Sends and Write-with-immediate.

@@ -44,7 +44,10 @@ impl Side {
     }
     fn recv(&self, wr_id: u64, len: usize) {
         let buf = self.reg(len, AccessFlags::LOCAL_WRITE);
-        self.qp.post_recv(RecvWr::new(wr_id, buf)).map_err(|e| e.error).expect("post_recv");
+        self.qp
+            .post_recv(RecvWr::new(wr_id, buf))
+            .map_err(|e| e.error)
+            .expect("post_recv");
     }
     async fn take(&self, n: usize) -> Vec<Completion> {
         take(&self.cq, n).await
@@ -93,8 +96,16 @@ fn pair_with(caps: QpCaps) -> (Side, Side) {
     assert_eq!(data, b"server");
     let sqp = server.join().expect("server thread");
     (
-        Side { pd: cpd, cq: ccq, qp: cqp },
-        Side { pd: spd, cq: scq, qp: sqp },
+        Side {
+            pd: cpd,
+            cq: ccq,
+            qp: cqp,
+        },
+        Side {
+            pd: spd,
+            cq: scq,
+            qp: sqp,
+        },
     )
 }
 
@@ -115,7 +126,12 @@ async fn provider_is_the_one_asked_for() {
     let dev = device();
     let want = ProviderSpec::from_env().expect("spec");
     assert_eq!(dev.spec(), &want);
-    println!("provider {} device {} caps {:?}", dev.provider(), dev.name(), dev.caps());
+    println!(
+        "provider {} device {} caps {:?}",
+        dev.provider(),
+        dev.name(),
+        dev.caps()
+    );
 }
 
 #[tokio::test]
@@ -129,7 +145,10 @@ async fn send_recv_delivers_bytes() {
     assert!(sc.buf.is_some(), "the send buffer comes back with its completion");
     let rc = s.one().await;
     ok(&rc);
-    assert_eq!((rc.wr_id, rc.opcode, rc.byte_len, rc.imm), (7, WcOpcode::Recv, 14, None));
+    assert_eq!(
+        (rc.wr_id, rc.opcode, rc.byte_len, rc.imm),
+        (7, WcOpcode::Recv, 14, None)
+    );
     assert_eq!(&rc.buf.expect("recv buffer").bytes()[..14], b"ping over rdma");
 }
 
@@ -137,7 +156,9 @@ async fn send_recv_delivers_bytes() {
 async fn send_with_immediate_and_zero_bytes() {
     let (c, s) = pair();
     s.recv(1, 16);
-    s.qp.post_recv(RecvWr::empty(2)).map_err(|e| e.error).expect("empty recv");
+    s.qp.post_recv(RecvWr::empty(2))
+        .map_err(|e| e.error)
+        .expect("empty recv");
     c.post(SendWr::new(10, SendOp::Send { imm: Some(0xdead_beef) }).buf(c.filled(b"abc", AccessFlags::NONE)));
     c.post(SendWr::new(11, SendOp::Send { imm: Some(7) }));
     let r = s.take(2).await;
@@ -152,7 +173,13 @@ async fn rdma_write_lands_silently() {
     let (c, s) = pair();
     let target = s.reg(4096, RW);
     let data: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
-    let wr = SendWr::new(3, SendOp::Write { remote: target.remote().at(100), imm: None });
+    let wr = SendWr::new(
+        3,
+        SendOp::Write {
+            remote: target.remote().at(100),
+            imm: None,
+        },
+    );
     c.post(wr.buf(c.filled(&data, AccessFlags::NONE)));
     let wc = c.one().await;
     ok(&wc);
@@ -168,14 +195,32 @@ async fn rdma_write_with_immediate_consumes_a_receive() {
     let target = s.reg(64, RW);
     s.recv(5, 8);
     s.qp.post_recv(RecvWr::empty(6)).map_err(|e| e.error).expect("recv");
-    let wr = SendWr::new(1, SendOp::Write { remote: target.remote().at(0), imm: Some(42) });
+    let wr = SendWr::new(
+        1,
+        SendOp::Write {
+            remote: target.remote().at(0),
+            imm: Some(42),
+        },
+    );
     c.post(wr.buf(c.filled(b"payload!", AccessFlags::NONE)));
-    c.post(SendWr::new(2, SendOp::Write { remote: target.remote().at(0), imm: Some(43) }));
+    c.post(SendWr::new(
+        2,
+        SendOp::Write {
+            remote: target.remote().at(0),
+            imm: Some(43),
+        },
+    ));
     let r = s.take(2).await;
     r.iter().for_each(ok);
-    assert_eq!((r[0].wr_id, r[0].opcode, r[0].imm, r[0].byte_len), (5, WcOpcode::RecvRdmaWithImm, Some(42), 8));
+    assert_eq!(
+        (r[0].wr_id, r[0].opcode, r[0].imm, r[0].byte_len),
+        (5, WcOpcode::RecvRdmaWithImm, Some(42), 8)
+    );
     assert_eq!((r[1].wr_id, r[1].imm, r[1].byte_len), (6, Some(43), 0));
-    assert!(r[0].buf.as_ref().expect("buf").bytes().iter().all(|&b| b == 0), "imm data does not touch the receive buffer");
+    assert!(
+        r[0].buf.as_ref().expect("buf").bytes().iter().all(|&b| b == 0),
+        "imm data does not touch the receive buffer"
+    );
     assert_eq!(&target.bytes()[..8], b"payload!");
     c.take(2).await.iter().for_each(ok);
 }
@@ -187,7 +232,15 @@ async fn rdma_read_pulls_bytes() {
     let data: Vec<u8> = (0..8192u32).map(|i| (i ^ (i >> 8)) as u8).collect();
     source.write_at(0, &data).expect("fill");
     let dst = c.reg(4096, AccessFlags::LOCAL_WRITE);
-    c.post(SendWr::new(9, SendOp::Read { remote: source.remote().at(4096) }).buf(dst));
+    c.post(
+        SendWr::new(
+            9,
+            SendOp::Read {
+                remote: source.remote().at(4096),
+            },
+        )
+        .buf(dst),
+    );
     let wc = c.one().await;
     ok(&wc);
     assert_eq!((wc.opcode, wc.byte_len), (WcOpcode::RdmaRead, 4096));
@@ -202,14 +255,41 @@ async fn atomics_return_the_old_value() {
     let remote = word.remote().at(8);
     let old = |wc: &Completion| u64::from_ne_bytes(wc.buf.as_ref().expect("buf").bytes()[..8].try_into().expect("8"));
     c.post(SendWr::new(1, SendOp::FetchAdd { remote, add: 5 }).buf(c.reg(8, AccessFlags::LOCAL_WRITE)));
-    c.post(SendWr::new(2, SendOp::CompareSwap { remote, compare: 105, swap: 7 }).buf(c.reg(8, AccessFlags::LOCAL_WRITE)));
-    c.post(SendWr::new(3, SendOp::CompareSwap { remote, compare: 105, swap: 9 }).buf(c.reg(8, AccessFlags::LOCAL_WRITE)));
+    c.post(
+        SendWr::new(
+            2,
+            SendOp::CompareSwap {
+                remote,
+                compare: 105,
+                swap: 7,
+            },
+        )
+        .buf(c.reg(8, AccessFlags::LOCAL_WRITE)),
+    );
+    c.post(
+        SendWr::new(
+            3,
+            SendOp::CompareSwap {
+                remote,
+                compare: 105,
+                swap: 9,
+            },
+        )
+        .buf(c.reg(8, AccessFlags::LOCAL_WRITE)),
+    );
     let r = c.take(3).await;
     r.iter().for_each(ok);
-    assert_eq!(r.iter().map(|w| w.opcode).collect::<Vec<_>>(), [WcOpcode::FetchAdd, WcOpcode::CompSwap, WcOpcode::CompSwap]);
+    assert_eq!(
+        r.iter().map(|w| w.opcode).collect::<Vec<_>>(),
+        [WcOpcode::FetchAdd, WcOpcode::CompSwap, WcOpcode::CompSwap]
+    );
     assert_eq!(r.iter().map(old).collect::<Vec<_>>(), [100, 105, 7]);
     assert_eq!(r[0].byte_len, 8);
-    assert_eq!(u64::from_ne_bytes(word.bytes()[8..].try_into().expect("8")), 7, "second CAS failed, value stays");
+    assert_eq!(
+        u64::from_ne_bytes(word.bytes()[8..].try_into().expect("8")),
+        7,
+        "second CAS failed, value stays"
+    );
 }
 
 #[tokio::test]
@@ -219,13 +299,23 @@ async fn write_is_visible_before_a_later_send() {
     for round in 0..20u8 {
         s.recv(u64::from(round), 8);
         let data = vec![round.wrapping_add(1); 1 << 16];
-        let wr = SendWr::new(0, SendOp::Write { remote: target.remote().at(0), imm: None }).buf(c.filled(&data, AccessFlags::NONE));
+        let wr = SendWr::new(
+            0,
+            SendOp::Write {
+                remote: target.remote().at(0),
+                imm: None,
+            },
+        )
+        .buf(c.filled(&data, AccessFlags::NONE));
         c.qp.post_send_batch([wr.unsignaled(), SendWr::send(1, c.filled(&[round], AccessFlags::NONE))])
             .map_err(|e| e.error)
             .expect("post");
         let rc = s.one().await;
         ok(&rc);
-        assert!(target.bytes().iter().all(|&b| b == round.wrapping_add(1)), "round {round}: write not visible at the send");
+        assert!(
+            target.bytes().iter().all(|&b| b == round.wrapping_add(1)),
+            "round {round}: write not visible at the send"
+        );
         c.one().await;
     }
 }
@@ -239,15 +329,23 @@ async fn thousand_pipelined_requests_complete_in_order() {
         let mut b = pool.take().expect("buf");
         b.write_at(0, &i.to_le_bytes()).expect("fill");
         let op = if i % 3 == 2 {
-            SendOp::Read { remote: target.remote().at(0) }
+            SendOp::Read {
+                remote: target.remote().at(0),
+            }
         } else {
-            SendOp::Write { remote: target.remote().at(8 * i), imm: None }
+            SendOp::Write {
+                remote: target.remote().at(8 * i),
+                imm: None,
+            }
         };
         c.post(SendWr::new(i, op).buf(b));
     }
     let r = c.take(1000).await;
     r.iter().for_each(ok);
-    assert_eq!(r.iter().map(|w| w.wr_id).collect::<Vec<_>>(), (0..1000).collect::<Vec<_>>());
+    assert_eq!(
+        r.iter().map(|w| w.wr_id).collect::<Vec<_>>(),
+        (0..1000).collect::<Vec<_>>()
+    );
     drop(r);
     assert_eq!(pool.available(), 1000, "every buffer is back in the pool");
     for i in (0..1000u64).filter(|i| i % 3 != 2) {
@@ -264,7 +362,13 @@ async fn atomics_lose_nothing_under_two_contending_qps() {
     let listener = Listener::bind(&dev, SocketAddr::new(test_ip(), 0)).expect("bind");
     let addr = listener.local_addr().expect("addr");
     let sopts = QpOptions::new(&s.pd, &s.cq);
-    let server = std::thread::spawn(move || listener.accept(Some(WAIT)).expect("accept").accept(&sopts, b"").expect("qp"));
+    let server = std::thread::spawn(move || {
+        listener
+            .accept(Some(WAIT))
+            .expect("accept")
+            .accept(&sopts, b"")
+            .expect("qp")
+    });
     let (q2, _) = connect(addr, &QpOptions::new(&cpd, &ccq), b"", WAIT).expect("connect");
     let _s_q2 = server.join().expect("server");
     let word = s.reg(8, RW);
@@ -279,7 +383,8 @@ async fn atomics_lose_nothing_under_two_contending_qps() {
     while done != [N, N] {
         for k in 0..2 {
             while posted[k] < N && posted[k] - done[k] < 64 {
-                let wr = SendWr::new(posted[k], SendOp::FetchAdd { remote, add: 1 }).buf(pds[k].register(8, AccessFlags::LOCAL_WRITE).expect("reg"));
+                let wr = SendWr::new(posted[k], SendOp::FetchAdd { remote, add: 1 })
+                    .buf(pds[k].register(8, AccessFlags::LOCAL_WRITE).expect("reg"));
                 qps[k].post_send(wr).map_err(|e| e.error).expect("post");
                 posted[k] += 1;
             }
@@ -287,15 +392,25 @@ async fn atomics_lose_nothing_under_two_contending_qps() {
             cqs[k].poll(&mut out, 64).expect("poll");
             for wc in out {
                 ok(&wc);
-                olds.push(u64::from_ne_bytes(wc.buf.expect("buf").bytes()[..8].try_into().expect("8")));
+                olds.push(u64::from_ne_bytes(
+                    wc.buf.expect("buf").bytes()[..8].try_into().expect("8"),
+                ));
                 done[k] += 1;
             }
         }
         tokio::task::yield_now().await;
     }
-    assert_eq!(u64::from_ne_bytes(word.bytes()[..8].try_into().expect("8")), 2 * N, "no lost update");
+    assert_eq!(
+        u64::from_ne_bytes(word.bytes()[..8].try_into().expect("8")),
+        2 * N,
+        "no lost update"
+    );
     olds.sort_unstable();
-    assert_eq!(olds, (0..2 * N).collect::<Vec<_>>(), "every old value seen exactly once");
+    assert_eq!(
+        olds,
+        (0..2 * N).collect::<Vec<_>>(),
+        "every old value seen exactly once"
+    );
 }
 
 /// Posts `wr` expecting a remote access error, and checks the target's bytes did not change.
@@ -314,7 +429,10 @@ async fn expect_remote_error(c: &Side, s: &Side, wr: SendWr, want: WcStatus, tar
 async fn wrong_rkey_is_a_remote_access_error() {
     let (c, s) = pair();
     let target = s.reg(64, RW);
-    let bad = RemoteAddr { addr: target.addr(), rkey: target.rkey() ^ 0x5a5a_0001 };
+    let bad = RemoteAddr {
+        addr: target.addr(),
+        rkey: target.rkey() ^ 0x5a5a_0001,
+    };
     let wr = SendWr::new(1, SendOp::Write { remote: bad, imm: None }).buf(c.filled(&[1; 16], AccessFlags::NONE));
     expect_remote_error(&c, &s, wr, WcStatus::RemAccessErr, &target).await;
 }
@@ -323,21 +441,41 @@ async fn wrong_rkey_is_a_remote_access_error() {
 async fn out_of_bounds_is_a_remote_access_error() {
     let (c, s) = pair();
     let target = s.reg(64, RW);
-    let wr = SendWr::new(1, SendOp::Write { remote: target.remote().at(60), imm: None }).buf(c.filled(&[1; 16], AccessFlags::NONE));
+    let wr = SendWr::new(
+        1,
+        SendOp::Write {
+            remote: target.remote().at(60),
+            imm: None,
+        },
+    )
+    .buf(c.filled(&[1; 16], AccessFlags::NONE));
     expect_remote_error(&c, &s, wr, WcStatus::RemAccessErr, &target).await;
     let (c, s) = pair();
     let target = s.reg(64, RW);
-    let wr = SendWr::new(2, SendOp::Read { remote: target.remote().at(32) }).buf(c.reg(64, AccessFlags::LOCAL_WRITE));
+    let wr = SendWr::new(
+        2,
+        SendOp::Read {
+            remote: target.remote().at(32),
+        },
+    )
+    .buf(c.reg(64, AccessFlags::LOCAL_WRITE));
     expect_remote_error(&c, &s, wr, WcStatus::RemAccessErr, &target).await;
 }
 
 #[tokio::test]
 async fn missing_access_flag_is_a_remote_access_error() {
     let lw = AccessFlags::LOCAL_WRITE;
-    let cases: [(AccessFlags, fn(RemoteAddr) -> SendOp); 3] = [
-        (lw | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC, |r| SendOp::Write { remote: r, imm: None }),
-        (lw | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC, |r| SendOp::Read { remote: r }),
-        (lw | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE, |r| SendOp::FetchAdd { remote: r, add: 1 }),
+    type OpOn = fn(RemoteAddr) -> SendOp;
+    let cases: [(AccessFlags, OpOn); 3] = [
+        (lw | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC, |r| {
+            SendOp::Write { remote: r, imm: None }
+        }),
+        (lw | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC, |r| {
+            SendOp::Read { remote: r }
+        }),
+        (lw | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE, |r| {
+            SendOp::FetchAdd { remote: r, add: 1 }
+        }),
     ];
     for (access, op) in cases {
         let (c, s) = pair();
@@ -356,7 +494,10 @@ async fn receive_buffer_too_small_is_a_length_error() {
     let rc = s.one().await;
     // The IB spec and ConnectX say LOC_LEN_ERR; soft-RoCE (rxe, Linux 6.1) reports
     // LOC_QP_OP_ERR for the same event. Both are the receiver's local error for this message.
-    assert!(matches!(rc.status, WcStatus::LocLenErr | WcStatus::LocQpOpErr), "{rc:?}");
+    assert!(
+        matches!(rc.status, WcStatus::LocLenErr | WcStatus::LocQpOpErr),
+        "{rc:?}"
+    );
     let sc = c.one().await;
     assert!(!sc.status.is_success(), "the sender sees the failure too: {sc:?}");
 }
@@ -391,10 +532,20 @@ async fn after_an_error_everything_outstanding_is_flushed() {
         c.recv(100 + i, 16);
     }
     s.recv(5, 8);
-    let bad = RemoteAddr { addr: target.addr(), rkey: target.rkey().wrapping_add(1) };
-    let mut wrs = vec![SendWr::new(0, SendOp::Write { remote: bad, imm: None }).buf(c.filled(&[1; 8], AccessFlags::NONE))];
+    let bad = RemoteAddr {
+        addr: target.addr(),
+        rkey: target.rkey().wrapping_add(1),
+    };
+    let mut wrs =
+        vec![SendWr::new(0, SendOp::Write { remote: bad, imm: None }).buf(c.filled(&[1; 8], AccessFlags::NONE))];
     for i in 1..10 {
-        let wr = SendWr::new(i, SendOp::Write { remote: target.remote().at(0), imm: None });
+        let wr = SendWr::new(
+            i,
+            SendOp::Write {
+                remote: target.remote().at(0),
+                imm: None,
+            },
+        );
         wrs.push(wr.buf(c.filled(&[2; 8], AccessFlags::NONE)).unsignaled());
     }
     c.qp.post_send_batch(wrs).map_err(|e| e.error).expect("post");
@@ -405,8 +556,13 @@ async fn after_an_error_everything_outstanding_is_flushed() {
     assert_eq!(sends.len(), 10, "unsignaled requests are flushed with a completion too");
     assert!(sends[1..].iter().all(|w| w.status == WcStatus::WrFlushErr), "{sends:?}");
     assert_eq!(recvs.len(), 4);
-    assert!(recvs.iter().all(|w| w.status == WcStatus::WrFlushErr && w.buf.is_some()));
-    assert!(target.bytes().iter().all(|&b| b == 0), "nothing after the error was executed");
+    assert!(recvs
+        .iter()
+        .all(|w| w.status == WcStatus::WrFlushErr && w.buf.is_some()));
+    assert!(
+        target.bytes().iter().all(|&b| b == 0),
+        "nothing after the error was executed"
+    );
     // Posting to a QP in the error state completes at once with a flush error.
     c.post(SendWr::send(77, c.filled(b"late", AccessFlags::NONE)));
     let late = c.one().await;
@@ -421,7 +577,14 @@ async fn after_an_error_everything_outstanding_is_flushed() {
 async fn unaligned_atomic_is_an_error() {
     let (c, s) = pair();
     let target = s.reg(64, RW);
-    let wr = SendWr::new(1, SendOp::FetchAdd { remote: target.remote().at(4), add: 1 }).buf(c.reg(8, AccessFlags::LOCAL_WRITE));
+    let wr = SendWr::new(
+        1,
+        SendOp::FetchAdd {
+            remote: target.remote().at(4),
+            add: 1,
+        },
+    )
+    .buf(c.reg(8, AccessFlags::LOCAL_WRITE));
     let err = c.qp.post_send(wr).expect_err("an unaligned atomic is refused");
     assert!(matches!(err.error, Error::InvalidArgument(_)), "{err}");
     assert_eq!(err.unposted.len(), 1);
@@ -439,23 +602,38 @@ async fn many_qps_share_one_cq() {
     const QPS: usize = 8;
     let sopts = QpOptions::new(&spd, &scq);
     let server = std::thread::spawn(move || {
-        (0..QPS).map(|_| listener.accept(Some(WAIT)).expect("accept").accept(&sopts, b"").expect("qp")).collect::<Vec<_>>()
+        (0..QPS)
+            .map(|_| {
+                listener
+                    .accept(Some(WAIT))
+                    .expect("accept")
+                    .accept(&sopts, b"")
+                    .expect("qp")
+            })
+            .collect::<Vec<_>>()
     });
     let copts = QpOptions::new(&cpd, &ccq);
-    let clients: Vec<QueuePair> = (0..QPS).map(|_| connect(addr, &copts, b"", WAIT).expect("connect").0).collect();
+    let clients: Vec<QueuePair> = (0..QPS)
+        .map(|_| connect(addr, &copts, b"", WAIT).expect("connect").0)
+        .collect();
     let servers = server.join().expect("server");
     for (i, sq) in servers.iter().enumerate() {
         for j in 0..4 {
-            sq.post_recv(RecvWr::new((i * 10 + j) as u64, spd.register(16, AccessFlags::LOCAL_WRITE).expect("reg")))
-                .map_err(|e| e.error)
-                .expect("recv");
+            sq.post_recv(RecvWr::new(
+                (i * 10 + j) as u64,
+                spd.register(16, AccessFlags::LOCAL_WRITE).expect("reg"),
+            ))
+            .map_err(|e| e.error)
+            .expect("recv");
         }
     }
     for (i, cq) in clients.iter().enumerate() {
         for j in 0..4 {
             let mut b = cpd.register(16, AccessFlags::NONE).expect("reg");
             b.write_at(0, &[(i * 10 + j) as u8; 16]).expect("fill");
-            cq.post_send(SendWr::send((i * 10 + j) as u64, b)).map_err(|e| e.error).expect("send");
+            cq.post_send(SendWr::send((i * 10 + j) as u64, b))
+                .map_err(|e| e.error)
+                .expect("send");
         }
     }
     let sent = take(&ccq, QPS * 4).await;
@@ -466,8 +644,18 @@ async fn many_qps_share_one_cq() {
     for w in &got {
         ok(w);
         let qp_index = servers.iter().position(|q| q.qp_num() == w.qp_num).expect("known qp");
-        assert_eq!(w.wr_id as usize / 10, qp_index, "completion routed to its own QP's receive");
-        assert!(w.buf.as_ref().expect("buf").bytes().iter().all(|&b| u64::from(b) == w.wr_id));
+        assert_eq!(
+            w.wr_id as usize / 10,
+            qp_index,
+            "completion routed to its own QP's receive"
+        );
+        assert!(w
+            .buf
+            .as_ref()
+            .expect("buf")
+            .bytes()
+            .iter()
+            .all(|&b| u64::from(b) == w.wr_id));
     }
 }
 
@@ -499,20 +687,44 @@ async fn inline_sends_and_their_limit() {
     let rc = s.one().await;
     ok(&rc);
     assert_eq!(rc.byte_len, 32);
-    let err = c.qp.post_send(SendWr::send(2, c.filled(&[5; 65], AccessFlags::NONE)).inline()).expect_err("too long");
+    let err =
+        c.qp.post_send(SendWr::send(2, c.filled(&[5; 65], AccessFlags::NONE)).inline())
+            .expect_err("too long");
     assert!(matches!(err.error, Error::InlineTooLarge { len: 65, max: 64 }), "{err}");
     assert_eq!(err.unposted.len(), 1, "the request and its buffer come back");
 }
 
 #[tokio::test]
 async fn a_full_send_queue_refuses_and_returns_the_request() {
-    let (c, s) = pair_with(QpCaps { max_send_wr: 4, max_recv_wr: 4, max_inline_data: 0 });
+    let (c, s) = pair_with(QpCaps {
+        max_send_wr: 4,
+        max_recv_wr: 4,
+        max_inline_data: 0,
+    });
     let target = s.reg(8, RW);
     let wrs: Vec<SendWr> = (0..6)
-        .map(|i| SendWr::new(i, SendOp::Write { remote: target.remote().at(0), imm: None }).buf(c.filled(&[1; 8], AccessFlags::NONE)))
+        .map(|i| {
+            SendWr::new(
+                i,
+                SendOp::Write {
+                    remote: target.remote().at(0),
+                    imm: None,
+                },
+            )
+            .buf(c.filled(&[1; 8], AccessFlags::NONE))
+        })
         .collect();
     let err = c.qp.post_send_batch(wrs).expect_err("queue full");
-    assert!(matches!(err.error, Error::QueueFull { queue: "send", depth: 4 }), "{err}");
+    assert!(
+        matches!(
+            err.error,
+            Error::QueueFull {
+                queue: "send",
+                depth: 4
+            }
+        ),
+        "{err}"
+    );
     assert_eq!(err.unposted.iter().map(SendWr::wr_id).collect::<Vec<_>>(), [4, 5]);
     c.take(4).await.iter().for_each(ok);
 }
@@ -524,7 +736,14 @@ async fn unsignaled_buffers_return_with_a_later_signaled_completion() {
     let pool = BufferPool::new(&c.pd, 8, 10, AccessFlags::NONE).expect("pool");
     let mut wrs = Vec::new();
     for i in 0..10 {
-        let wr = SendWr::new(i, SendOp::Write { remote: target.remote().at(0), imm: None }).buf(pool.take().expect("buf"));
+        let wr = SendWr::new(
+            i,
+            SendOp::Write {
+                remote: target.remote().at(0),
+                imm: None,
+            },
+        )
+        .buf(pool.take().expect("buf"));
         wrs.push(if i == 9 { wr } else { wr.unsignaled() });
     }
     c.qp.post_send_batch(wrs).map_err(|e| e.error).expect("post");
@@ -543,7 +762,15 @@ async fn dropping_a_qp_with_requests_in_flight_is_safe() {
     let pool = BufferPool::new(&c.pd, 4096, 64, AccessFlags::LOCAL_WRITE).expect("pool");
     let source = s.reg(4096, RW);
     for i in 0..64 {
-        c.post(SendWr::new(i, SendOp::Read { remote: source.remote().at(0) }).buf(pool.take().expect("buf")));
+        c.post(
+            SendWr::new(
+                i,
+                SendOp::Read {
+                    remote: source.remote().at(0),
+                },
+            )
+            .buf(pool.take().expect("buf")),
+        );
     }
     drop(c.qp);
     assert_eq!(pool.available(), 64, "destroying the QP released every buffer it held");
@@ -570,7 +797,11 @@ fn child_peer() {
     let mut data = region.remote().addr.to_le_bytes().to_vec();
     data.extend_from_slice(&region.remote().len.to_le_bytes());
     data.extend_from_slice(&region.rkey().to_le_bytes());
-    let _qp = listener.accept(Some(WAIT)).expect("accept").accept(&QpOptions::new(&pd, &cq), &data).expect("qp");
+    let _qp = listener
+        .accept(Some(WAIT))
+        .expect("accept")
+        .accept(&QpOptions::new(&pd, &cq), &data)
+        .expect("qp");
     std::thread::sleep(Duration::from_secs(600));
 }
 
@@ -587,7 +818,11 @@ async fn a_killed_peer_turns_into_errors() {
         .expect("spawn child");
     let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
     let addr: SocketAddr = loop {
-        let line = tokio::time::timeout(WAIT, lines.next_line()).await.expect("child listens").expect("read").expect("line");
+        let line = tokio::time::timeout(WAIT, lines.next_line())
+            .await
+            .expect("child listens")
+            .expect("read")
+            .expect("line");
         if let Some(at) = line.find("LISTEN ") {
             break line[at + 7..].trim().parse().expect("addr");
         }
@@ -597,18 +832,36 @@ async fn a_killed_peer_turns_into_errors() {
     let (qp, data) = connect(addr, &QpOptions::new(&pd, &cq), b"", WAIT).expect("connect");
     let u64_at = |at: usize| u64::from_le_bytes(data[at..at + 8].try_into().expect("8 bytes"));
     let rkey = u32::from_le_bytes(data[16..20].try_into().expect("4 bytes"));
-    let remote = RemoteRegion { addr: u64_at(0), len: u64_at(8), rkey };
+    let remote = RemoteRegion {
+        addr: u64_at(0),
+        len: u64_at(8),
+        rkey,
+    };
     let pool = BufferPool::new(&pd, 4096, 32, AccessFlags::LOCAL_WRITE).expect("pool");
     let (mut posted, mut completed, mut killed_at) = (0u64, 0u64, None);
     let started = Instant::now();
     let first_error = loop {
         while let Some(b) = pool.take() {
-            let op = if posted % 2 == 0 { SendOp::Write { remote: remote.at(0), imm: None } } else { SendOp::Read { remote: remote.at(4096) } };
-            qp.post_send(SendWr::new(posted, op).buf(b)).map_err(|e| e.error).expect("post");
+            let op = if posted % 2 == 0 {
+                SendOp::Write {
+                    remote: remote.at(0),
+                    imm: None,
+                }
+            } else {
+                SendOp::Read {
+                    remote: remote.at(4096),
+                }
+            };
+            qp.post_send(SendWr::new(posted, op).buf(b))
+                .map_err(|e| e.error)
+                .expect("post");
             posted += 1;
         }
         let mut out = Vec::new();
-        tokio::time::timeout(WAIT, cq.wait(&mut out, 32)).await.expect("completions keep coming: no hang").expect("wait");
+        tokio::time::timeout(WAIT, cq.wait(&mut out, 32))
+            .await
+            .expect("completions keep coming: no hang")
+            .expect("wait");
         if let Some(bad) = out.iter().find(|w| !w.status.is_success()) {
             break bad.status;
         }
@@ -621,13 +874,22 @@ async fn a_killed_peer_turns_into_errors() {
     };
     let killed_at = killed_at.expect("the peer was killed before any error");
     println!("first error {first_error:?} {:?} after the kill", killed_at.elapsed());
-    assert!(matches!(first_error, WcStatus::RetryExcErr | WcStatus::WrFlushErr | WcStatus::RemAbortErr | WcStatus::RemOpErr), "{first_error:?}");
+    assert!(
+        matches!(
+            first_error,
+            WcStatus::RetryExcErr | WcStatus::WrFlushErr | WcStatus::RemAbortErr | WcStatus::RemOpErr
+        ),
+        "{first_error:?}"
+    );
     // Everything else still outstanding fails too, promptly, and every buffer comes back.
     let deadline = Instant::now() + WAIT;
     while qp.outstanding_sends() > 0 {
         let mut out = Vec::new();
         let left = deadline.saturating_duration_since(Instant::now());
-        tokio::time::timeout(left, cq.wait(&mut out, 32)).await.expect("flush arrives").expect("wait");
+        tokio::time::timeout(left, cq.wait(&mut out, 32))
+            .await
+            .expect("flush arrives")
+            .expect("wait");
         assert!(out.iter().all(|w| !w.status.is_success() || w.opcode != WcOpcode::Recv));
     }
     assert!(qp.is_error());

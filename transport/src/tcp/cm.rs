@@ -35,12 +35,17 @@ impl Listener {
     }
 
     pub(crate) fn local_addr(&self) -> Result<SocketAddr> {
-        self.inner.local_addr().map_err(|e| Error::io("reading the listener address", e))
+        self.inner
+            .local_addr()
+            .map_err(|e| Error::io("reading the listener address", e))
     }
 
     pub(crate) fn accept(&self, timeout: Option<Duration>) -> Result<Request> {
         let (stream, peer) = match timeout {
-            None => self.inner.accept().map_err(|e| Error::io("accepting a connection", e))?,
+            None => self
+                .inner
+                .accept()
+                .map_err(|e| Error::io("accepting a connection", e))?,
             Some(t) => accept_within(&self.inner, t)?,
         };
         stream
@@ -50,7 +55,9 @@ impl Listener {
         let mut r = hello.as_slice();
         let version = take::<2>(&mut r).map(u16::from_le_bytes)?;
         if version != VERSION {
-            return Err(Error::Protocol(format!("peer speaks version {version}, we speak {VERSION}")));
+            return Err(Error::Protocol(format!(
+                "peer speaks version {version}, we speak {VERSION}"
+            )));
         }
         Ok(Request {
             stream,
@@ -65,7 +72,8 @@ const HANDSHAKE: Duration = Duration::from_secs(10);
 
 fn accept_within(l: &TcpListener, t: Duration) -> Result<(TcpStream, SocketAddr)> {
     let deadline = Instant::now() + t;
-    l.set_nonblocking(true).map_err(|e| Error::io("polling the listener", e))?;
+    l.set_nonblocking(true)
+        .map_err(|e| Error::io("polling the listener", e))?;
     let res = loop {
         match l.accept() {
             Ok(x) => break Ok(x),
@@ -80,7 +88,8 @@ fn accept_within(l: &TcpListener, t: Duration) -> Result<(TcpStream, SocketAddr)
     };
     let _ = l.set_nonblocking(false);
     let (s, a) = res?;
-    s.set_nonblocking(false).map_err(|e| Error::io("configuring the socket", e))?;
+    s.set_nonblocking(false)
+        .map_err(|e| Error::io("configuring the socket", e))?;
     Ok((s, a))
 }
 
@@ -147,7 +156,13 @@ fn start(stream: TcpStream, opts: &QpOptions, qp_num: u32) -> Result<(Qp, u32)> 
         #[allow(unreachable_patterns)]
         _ => Err(Error::InvalidArgument("a tcp QP needs tcp CQs".into())),
     };
-    let qp = Qp::start(stream, qp_num, opts.pd.inner.clone(), cq(&opts.send_cq)?, cq(&opts.recv_cq)?)?;
+    let qp = Qp::start(
+        stream,
+        qp_num,
+        opts.pd.inner.clone(),
+        cq(&opts.send_cq)?,
+        cq(&opts.recv_cq)?,
+    )?;
     Ok((qp, qp_num))
 }
 
@@ -174,7 +189,8 @@ fn read_msg(r: &mut impl Read) -> Result<Vec<u8>> {
         return Err(Error::Protocol("not an rdma-rpc tcp peer (bad magic)".into()));
     }
     let mut payload = vec![0u8; usize::from(head[8])];
-    r.read_exact(&mut payload).map_err(|e| Error::io("reading the handshake", e))?;
+    r.read_exact(&mut payload)
+        .map_err(|e| Error::io("reading the handshake", e))?;
     Ok(payload)
 }
 

@@ -114,7 +114,10 @@ impl Qp {
         };
         let (e1, e2) = (engine.clone(), engine.clone());
         let threads = vec![
-            spawn(format!("rdma-tcp-rx-{qp_num:x}"), Box::new(move || e1.run_reader(reader)))?,
+            spawn(
+                format!("rdma-tcp-rx-{qp_num:x}"),
+                Box::new(move || e1.run_reader(reader)),
+            )?,
             spawn(format!("rdma-tcp-tx-{qp_num:x}"), Box::new(move || e2.run_writer(rx)))?,
         ];
         Ok(Self { engine, threads })
@@ -347,15 +350,13 @@ impl Engine {
         let mut st = self.state.lock();
         match frame {
             Frame::Ack { ssn } => self.complete_head(&mut st, ssn, WcStatus::Success, |_| Ok(0)),
-            Frame::ReadResp { ssn, data } => self.complete_head(&mut st, ssn, WcStatus::Success, |p| {
-                match &p.local {
-                    Some(v) if v.len == data.len() => {
-                        v.region.lock_range(v.off, v.len).copy_from_slice(&data);
-                        Ok(data.len() as u32)
-                    }
-                    None if data.is_empty() => Ok(0),
-                    _ => Err(WcStatus::BadRespErr),
+            Frame::ReadResp { ssn, data } => self.complete_head(&mut st, ssn, WcStatus::Success, |p| match &p.local {
+                Some(v) if v.len == data.len() => {
+                    v.region.lock_range(v.off, v.len).copy_from_slice(&data);
+                    Ok(data.len() as u32)
                 }
+                None if data.is_empty() => Ok(0),
+                _ => Err(WcStatus::BadRespErr),
             }),
             Frame::AtomicResp { ssn, old } => self.complete_head(&mut st, ssn, WcStatus::Success, |p| match &p.local {
                 Some(v) if v.len >= 8 => {
@@ -467,7 +468,8 @@ impl Engine {
     /// the access flag, and the range inside the registration.
     fn check_remote(&self, addr: u64, rkey: u32, len: usize, need: AccessFlags) -> Result<Arc<Region>, WcStatus> {
         #[allow(irrefutable_let_patterns)]
-        let crate::pd::PdImpl::Tcp(pd) = &self.pd.imp else {
+        let crate::pd::PdImpl::Tcp(pd) = &self.pd.imp
+        else {
             return Err(WcStatus::GeneralErr);
         };
         let region = pd.lookup(rkey).ok_or(WcStatus::RemAccessErr)?;
@@ -497,12 +499,22 @@ impl Engine {
                     }
                     Err(status) => {
                         self.push_recv(r.seq, status, WcOpcode::Recv, 0, None);
-                        let remote = if status == WcStatus::LocLenErr { WcStatus::RemInvReqErr } else { WcStatus::RemOpErr };
+                        let remote = if status == WcStatus::LocLenErr {
+                            WcStatus::RemInvReqErr
+                        } else {
+                            WcStatus::RemOpErr
+                        };
                         fail(st, ssn, remote);
                     }
                 }
             }
-            Frame::Write { ssn, addr, rkey, imm, data } => {
+            Frame::Write {
+                ssn,
+                addr,
+                rkey,
+                imm,
+                data,
+            } => {
                 if !data.is_empty() {
                     match self.check_remote(addr, rkey, data.len(), AccessFlags::REMOTE_WRITE) {
                         Ok(region) => {
@@ -514,7 +526,13 @@ impl Engine {
                 }
                 if let Some(imm) = imm {
                     let Some(r) = st.recvs.pop_front() else { return };
-                    self.push_recv(r.seq, WcStatus::Success, WcOpcode::RecvRdmaWithImm, data.len() as u32, Some(imm));
+                    self.push_recv(
+                        r.seq,
+                        WcStatus::Success,
+                        WcOpcode::RecvRdmaWithImm,
+                        data.len() as u32,
+                        Some(imm),
+                    );
                 }
                 self.respond(Encoder::ack(ssn));
             }
@@ -545,7 +563,13 @@ impl Engine {
                             cur.copy_from_slice(&word);
                             let old = u64::from_ne_bytes(cur);
                             let new = match op {
-                                AtomicOp::CompareSwap { compare, swap } => if old == compare { swap } else { old },
+                                AtomicOp::CompareSwap { compare, swap } => {
+                                    if old == compare {
+                                        swap
+                                    } else {
+                                        old
+                                    }
+                                }
                                 AtomicOp::FetchAdd { add } => old.wrapping_add(add),
                             };
                             word.copy_from_slice(&new.to_ne_bytes());
@@ -556,7 +580,11 @@ impl Engine {
                     Err(status) => fail(st, ssn, status),
                 }
             }
-            Frame::Ack { .. } | Frame::Nak { .. } | Frame::ReadResp { .. } | Frame::AtomicResp { .. } | Frame::Fatal => {}
+            Frame::Ack { .. }
+            | Frame::Nak { .. }
+            | Frame::ReadResp { .. }
+            | Frame::AtomicResp { .. }
+            | Frame::Fatal => {}
         }
     }
 }

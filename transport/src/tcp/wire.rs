@@ -9,14 +9,45 @@ pub(crate) const MAX_BODY: usize = super::MAX_MSG as usize + 64;
 
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Frame {
-    Send { ssn: u64, imm: Option<u32>, data: Vec<u8> },
-    Write { ssn: u64, addr: u64, rkey: u32, imm: Option<u32>, data: Vec<u8> },
-    ReadReq { ssn: u64, addr: u64, rkey: u32, len: u32 },
-    Atomic { ssn: u64, addr: u64, rkey: u32, op: AtomicOp },
-    Ack { ssn: u64 },
-    Nak { ssn: u64, status: WcStatus },
-    ReadResp { ssn: u64, data: Vec<u8> },
-    AtomicResp { ssn: u64, old: u64 },
+    Send {
+        ssn: u64,
+        imm: Option<u32>,
+        data: Vec<u8>,
+    },
+    Write {
+        ssn: u64,
+        addr: u64,
+        rkey: u32,
+        imm: Option<u32>,
+        data: Vec<u8>,
+    },
+    ReadReq {
+        ssn: u64,
+        addr: u64,
+        rkey: u32,
+        len: u32,
+    },
+    Atomic {
+        ssn: u64,
+        addr: u64,
+        rkey: u32,
+        op: AtomicOp,
+    },
+    Ack {
+        ssn: u64,
+    },
+    Nak {
+        ssn: u64,
+        status: WcStatus,
+    },
+    ReadResp {
+        ssn: u64,
+        data: Vec<u8>,
+    },
+    AtomicResp {
+        ssn: u64,
+        old: u64,
+    },
     /// The sender's QP entered the error state.
     Fatal,
 }
@@ -168,16 +199,29 @@ impl Frame {
             SEND => {
                 let ssn = r.u64()?;
                 let imm = r.imm()?;
-                return Ok(Frame::Send { ssn, imm, data: r.0.to_vec() });
+                return Ok(Frame::Send {
+                    ssn,
+                    imm,
+                    data: r.0.to_vec(),
+                });
             }
             WRITE => {
                 let (ssn, addr, rkey) = (r.u64()?, r.u64()?, r.u32()?);
                 let imm = r.imm()?;
-                return Ok(Frame::Write { ssn, addr, rkey, imm, data: r.0.to_vec() });
+                return Ok(Frame::Write {
+                    ssn,
+                    addr,
+                    rkey,
+                    imm,
+                    data: r.0.to_vec(),
+                });
             }
             READ_RESP => {
                 let ssn = r.u64()?;
-                return Ok(Frame::ReadResp { ssn, data: r.0.to_vec() });
+                return Ok(Frame::ReadResp {
+                    ssn,
+                    data: r.0.to_vec(),
+                });
             }
             READ_REQ => Frame::ReadReq {
                 ssn: r.u64()?,
@@ -221,24 +265,38 @@ mod tests {
     use super::*;
 
     fn roundtrip(bytes: Vec<u8>) -> Frame {
-        let len = u32::from_le_bytes(bytes[..4].try_into().unwrap()) as usize;
+        let len = u32::from_le_bytes(bytes[..4].try_into().expect("4 bytes")) as usize;
         assert_eq!(len, bytes.len() - 4);
-        Frame::decode(&bytes[4..]).unwrap()
+        Frame::decode(&bytes[4..]).expect("decodes")
     }
 
     #[test]
     fn frames_roundtrip() {
         assert_eq!(
             roundtrip(Encoder::write(3, 0x1000, 77, Some(9), 3).data(b"abc").finish()),
-            Frame::Write { ssn: 3, addr: 0x1000, rkey: 77, imm: Some(9), data: b"abc".to_vec() }
+            Frame::Write {
+                ssn: 3,
+                addr: 0x1000,
+                rkey: 77,
+                imm: Some(9),
+                data: b"abc".to_vec()
+            }
         );
         assert_eq!(
             roundtrip(Encoder::atomic(1, 8, 2, AtomicOp::FetchAdd { add: 5 }).finish()),
-            Frame::Atomic { ssn: 1, addr: 8, rkey: 2, op: AtomicOp::FetchAdd { add: 5 } }
+            Frame::Atomic {
+                ssn: 1,
+                addr: 8,
+                rkey: 2,
+                op: AtomicOp::FetchAdd { add: 5 }
+            }
         );
         assert_eq!(
             roundtrip(Encoder::nak(4, WcStatus::RemAccessErr).finish()),
-            Frame::Nak { ssn: 4, status: WcStatus::RemAccessErr }
+            Frame::Nak {
+                ssn: 4,
+                status: WcStatus::RemAccessErr
+            }
         );
     }
 
@@ -258,6 +316,9 @@ mod tests {
         }
         assert_eq!(Frame::decode(&[]), Err(WireError::Truncated));
         assert_eq!(Frame::decode(&[99]), Err(WireError::UnknownKind(99)));
-        assert_eq!(Frame::decode(&[ACK, 1, 0, 0, 0, 0, 0, 0, 0, 5]), Err(WireError::Trailing));
+        assert_eq!(
+            Frame::decode(&[ACK, 1, 0, 0, 0, 0, 0, 0, 0, 5]),
+            Err(WireError::Trailing)
+        );
     }
 }

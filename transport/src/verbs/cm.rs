@@ -54,7 +54,12 @@ impl Id {
         let mut id: *mut rdma_cm_id = std::ptr::null_mut();
         // SAFETY: the channel is live; id is a valid out-pointer.
         check("rdma_create_id", unsafe {
-            rdma_create_id(ch.0.as_ptr(), &mut id, std::ptr::null_mut(), rdma_port_space::RDMA_PS_TCP)
+            rdma_create_id(
+                ch.0.as_ptr(),
+                &mut id,
+                std::ptr::null_mut(),
+                rdma_port_space::RDMA_PS_TCP,
+            )
         })?;
         NonNull::new(id).map(Id).ok_or_else(|| last_os_error("rdma_create_id"))
     }
@@ -113,7 +118,11 @@ fn next_event(ch: &Channel, deadline: Option<Instant>) -> Result<Event> {
                 left.as_millis().min(i32::MAX as u128) as i32
             }
         };
-        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
         // SAFETY: pfd is one valid pollfd.
         let n = unsafe { libc::poll(&mut pfd, 1, ms) };
         if n < 0 {
@@ -128,7 +137,9 @@ fn next_event(ch: &Channel, deadline: Option<Instant>) -> Result<Event> {
         }
         let mut ev: *mut rdma_cm_event = std::ptr::null_mut();
         // SAFETY: the channel is live and readable; ev is a valid out-pointer.
-        check("rdma_get_cm_event", unsafe { rdma_get_cm_event(ch.0.as_ptr(), &mut ev) })?;
+        check("rdma_get_cm_event", unsafe {
+            rdma_get_cm_event(ch.0.as_ptr(), &mut ev)
+        })?;
         // SAFETY: ev is valid until acknowledged; conn is the active member for connection
         // events on RDMA_PS_TCP, and private_data points at private_data_len bytes (or is NULL).
         let out = unsafe {
@@ -139,7 +150,12 @@ fn next_event(ch: &Channel, deadline: Option<Instant>) -> Result<Event> {
             } else {
                 std::slice::from_raw_parts(conn.private_data.cast::<u8>(), usize::from(conn.private_data_len)).to_vec()
             };
-            Event { kind: e.event, status: e.status, id: e.id, private_data }
+            Event {
+                kind: e.event,
+                status: e.status,
+                id: e.id,
+                private_data,
+            }
         };
         // SAFETY: acknowledged once; we copied what we need.
         unsafe { rdma_ack_cm_event(ev) };
@@ -212,14 +228,22 @@ fn create_qp(id: &Id, opts: &QpOptions) -> Result<()> {
     init.sq_sig_all = 0;
     // SAFETY: the id is live and bound to the PD's device (checked by the caller); PD and CQs are
     // live and outlive the QP (QueuePair holds them).
-    check("rdma_create_qp", unsafe { rdma_create_qp(id.raw(), pd.raw(), &mut init) })
+    check("rdma_create_qp", unsafe {
+        rdma_create_qp(id.raw(), pd.raw(), &mut init)
+    })
 }
 
 fn set_ack_timeout(id: &Id) {
     let mut t = ACK_TIMEOUT;
     // SAFETY: the id is live; the option takes one u8.
     let rc = unsafe {
-        rdma_set_option(id.raw(), RDMA_OPTION_ID, RDMA_OPTION_ID_ACK_TIMEOUT, (&mut t as *mut u8).cast(), 1)
+        rdma_set_option(
+            id.raw(),
+            RDMA_OPTION_ID,
+            RDMA_OPTION_ID_ACK_TIMEOUT,
+            (&mut t as *mut u8).cast(),
+            1,
+        )
     };
     if rc != 0 {
         tracing::debug!("rdma_set_option(ACK_TIMEOUT) not supported; keeping the default");
@@ -239,7 +263,9 @@ impl SockAddr {
                 let sin = libc::sockaddr_in {
                     sin_family: libc::AF_INET as u16,
                     sin_port: a.port().to_be(),
-                    sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
+                    sin_addr: libc::in_addr {
+                        s_addr: u32::from_ne_bytes(a.ip().octets()),
+                    },
                     sin_zero: [0; 8],
                 };
                 // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
@@ -250,7 +276,9 @@ impl SockAddr {
                     sin6_family: libc::AF_INET6 as u16,
                     sin6_port: a.port().to_be(),
                     sin6_flowinfo: a.flowinfo(),
-                    sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
+                    sin6_addr: libc::in6_addr {
+                        s6_addr: a.ip().octets(),
+                    },
                     sin6_scope_id: a.scope_id(),
                 };
                 // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in6.
@@ -282,7 +310,10 @@ unsafe fn socket_addr(sa: *const libc::sockaddr) -> Option<SocketAddr> {
             }
             libc::AF_INET6 => {
                 let sin6 = &*sa.cast::<libc::sockaddr_in6>();
-                Some(SocketAddr::new(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)), u16::from_be(sin6.sin6_port)))
+                Some(SocketAddr::new(
+                    IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)),
+                    u16::from_be(sin6.sin6_port),
+                ))
             }
             _ => None,
         }
@@ -302,19 +333,33 @@ pub(crate) fn connect(
     let id = Id::create(&ch)?;
     let mut dst = SockAddr::new(addr);
     // SAFETY: the id is live; a NULL source lets rdma_cm pick; dst is a valid sockaddr.
-    check("rdma_resolve_addr", unsafe { rdma_resolve_addr(id.raw(), std::ptr::null_mut(), dst.as_ptr(), ms) })?;
-    expect(next_event(&ch, Some(deadline))?, rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED, "rdma_resolve_addr")?;
+    check("rdma_resolve_addr", unsafe {
+        rdma_resolve_addr(id.raw(), std::ptr::null_mut(), dst.as_ptr(), ms)
+    })?;
+    expect(
+        next_event(&ch, Some(deadline))?,
+        rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED,
+        "rdma_resolve_addr",
+    )?;
     id.check_device(ctx)?;
     set_ack_timeout(&id);
     // SAFETY: the id is live with a resolved address.
     check("rdma_resolve_route", unsafe { rdma_resolve_route(id.raw(), ms) })?;
-    expect(next_event(&ch, Some(deadline))?, rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED, "rdma_resolve_route")?;
+    expect(
+        next_event(&ch, Some(deadline))?,
+        rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED,
+        "rdma_resolve_route",
+    )?;
     create_qp(&id, opts)?;
     let framed = frame(private_data);
     let mut param = conn_param(ctx, &framed);
     // SAFETY: the id has a route and a QP; param and the private data it points at live across the call.
     check("rdma_connect", unsafe { rdma_connect(id.raw(), &mut param) })?;
-    let ev = expect(next_event(&ch, Some(deadline))?, rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED, "rdma_connect")?;
+    let ev = expect(
+        next_event(&ch, Some(deadline))?,
+        rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
+        "rdma_connect",
+    )?;
     let reply = unframe(&ev.private_data);
     let (qp, num) = Qp::new(id.into_raw(), ch.into_raw(), &opts.send_cq, &opts.recv_cq)?;
     Ok((qp, num, reply))
@@ -347,7 +392,12 @@ impl Listener {
         }
         // SAFETY: the id is bound.
         check("rdma_listen", unsafe { rdma_listen(id.raw(), 128) })?;
-        Ok(Self { id, ch, ctx_name: ctx.name().to_owned(), ctx: ctx.raw() })
+        Ok(Self {
+            id,
+            ch,
+            ctx_name: ctx.name().to_owned(),
+            ctx: ctx.raw(),
+        })
     }
 
     pub(crate) fn local_addr(&self) -> Result<SocketAddr> {
@@ -375,10 +425,17 @@ impl Listener {
             }
             let ch = Channel::new()?;
             // SAFETY: both are live; the child moves to its own channel for its later events.
-            check("rdma_migrate_id", unsafe { rdma_migrate_id(child.raw(), ch.0.as_ptr()) })?;
+            check("rdma_migrate_id", unsafe {
+                rdma_migrate_id(child.raw(), ch.0.as_ptr())
+            })?;
             // SAFETY: the child id is live; its route holds the peer's address.
             let peer = unsafe { socket_addr(rdma_get_peer_addr(&*child.raw()) as *const libc::sockaddr) };
-            return Ok(Request { id: Some(child), ch: Some(ch), private_data: unframe(&ev.private_data), peer });
+            return Ok(Request {
+                id: Some(child),
+                ch: Some(ch),
+                private_data: unframe(&ev.private_data),
+                peer,
+            });
         }
     }
 }
@@ -420,7 +477,11 @@ impl Request {
         // SAFETY: the id has a QP; param and its private data live across the call.
         check("rdma_accept", unsafe { rdma_accept(id.raw(), &mut param) })?;
         let deadline = Instant::now() + Duration::from_secs(30);
-        expect(next_event(&ch, Some(deadline))?, rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED, "rdma_accept")?;
+        expect(
+            next_event(&ch, Some(deadline))?,
+            rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
+            "rdma_accept",
+        )?;
         Qp::new(id.into_raw(), ch.into_raw(), &opts.send_cq, &opts.recv_cq)
     }
 

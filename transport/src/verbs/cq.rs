@@ -74,7 +74,10 @@ impl Cq {
         // SAFETY: fd is the channel's open descriptor; F_GETFL/F_SETFL only change its flags.
         let rc = unsafe { libc::fcntl(fd, libc::F_SETFL, libc::fcntl(fd, libc::F_GETFL) | libc::O_NONBLOCK) };
         if rc < 0 {
-            return Err(Error::io("making the completion channel non-blocking", io::Error::last_os_error()));
+            return Err(Error::io(
+                "making the completion channel non-blocking",
+                io::Error::last_os_error(),
+            ));
         }
         Ok(this)
     }

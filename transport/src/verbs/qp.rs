@@ -109,7 +109,14 @@ impl Qp {
         // SAFETY: ibv_qp_attr and ibv_qp_init_attr are plain old data.
         let (mut attr, mut init): (ibv_qp_attr, ibv_qp_init_attr) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
         // SAFETY: the QP is live; both out-pointers are valid.
-        let rc = unsafe { ibv_query_qp(self.inner.qp(), &mut attr, ibv_qp_attr_mask::IBV_QP_STATE.0 as i32, &mut init) };
+        let rc = unsafe {
+            ibv_query_qp(
+                self.inner.qp(),
+                &mut attr,
+                ibv_qp_attr_mask::IBV_QP_STATE.0 as i32,
+                &mut init,
+            )
+        };
         rc != 0 || attr.qp_state == ibv_qp_state::IBV_QPS_ERR
     }
 
@@ -155,19 +162,35 @@ impl Qp {
                             ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
                         }
                     };
-                    wr.wr.rdma = rdma_t { remote_addr: remote.addr, rkey: remote.rkey };
+                    wr.wr.rdma = rdma_t {
+                        remote_addr: remote.addr,
+                        rkey: remote.rkey,
+                    };
                 }
                 SendOp::Read { remote } => {
                     wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
-                    wr.wr.rdma = rdma_t { remote_addr: remote.addr, rkey: remote.rkey };
+                    wr.wr.rdma = rdma_t {
+                        remote_addr: remote.addr,
+                        rkey: remote.rkey,
+                    };
                 }
                 SendOp::CompareSwap { remote, compare, swap } => {
                     wr.opcode = ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP;
-                    wr.wr.atomic = atomic_t { remote_addr: remote.addr, compare_add: compare, swap, rkey: remote.rkey };
+                    wr.wr.atomic = atomic_t {
+                        remote_addr: remote.addr,
+                        compare_add: compare,
+                        swap,
+                        rkey: remote.rkey,
+                    };
                 }
                 SendOp::FetchAdd { remote, add } => {
                     wr.opcode = ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD;
-                    wr.wr.atomic = atomic_t { remote_addr: remote.addr, compare_add: add, swap: 0, rkey: remote.rkey };
+                    wr.wr.atomic = atomic_t {
+                        remote_addr: remote.addr,
+                        compare_add: add,
+                        swap: 0,
+                        rkey: remote.rkey,
+                    };
                 }
             }
             if i + 1 < descs.len() {
@@ -182,9 +205,19 @@ impl Qp {
         if rc == 0 {
             return Ok(());
         }
-        // SAFETY: on failure bad points into `wrs` (or is NULL).
-        let at = if bad.is_null() { 0 } else { unsafe { bad.offset_from(base) }.max(0) as usize };
-        Err((at, Error::Verbs { call: "ibv_post_send", source: io::Error::from_raw_os_error(rc.abs()) }))
+        let at = if bad.is_null() {
+            0
+        } else {
+            // SAFETY: on failure bad points into `wrs`, the same allocation as base.
+            unsafe { bad.offset_from(base) }.max(0) as usize
+        };
+        Err((
+            at,
+            Error::Verbs {
+                call: "ibv_post_send",
+                source: io::Error::from_raw_os_error(rc.abs()),
+            },
+        ))
     }
 
     pub(crate) fn post_recv(&self, descs: &[RecvDesc<'_>]) -> Result<(), (usize, Error)> {
@@ -222,9 +255,19 @@ impl Qp {
         if rc == 0 {
             return Ok(());
         }
-        // SAFETY: on failure bad points into `wrs` (or is NULL).
-        let at = if bad.is_null() { 0 } else { unsafe { bad.offset_from(base) }.max(0) as usize };
-        Err((at, Error::Verbs { call: "ibv_post_recv", source: io::Error::from_raw_os_error(rc.abs()) }))
+        let at = if bad.is_null() {
+            0
+        } else {
+            // SAFETY: on failure bad points into `wrs`, the same allocation as base.
+            unsafe { bad.offset_from(base) }.max(0) as usize
+        };
+        Err((
+            at,
+            Error::Verbs {
+                call: "ibv_post_recv",
+                source: io::Error::from_raw_os_error(rc.abs()),
+            },
+        ))
     }
 
     /// Disconnects, stops the event thread and destroys QP, id and channel, in that order.
@@ -264,8 +307,16 @@ fn event_loop(inner: &QpInner, wake: RawFd) {
     let fd = unsafe { (*inner.channel.as_ptr()).fd };
     loop {
         let mut fds = [
-            libc::pollfd { fd, events: libc::POLLIN, revents: 0 },
-            libc::pollfd { fd: wake, events: libc::POLLIN, revents: 0 },
+            libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: wake,
+                events: libc::POLLIN,
+                revents: 0,
+            },
         ];
         // SAFETY: fds is a valid array of 2 pollfds.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
@@ -289,7 +340,9 @@ fn event_loop(inner: &QpInner, wake: RawFd) {
         // SAFETY: ev is a valid event until acknowledged below.
         let kind = unsafe { (*ev).event };
         tracing::debug!(kind, "rdma_cm event on a connected QP");
-        if kind == rdma_cm_event_type::RDMA_CM_EVENT_DISCONNECTED || kind == rdma_cm_event_type::RDMA_CM_EVENT_DEVICE_REMOVAL {
+        if kind == rdma_cm_event_type::RDMA_CM_EVENT_DISCONNECTED
+            || kind == rdma_cm_event_type::RDMA_CM_EVENT_DEVICE_REMOVAL
+        {
             inner.qp_failed();
         }
         // SAFETY: ev came from rdma_get_cm_event and is acknowledged once.

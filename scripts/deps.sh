@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what building rdma-rpc needs on Debian 12 (bookworm): the verbs provider links
+# libibverbs and librdmacm through rdma-sys, whose bindgen step needs libclang.
+# Idempotent: installs only what is missing. Needs root (or sudo) for apt-get.
+set -euo pipefail
+need=()
+command -v pkg-config >/dev/null || need+=(pkg-config)
+pkg-config --exists libibverbs 2>/dev/null || need+=(libibverbs-dev)
+pkg-config --exists librdmacm 2>/dev/null || need+=(librdmacm-dev)
+compgen -G "/usr/lib/x86_64-linux-gnu/libibverbs/*-rdmav*.so" >/dev/null || need+=(ibverbs-providers)
+compgen -G "/usr/lib/llvm-14/lib/libclang*.so*" >/dev/null || compgen -G "/usr/lib/x86_64-linux-gnu/libclang-*.so*" >/dev/null || need+=(libclang1-14)
+[[ -d /usr/lib/llvm-14/lib/clang ]] || need+=(libclang-common-14-dev)
+if ((${#need[@]})); then
+    echo "deps: installing ${need[*]}" >&2
+    SUDO=; [[ $(id -u) == 0 ]] || SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The whole test suite: lints, every test on the default software provider (tcp), then the
+# conformance suite on real verbs: soft-RoCE (rdma_rxe, device rxe0) inside a qemu VM booted
+# from Debian's kernel (scripts/rxe-vm.sh). Installs missing apt packages first.
+# Prints the tests passed per provider and ends with "N passed, N failed".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG=$(mktemp -d "${TMPDIR:-/tmp}/rdma-rpc-test.XXXXXX")
+trap 'rm -rf "$LOG"' EXIT
+fail=0
+step() { echo; echo "=== $*"; }
+count() { # LOGFILE -> "passed failed" summed over every libtest result line
+    awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed;?$/) p += $i; if ($(i+1) ~ /^failed;?$/) f += $i } }
+         END { printf "%d %d\n", p, f }' "$1"
+}
+
+step "dependencies"
+scripts/deps.sh || exit 1
+scripts/rxe-vm.sh --setup-if-needed || exit 1
+
+step "cargo fmt --check, clippy -D warnings, doc"
+cargo fmt --all -- --check || fail=1
+cargo clippy --workspace --all-targets -- -D warnings || fail=1
+cargo clippy --workspace --all-targets --no-default-features -- -D warnings || fail=1
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet || fail=1
+
+step "all tests on provider tcp"
+RDMA_RPC_PROVIDER=tcp cargo test --workspace 2>&1 | tee "$LOG/tcp.log"
+[[ ${PIPESTATUS[0]} == 0 ]] || fail=1
+read -r tcp_pass tcp_fail < <(count "$LOG/tcp.log")
+grep -A200 'Running tests/conformance.rs' "$LOG/tcp.log" | grep -m1 '^test result:' > "$LOG/tcp-conf.log"
+read -r tcpc_pass tcpc_fail < <(count "$LOG/tcp-conf.log")
+
+step "conformance suite on provider verbs (rxe0, soft-RoCE in a qemu VM)"
+bin=$(cargo test -p rdma-rpc-transport --test conformance --no-run --message-format=json 2>/dev/null |
+      sed -n 's/.*"executable":"\([^"]*conformance[^"]*\)".*/\1/p' | tail -1)
+if [[ -z $bin ]]; then
+    echo "could not build the conformance binary"; fail=1; verbs_pass=0; verbs_fail=1
+else
+    scripts/rxe-vm.sh -e RDMA_RPC_PROVIDER=verbs -e RDMA_RPC_TEST_IP=10.10.0.1 "$bin" --test-threads=1 2>&1 |
+        tee "$LOG/verbs.log"
+    [[ ${PIPESTATUS[0]} == 0 ]] || fail=1
+    read -r verbs_pass verbs_fail < <(count "$LOG/verbs.log")
+    ((verbs_pass > 0)) || { echo "the VM lane ran no test"; fail=1; }
+fi
+
+step "summary"
+printf 'provider tcp:   conformance %d passed, %d failed; whole workspace %d passed, %d failed\n' \
+    "$tcpc_pass" "$tcpc_fail" "$tcp_pass" "$tcp_fail"
+printf 'provider verbs: conformance %d passed, %d failed (rxe0, soft-RoCE in qemu)\n' "$verbs_pass" "$verbs_fail"
+((tcpc_pass == verbs_pass)) || { echo "the providers passed different numbers of conformance cases"; fail=1; }
+echo "$((tcp_pass + verbs_pass)) passed, $((tcp_fail + verbs_fail)) failed"
+exit $fail
