@@ -1,8 +1,11 @@
-//! The rdma-rpc protocol core.
+//! The rdma-rpc protocol core and its tokio runtime.
 //!
-//! Empty on purpose: the sans-IO session (framing, receive rings and credits, eager path,
-//! rendezvous by RDMA Read / Write-with-imm, call table, deadlines, cancellation) and its tokio
-//! client and server are the next piece of work ("RPC core" issue). It will be written against
-//! [`rdma_rpc_transport`], re-exported here so that dependents already name one path.
+//! - [`proto`]: the sans-IO session — framing, receive ring and credits, eager path, rendezvous
+//!   by RDMA Read and Write-with-immediate, call table, deadlines, cancellation, errors.
+//! - [`Client`] and [`Server`]: thin tokio drivers that run a session over a transport QP.
+
+pub mod proto;
+mod status;
 
 pub use rdma_rpc_transport as transport;
+pub use status::{RpcError, Status};

@@ -1,0 +1,55 @@
+//! The protocol core, sans-IO: no sockets, no clock, no provider inside.
+//!
+//! A [`Session`] is one side of a connection. Inputs come in as calls — a received message
+//! ([`Session::handle_message`]), a Write-with-immediate ([`Session::handle_write_imm`]), the end
+//! of an RDMA Read or Write the driver ran for it, the time ([`Session::handle_timeout`]), the
+//! loss of the connection — and outputs are taken by polling: [`Session::poll_transmit`] for
+//! work to post (Sends, Reads, Writes-with-imm; it never exceeds the peer's credits, so the peer
+//! never sees RNR) and [`Session::poll_event`] for what the application must learn (a call
+//! finished, a request arrived, a handler must stop). After any input, drain both.
+//!
+//! Buffers are named by [`BufId`]s the driver gives: the session never frees memory, it tells the
+//! driver when a buffer a peer could reach may be released ([`Transmit::Release`]).
+
+mod credits;
+mod header;
+mod session;
+
+pub use credits::Credits;
+pub use header::{decode_desc, encode_desc, Header, Kind, DESC_LEN, FLAG_LANDING, FLAG_RENDEZVOUS, HEADER_LEN, VERSION};
+pub use session::{BufId, Event, Payload, Reply, Session, SessionConfig, Token, Transmit};
+
+/// Bytes that are not a valid message, or a message that breaks the protocol.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProtoError {
+    /// Fewer bytes than a header or a descriptor.
+    #[error("message truncated")]
+    Truncated,
+    /// A version this build does not speak.
+    #[error("protocol version {0} (this build speaks {v})", v = header::VERSION)]
+    BadVersion(u8),
+    /// An unknown message kind.
+    #[error("unknown message kind {0}")]
+    BadKind(u8),
+    /// The header's body length and the message disagree.
+    #[error("body length {announced} announced, {actual} present")]
+    BodyLength {
+        /// From the header.
+        announced: u32,
+        /// In the message.
+        actual: usize,
+    },
+    /// A request reused the id of a call still in progress.
+    #[error("duplicate call id {0}")]
+    DuplicateCall(u32),
+    /// A response or immediate for no call of ours.
+    #[error("unknown call id {0}")]
+    UnknownCall(u32),
+    /// The peer returned more credits than our ring has: it is not following the protocol.
+    #[error("peer returned credits beyond the ring")]
+    Overrun,
+    /// A lent buffer longer than the configured maximum payload.
+    #[error("payload of {0} bytes above the maximum")]
+    TooLarge(u64),
+}

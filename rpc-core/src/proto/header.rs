@@ -1,0 +1,142 @@
+//! The fixed little-endian message header, and rendezvous descriptors.
+
+use rdma_rpc_transport::RemoteRegion;
+
+use super::ProtoError;
+
+/// Protocol version carried in every header.
+pub const VERSION: u8 = 1;
+/// Bytes of the fixed header.
+pub const HEADER_LEN: usize = 24;
+/// Bytes of an encoded [`RemoteRegion`] (addr, len, rkey).
+pub const DESC_LEN: usize = 20;
+
+/// What a message is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    /// A call.
+    Request = 1,
+    /// The answer to a call.
+    Response = 2,
+    /// The caller gave up on a call.
+    Cancel = 3,
+    /// The caller finished reading a lent response buffer.
+    ReadDone = 4,
+    /// Nothing but returned credits.
+    Credit = 5,
+}
+
+impl Kind {
+    fn from_u8(v: u8) -> Result<Self, ProtoError> {
+        Ok(match v {
+            1 => Kind::Request,
+            2 => Kind::Response,
+            3 => Kind::Cancel,
+            4 => Kind::ReadDone,
+            5 => Kind::Credit,
+            k => return Err(ProtoError::BadKind(k)),
+        })
+    }
+}
+
+/// Header flag: the body starts with a descriptor of a lent buffer (rendezvous), not the payload.
+pub const FLAG_RENDEZVOUS: u16 = 1;
+/// Header flag (requests): a landing-buffer descriptor follows, for a large response.
+pub const FLAG_LANDING: u16 = 2;
+
+/// The fixed header of every message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// Message kind.
+    pub kind: Kind,
+    /// FLAG_* bits.
+    pub flags: u16,
+    /// The call this message belongs to (0 for Credit).
+    pub call_id: u32,
+    /// Method id (requests).
+    pub method: u32,
+    /// Status (responses): see [`Status`](crate::Status).
+    pub status: u16,
+    /// Receive slots the sender reposted since its last message: credits returned.
+    pub credits: u16,
+    /// Bytes following the header.
+    pub body_len: u32,
+    /// Deadline as a relative budget in microseconds (requests; 0 = none). Never a clock.
+    pub budget_us: u32,
+}
+
+impl Header {
+    /// Encodes into the first [`HEADER_LEN`] bytes of `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.push(VERSION);
+        out.push(self.kind as u8);
+        out.extend_from_slice(&self.flags.to_le_bytes());
+        out.extend_from_slice(&self.call_id.to_le_bytes());
+        out.extend_from_slice(&self.method.to_le_bytes());
+        out.extend_from_slice(&self.status.to_le_bytes());
+        out.extend_from_slice(&self.credits.to_le_bytes());
+        out.extend_from_slice(&self.body_len.to_le_bytes());
+        out.extend_from_slice(&self.budget_us.to_le_bytes());
+    }
+
+    /// Decodes a whole message: the header, and the body it announces.
+    ///
+    /// # Errors
+    /// [`ProtoError`] for a short message, wrong version, unknown kind, or a body length that
+    /// does not match. Never panics, whatever the bytes.
+    pub fn decode(msg: &[u8]) -> Result<(Header, &[u8]), ProtoError> {
+        let (h, body) = msg.split_first_chunk::<HEADER_LEN>().ok_or(ProtoError::Truncated)?;
+        if h[0] != VERSION {
+            return Err(ProtoError::BadVersion(h[0]));
+        }
+        let u16_at = |i: usize| u16::from_le_bytes([h[i], h[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+        let header = Header {
+            kind: Kind::from_u8(h[1])?,
+            flags: u16_at(2),
+            call_id: u32_at(4),
+            method: u32_at(8),
+            status: u16_at(12),
+            credits: u16_at(14),
+            body_len: u32_at(16),
+            budget_us: u32_at(20),
+        };
+        if header.body_len as usize != body.len() {
+            return Err(ProtoError::BodyLength {
+                announced: header.body_len,
+                actual: body.len(),
+            });
+        }
+        Ok((header, body))
+    }
+}
+
+/// Appends a descriptor.
+pub fn encode_desc(d: &RemoteRegion, out: &mut Vec<u8>) {
+    out.extend_from_slice(&d.addr.to_le_bytes());
+    out.extend_from_slice(&d.len.to_le_bytes());
+    out.extend_from_slice(&d.rkey.to_le_bytes());
+}
+
+/// Splits a descriptor off the front of `body`.
+///
+/// # Errors
+/// [`ProtoError::Truncated`] when fewer than [`DESC_LEN`] bytes are left.
+pub fn decode_desc(body: &[u8]) -> Result<(RemoteRegion, &[u8]), ProtoError> {
+    let (d, rest) = body.split_first_chunk::<DESC_LEN>().ok_or(ProtoError::Truncated)?;
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&d[..8]);
+    let mut l = [0u8; 8];
+    l.copy_from_slice(&d[8..16]);
+    let mut k = [0u8; 4];
+    k.copy_from_slice(&d[16..20]);
+    Ok((
+        RemoteRegion {
+            addr: u64::from_le_bytes(a),
+            len: u64::from_le_bytes(l),
+            rkey: u32::from_le_bytes(k),
+        },
+        rest,
+    ))
+}

@@ -1,0 +1,744 @@
+//! The session: one side of a connection, as a state machine.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use rdma_rpc_transport::RemoteRegion;
+
+use super::credits::Credits;
+use super::header::{decode_desc, encode_desc, Header, Kind, DESC_LEN, FLAG_LANDING, FLAG_RENDEZVOUS, HEADER_LEN};
+use super::ProtoError;
+use crate::{RpcError, Status};
+
+/// A registered buffer, named by the driver that owns it.
+pub type BufId = u64;
+
+/// Sizes both sides agree on (exchanged at connection set-up).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionConfig {
+    /// Receive slots each side keeps posted.
+    pub ring: u32,
+    /// Largest payload sent eagerly (inside a Send); larger ones go by rendezvous.
+    pub eager_max: usize,
+    /// Largest payload accepted at all.
+    pub max_payload: u64,
+}
+
+impl SessionConfig {
+    /// Bytes a receive slot needs for the largest eager message.
+    pub fn slot_size(&self) -> usize {
+        HEADER_LEN + DESC_LEN + self.eager_max.max(DESC_LEN * 2)
+    }
+}
+
+/// A request or response payload as the driver hands it over.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Payload {
+    /// Small: copied into the message.
+    Eager(Vec<u8>),
+    /// Large: staged in a registered buffer the peer may reach through `desc` until released.
+    Lent {
+        /// addr, len (the payload length), rkey.
+        desc: RemoteRegion,
+        /// The driver's name for the buffer.
+        buf: BufId,
+    },
+}
+
+/// The result of a call.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// The response bytes.
+    Bytes(Vec<u8>),
+    /// The response landed by RDMA Write in the landing buffer the call advertised; the driver
+    /// takes the bytes out and then owns the buffer again.
+    Landed {
+        /// The landing buffer.
+        buf: BufId,
+        /// Bytes written.
+        len: usize,
+    },
+}
+
+/// What an RDMA Read the driver runs is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Token {
+    /// Server side: fetching the request of this call.
+    Request(u32),
+    /// Client side: fetching the response of this call.
+    Response(u32),
+}
+
+/// Work for the driver.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Transmit {
+    /// Send this message (header and body) with a two-sided Send.
+    Send(Vec<u8>),
+    /// RDMA Read `remote` into a buffer of the driver's, then call [`Session::handle_read_done`].
+    Read {
+        /// What for.
+        token: Token,
+        /// Where from (its `len` is the payload length).
+        remote: RemoteRegion,
+    },
+    /// RDMA Write-with-immediate `len` bytes of `buf` to `remote`, then call
+    /// [`Session::handle_write_done`].
+    WriteImm {
+        /// Source.
+        buf: BufId,
+        /// Bytes.
+        len: usize,
+        /// Destination.
+        remote: RemoteRegion,
+        /// Immediate data (the call id).
+        imm: u32,
+    },
+    /// No peer can reach this buffer through this session any more: it may be reused.
+    Release(BufId),
+}
+
+/// What the application must learn.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A call of ours finished.
+    CallDone {
+        /// The call.
+        call: u32,
+        /// Its result.
+        result: Result<Reply, RpcError>,
+    },
+    /// A request arrived: run the handler for `method`, then [`Session::respond`].
+    Request {
+        /// The call id to respond to.
+        call: u32,
+        /// The method id.
+        method: u32,
+        /// The request bytes.
+        payload: Vec<u8>,
+        /// The caller's remaining budget, if it set a deadline.
+        budget: Option<Duration>,
+    },
+    /// Stop the handler of this call (cancelled or past its deadline); its response is sent.
+    Abort {
+        /// The call.
+        call: u32,
+    },
+}
+
+struct ClientCall {
+    method: u32,
+    deadline: Option<Instant>,
+    lent: Option<BufId>,
+    landing: Option<BufId>,
+    /// False once the caller has its result (deadline) or gave up (cancel): the entry only
+    /// waits for the server's last word so the buffers can be released.
+    live: bool,
+}
+
+enum Serving {
+    Reading,
+    Running,
+    /// Response lent; waiting for ReadDone.
+    Lent(BufId),
+    /// Response being written to the landing buffer.
+    Writing(BufId),
+}
+
+struct ServerCall {
+    method: u32,
+    deadline: Option<Instant>,
+    landing: Option<RemoteRegion>,
+    state: Serving,
+    cancelled: bool,
+}
+
+enum Out {
+    Msg { header: Header, body: Vec<u8> },
+    WriteImm { buf: BufId, len: usize, remote: RemoteRegion, imm: u32 },
+}
+
+/// One side of an rdma-rpc connection. See the [module docs](super) for the order of calls.
+pub struct Session {
+    cfg: SessionConfig,
+    credits: Credits,
+    next_call: u32,
+    calls: HashMap<u32, ClientCall>,
+    served: HashMap<u32, ServerCall>,
+    queue: VecDeque<Out>,
+    actions: VecDeque<Transmit>,
+    events: VecDeque<Event>,
+    lost: Option<String>,
+}
+
+impl Session {
+    /// A new session whose peer has `cfg.ring` receives posted.
+    pub fn new(cfg: SessionConfig) -> Self {
+        Self {
+            credits: Credits::new(cfg.ring.max(2)),
+            cfg,
+            next_call: 1,
+            calls: HashMap::new(),
+            served: HashMap::new(),
+            queue: VecDeque::new(),
+            actions: VecDeque::new(),
+            events: VecDeque::new(),
+            lost: None,
+        }
+    }
+
+    /// The agreed sizes.
+    pub fn config(&self) -> &SessionConfig {
+        &self.cfg
+    }
+
+    /// Credits (for tests and metrics).
+    pub fn credits(&self) -> &Credits {
+        &self.credits
+    }
+
+    /// Calls of ours not yet finished, including abandoned ones waiting for the server's word.
+    pub fn pending_calls(&self) -> usize {
+        self.calls.len()
+    }
+
+    /// Requests being served.
+    pub fn serving(&self) -> usize {
+        self.served.len()
+    }
+
+    /// Whether a payload of `len` bytes goes by rendezvous.
+    pub fn is_rendezvous(&self, len: usize) -> bool {
+        len > self.cfg.eager_max
+    }
+
+    /// The earliest deadline to pass to [`Session::handle_timeout`].
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let c = self.calls.values().filter(|c| c.live).filter_map(|c| c.deadline);
+        let s = self
+            .served
+            .values()
+            .filter(|s| matches!(s.state, Serving::Running))
+            .filter_map(|s| s.deadline);
+        c.chain(s).min()
+    }
+
+    // ------------------------------------------------------------------ client side
+
+    /// Starts a call. `landing` is a registered buffer for a large response, if the caller
+    /// expects one; `budget` a deadline relative to `now`.
+    ///
+    /// # Errors
+    /// [`RpcError::PayloadTooLarge`]; [`RpcError::ConnectionLost`] after the connection died.
+    /// On error the caller still owns the buffers it passed.
+    pub fn start_call(
+        &mut self,
+        method: u32,
+        payload: Payload,
+        landing: Option<(RemoteRegion, BufId)>,
+        budget: Option<Duration>,
+        now: Instant,
+    ) -> Result<u32, RpcError> {
+        if let Some(why) = &self.lost {
+            return Err(RpcError::ConnectionLost(why.clone()));
+        }
+        let len = match &payload {
+            Payload::Eager(b) => b.len() as u64,
+            Payload::Lent { desc, .. } => desc.len,
+        };
+        if len > self.cfg.max_payload {
+            return Err(RpcError::PayloadTooLarge {
+                len,
+                max: self.cfg.max_payload,
+            });
+        }
+        if let Payload::Eager(b) = &payload {
+            if b.len() > self.cfg.eager_max {
+                return Err(RpcError::Protocol(format!(
+                    "eager payload of {} bytes above eager_max {}",
+                    b.len(),
+                    self.cfg.eager_max
+                )));
+            }
+        }
+        let call = self.fresh_call_id();
+        let mut flags = 0;
+        let mut body = Vec::with_capacity(HEADER_LEN + DESC_LEN * 2);
+        if let Some((d, _)) = &landing {
+            flags |= FLAG_LANDING;
+            encode_desc(d, &mut body);
+        }
+        let lent = match payload {
+            Payload::Eager(b) => {
+                body.extend_from_slice(&b);
+                None
+            }
+            Payload::Lent { desc, buf } => {
+                flags |= FLAG_RENDEZVOUS;
+                encode_desc(&desc, &mut body);
+                Some(buf)
+            }
+        };
+        let budget_us = budget.map_or(0, |b| b.as_micros().clamp(1, u128::from(u32::MAX)) as u32);
+        self.queue.push_back(Out::Msg {
+            header: Header {
+                kind: Kind::Request,
+                flags,
+                call_id: call,
+                method,
+                status: 0,
+                credits: 0,
+                body_len: 0,
+                budget_us,
+            },
+            body,
+        });
+        self.calls.insert(
+            call,
+            ClientCall {
+                method,
+                deadline: budget.map(|b| now + b),
+                lent,
+                landing: landing.map(|(_, b)| b),
+                live: true,
+            },
+        );
+        Ok(call)
+    }
+
+    fn fresh_call_id(&mut self) -> u32 {
+        loop {
+            let id = self.next_call;
+            self.next_call = self.next_call.wrapping_add(1).max(1);
+            if !self.calls.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    /// The caller gave up on `call` (its future was dropped). The server is told; the call's
+    /// buffers stay lent until the server's last word on it.
+    pub fn cancel(&mut self, call: u32) {
+        if let Some(c) = self.calls.get_mut(&call) {
+            if c.live {
+                c.live = false;
+                self.queue_small(Kind::Cancel, call, 0, Vec::new());
+            }
+        }
+    }
+
+    fn finish_call(&mut self, call: u32, result: Result<Reply, RpcError>) {
+        let Some(c) = self.calls.remove(&call) else { return };
+        if let Some(b) = c.lent {
+            self.actions.push_back(Transmit::Release(b));
+        }
+        let landed = matches!(result, Ok(Reply::Landed { .. }));
+        if let Some(b) = c.landing {
+            if !(landed && c.live) {
+                self.actions.push_back(Transmit::Release(b));
+            }
+        }
+        if c.live {
+            self.events.push_back(Event::CallDone { call, result });
+        }
+    }
+
+    fn handle_response(&mut self, h: &Header, body: &[u8]) -> Result<(), ProtoError> {
+        let call = h.call_id;
+        let Some(c) = self.calls.get(&call) else {
+            return Err(ProtoError::UnknownCall(call));
+        };
+        if h.flags & FLAG_RENDEZVOUS != 0 {
+            let (desc, _) = decode_desc(body)?;
+            if desc.len > self.cfg.max_payload {
+                return Err(ProtoError::TooLarge(desc.len));
+            }
+            if c.live {
+                self.actions.push_back(Transmit::Read {
+                    token: Token::Response(call),
+                    remote: desc,
+                });
+            } else {
+                self.queue_small(Kind::ReadDone, call, 0, Vec::new());
+                self.finish_call(call, Err(RpcError::Cancelled));
+            }
+            return Ok(());
+        }
+        let result = match Status::from_u16(h.status) {
+            Status::Ok => Ok(Reply::Bytes(body.to_vec())),
+            s => Err(RpcError::from_wire(s, c.method, body)),
+        };
+        self.finish_call(call, result);
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------ server side
+
+    fn handle_request(&mut self, h: &Header, body: &[u8], now: Instant) -> Result<(), ProtoError> {
+        let call = h.call_id;
+        if self.served.contains_key(&call) {
+            return Err(ProtoError::DuplicateCall(call));
+        }
+        let mut rest = body;
+        let landing = if h.flags & FLAG_LANDING != 0 {
+            let (d, r) = decode_desc(rest)?;
+            rest = r;
+            Some(d)
+        } else {
+            None
+        };
+        let budget = (h.budget_us > 0).then(|| Duration::from_micros(u64::from(h.budget_us)));
+        let mut sc = ServerCall {
+            method: h.method,
+            deadline: budget.map(|b| now + b),
+            landing,
+            state: Serving::Running,
+            cancelled: false,
+        };
+        if h.flags & FLAG_RENDEZVOUS != 0 {
+            let (desc, _) = decode_desc(rest)?;
+            if desc.len > self.cfg.max_payload {
+                self.served.insert(call, sc);
+                self.reply_error(
+                    call,
+                    &RpcError::PayloadTooLarge {
+                        len: desc.len,
+                        max: self.cfg.max_payload,
+                    },
+                );
+                return Ok(());
+            }
+            sc.state = Serving::Reading;
+            self.served.insert(call, sc);
+            self.actions.push_back(Transmit::Read {
+                token: Token::Request(call),
+                remote: desc,
+            });
+            return Ok(());
+        }
+        self.served.insert(call, sc);
+        self.events.push_back(Event::Request {
+            call,
+            method: h.method,
+            payload: rest.to_vec(),
+            budget,
+        });
+        Ok(())
+    }
+
+    /// Answers a request. Pass large responses as [`Payload::Lent`]: they are written into the
+    /// caller's landing buffer when it advertised one big enough, and lent for the caller to
+    /// read otherwise. A response to a call that was cancelled or timed out is dropped (a lent
+    /// buffer is released at once).
+    pub fn respond(&mut self, call: u32, result: Result<Payload, RpcError>) {
+        let running = matches!(self.served.get(&call).map(|s| &s.state), Some(Serving::Running));
+        if !running {
+            if let Ok(Payload::Lent { buf, .. }) = result {
+                self.actions.push_back(Transmit::Release(buf));
+            }
+            return;
+        }
+        match result {
+            Ok(Payload::Eager(bytes)) if bytes.len() <= self.cfg.eager_max => {
+                self.served.remove(&call);
+                self.queue_small(Kind::Response, call, Status::Ok as u16, bytes);
+            }
+            Ok(Payload::Eager(bytes)) => {
+                self.reply_error(
+                    call,
+                    &RpcError::Internal(format!("eager response of {} bytes above eager_max", bytes.len())),
+                );
+            }
+            Ok(Payload::Lent { desc, buf }) => {
+                if desc.len > self.cfg.max_payload {
+                    self.actions.push_back(Transmit::Release(buf));
+                    self.reply_error(
+                        call,
+                        &RpcError::PayloadTooLarge {
+                            len: desc.len,
+                            max: self.cfg.max_payload,
+                        },
+                    );
+                    return;
+                }
+                let landing = self.served.get(&call).and_then(|s| s.landing);
+                if let Some(sc) = self.served.get_mut(&call) {
+                    match landing.filter(|l| l.len >= desc.len) {
+                        Some(remote) => {
+                            sc.state = Serving::Writing(buf);
+                            self.queue.push_back(Out::WriteImm {
+                                buf,
+                                len: desc.len as usize,
+                                remote: RemoteRegion { len: desc.len, ..remote },
+                                imm: call,
+                            });
+                        }
+                        None => {
+                            sc.state = Serving::Lent(buf);
+                            let mut body = Vec::with_capacity(DESC_LEN);
+                            encode_desc(&desc, &mut body);
+                            self.queue_msg(Kind::Response, FLAG_RENDEZVOUS, call, Status::Ok as u16, body);
+                        }
+                    }
+                }
+            }
+            Err(e) => self.reply_error(call, &e),
+        }
+    }
+
+    fn reply_error(&mut self, call: u32, e: &RpcError) {
+        self.served.remove(&call);
+        let (status, msg) = e.to_wire();
+        let mut body = msg.into_bytes();
+        body.truncate(self.cfg.eager_max.max(64));
+        self.queue_small(Kind::Response, call, status as u16, body);
+    }
+
+    fn handle_cancel(&mut self, call: u32) {
+        match self.served.get_mut(&call).map(|s| &mut s.state) {
+            Some(Serving::Running) => {
+                self.events.push_back(Event::Abort { call });
+                self.reply_error(call, &RpcError::Cancelled);
+            }
+            Some(Serving::Reading) => {
+                if let Some(s) = self.served.get_mut(&call) {
+                    s.cancelled = true;
+                }
+            }
+            // Lent / Writing: the caller still sends ReadDone or gets the Write; unknown: the
+            // response crossed the Cancel.
+            _ => {}
+        }
+    }
+
+    fn handle_read_done_msg(&mut self, call: u32) -> Result<(), ProtoError> {
+        match self.served.get(&call).map(|s| &s.state) {
+            Some(Serving::Lent(buf)) => {
+                let buf = *buf;
+                self.served.remove(&call);
+                self.actions.push_back(Transmit::Release(buf));
+                Ok(())
+            }
+            _ => Err(ProtoError::UnknownCall(call)),
+        }
+    }
+
+    // ------------------------------------------------------------------ inputs from the driver
+
+    /// A message arrived in a receive slot (which the driver reposts right after this returns).
+    ///
+    /// # Errors
+    /// [`ProtoError`] for bytes that are not a valid message or that break the protocol; the
+    /// driver should then close the connection. Never panics.
+    pub fn handle_message(&mut self, msg: &[u8], now: Instant) -> Result<(), ProtoError> {
+        self.credits.reposted();
+        let (h, body) = Header::decode(msg)?;
+        self.credits.returned(h.credits).map_err(|()| ProtoError::Overrun)?;
+        match h.kind {
+            Kind::Request => self.handle_request(&h, body, now),
+            Kind::Response => self.handle_response(&h, body),
+            Kind::Cancel => {
+                self.handle_cancel(h.call_id);
+                Ok(())
+            }
+            Kind::ReadDone => self.handle_read_done_msg(h.call_id),
+            Kind::Credit => Ok(()),
+        }
+    }
+
+    /// An RDMA Write-with-immediate landed `len` bytes for call `imm` (consuming a receive slot,
+    /// reposted by the driver).
+    ///
+    /// # Errors
+    /// [`ProtoError::UnknownCall`] when no call of ours advertised a landing buffer under `imm`.
+    pub fn handle_write_imm(&mut self, imm: u32, len: usize) -> Result<(), ProtoError> {
+        self.credits.reposted();
+        match self.calls.get(&imm) {
+            Some(c) if c.landing.is_some() => {
+                let buf = c.landing.unwrap_or_default();
+                self.finish_call(imm, Ok(Reply::Landed { buf, len }));
+                Ok(())
+            }
+            _ => Err(ProtoError::UnknownCall(imm)),
+        }
+    }
+
+    /// A [`Transmit::Read`] finished with these bytes (or failed).
+    pub fn handle_read_done(&mut self, token: Token, result: Result<Vec<u8>, RpcError>, now: Instant) {
+        match token {
+            Token::Response(call) => {
+                if !self.calls.contains_key(&call) {
+                    return;
+                }
+                self.queue_small(Kind::ReadDone, call, 0, Vec::new());
+                self.finish_call(call, result.map(Reply::Bytes));
+            }
+            Token::Request(call) => {
+                let Some(sc) = self.served.get_mut(&call) else { return };
+                let (cancelled, method) = (sc.cancelled, sc.method);
+                sc.state = Serving::Running;
+                match result {
+                    _ if cancelled => self.reply_error(call, &RpcError::Cancelled),
+                    Err(e) => self.reply_error(call, &RpcError::Internal(format!("fetching the request: {e}"))),
+                    Ok(payload) => {
+                        let budget = self
+                            .served
+                            .get(&call)
+                            .and_then(|s| s.deadline)
+                            .map(|d| d.saturating_duration_since(now));
+                        self.events.push_back(Event::Request {
+                            call,
+                            method,
+                            payload,
+                            budget,
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// A [`Transmit::WriteImm`] finished.
+    pub fn handle_write_done(&mut self, buf: BufId) {
+        let call = self
+            .served
+            .iter()
+            .find(|(_, s)| matches!(s.state, Serving::Writing(b) if b == buf))
+            .map(|(c, _)| *c);
+        if let Some(call) = call {
+            self.served.remove(&call);
+        }
+        self.actions.push_back(Transmit::Release(buf));
+    }
+
+    /// Deadlines up to `now` pass: the caller's calls fail, the server's handlers are aborted.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let expired: Vec<u32> = self
+            .calls
+            .iter()
+            .filter(|(_, c)| c.live && c.deadline.is_some_and(|d| d <= now))
+            .map(|(id, _)| *id)
+            .collect();
+        for call in expired {
+            if let Some(c) = self.calls.get_mut(&call) {
+                c.live = false;
+            }
+            self.events.push_back(Event::CallDone {
+                call,
+                result: Err(RpcError::DeadlineExceeded),
+            });
+            self.queue_small(Kind::Cancel, call, 0, Vec::new());
+        }
+        let late: Vec<u32> = self
+            .served
+            .iter()
+            .filter(|(_, s)| matches!(s.state, Serving::Running) && s.deadline.is_some_and(|d| d <= now))
+            .map(|(id, _)| *id)
+            .collect();
+        for call in late {
+            self.events.push_back(Event::Abort { call });
+            self.reply_error(call, &RpcError::DeadlineExceeded);
+        }
+    }
+
+    /// The connection is gone (QP error, peer dead): every pending call fails now, every
+    /// handler is aborted, every lent buffer is released (no peer can reach it any more).
+    pub fn handle_connection_lost(&mut self, why: &str) {
+        if self.lost.is_some() {
+            return;
+        }
+        self.lost = Some(why.to_owned());
+        self.queue.clear();
+        let calls: Vec<u32> = self.calls.keys().copied().collect();
+        for call in calls {
+            self.finish_call(call, Err(RpcError::ConnectionLost(why.to_owned())));
+        }
+        for (call, s) in self.served.drain() {
+            match s.state {
+                Serving::Running => self.events.push_back(Event::Abort { call }),
+                Serving::Lent(b) | Serving::Writing(b) => self.actions.push_back(Transmit::Release(b)),
+                Serving::Reading => {}
+            }
+        }
+    }
+
+    /// True once the connection was declared lost.
+    pub fn is_lost(&self) -> bool {
+        self.lost.is_some()
+    }
+
+    // ------------------------------------------------------------------ outputs
+
+    fn queue_small(&mut self, kind: Kind, call: u32, status: u16, body: Vec<u8>) {
+        self.queue_msg(kind, 0, call, status, body);
+    }
+
+    fn queue_msg(&mut self, kind: Kind, flags: u16, call: u32, status: u16, body: Vec<u8>) {
+        if self.lost.is_some() {
+            return;
+        }
+        self.queue.push_back(Out::Msg {
+            header: Header {
+                kind,
+                flags,
+                call_id: call,
+                method: 0,
+                status,
+                credits: 0,
+                body_len: 0,
+                budget_us: 0,
+            },
+            body,
+        });
+    }
+
+    /// The next piece of work to post, if credits allow.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        if let Some(a) = self.actions.pop_front() {
+            return Some(a);
+        }
+        if self.lost.is_some() {
+            return None;
+        }
+        if !self.queue.is_empty() && self.credits.can_send_data() {
+            return match self.queue.pop_front()? {
+                Out::Msg { header, body } => {
+                    let credits = self.credits.spend()?;
+                    Some(Transmit::Send(encode(header, credits, &body)))
+                }
+                Out::WriteImm { buf, len, remote, imm } => {
+                    self.credits.spend_silent()?;
+                    Some(Transmit::WriteImm { buf, len, remote, imm })
+                }
+            };
+        }
+        if self.credits.credit_message_due() {
+            let credits = self.credits.spend()?;
+            let h = Header {
+                kind: Kind::Credit,
+                flags: 0,
+                call_id: 0,
+                method: 0,
+                status: 0,
+                credits: 0,
+                body_len: 0,
+                budget_us: 0,
+            };
+            return Some(Transmit::Send(encode(h, credits, &[])));
+        }
+        None
+    }
+
+    /// The next event for the application.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+}
+
+fn encode(mut h: Header, credits: u16, body: &[u8]) -> Vec<u8> {
+    h.credits = credits;
+    h.body_len = body.len() as u32;
+    let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+    h.encode(&mut out);
+    out.extend_from_slice(body);
+    out
+}

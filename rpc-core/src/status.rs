@@ -1,0 +1,133 @@
+//! Status codes of responses, and the caller-facing error type.
+
+/// The status carried by a response header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u16)]
+#[non_exhaustive]
+pub enum Status {
+    /// The handler returned a value.
+    Ok = 0,
+    /// No handler is registered for the method id.
+    UnknownMethod = 1,
+    /// The server could not decode the request.
+    BadRequest = 2,
+    /// The handler panicked; the server lives on.
+    HandlerPanic = 3,
+    /// The request or response is above the configured maximum payload.
+    PayloadTooLarge = 4,
+    /// The call's deadline passed at the server.
+    DeadlineExceeded = 5,
+    /// The caller cancelled the call.
+    Cancelled = 6,
+    /// The handler returned an application error.
+    Application = 7,
+    /// The server failed for a reason of its own (e.g. it could not fetch the request).
+    Internal = 8,
+}
+
+impl Status {
+    /// From the wire; unknown codes become [`Status::Internal`].
+    pub fn from_u16(v: u16) -> Self {
+        match v {
+            0 => Status::Ok,
+            1 => Status::UnknownMethod,
+            2 => Status::BadRequest,
+            3 => Status::HandlerPanic,
+            4 => Status::PayloadTooLarge,
+            5 => Status::DeadlineExceeded,
+            6 => Status::Cancelled,
+            7 => Status::Application,
+            _ => Status::Internal,
+        }
+    }
+}
+
+/// Why a call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RpcError {
+    /// The server has no handler for this method id.
+    #[error("unknown method {0}: is the server running the same service version?")]
+    UnknownMethod(u32),
+    /// The server could not decode the request.
+    #[error("the server could not decode the request: {0}")]
+    BadRequest(String),
+    /// The handler panicked (the server is still up).
+    #[error("the handler panicked: {0}")]
+    HandlerPanic(String),
+    /// Request or response above the maximum payload.
+    #[error("payload of {len} bytes above the maximum of {max}: raise Config::max_payload on both sides")]
+    PayloadTooLarge {
+        /// Bytes asked for (0 when the server did not say).
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The deadline passed before the response arrived.
+    #[error("deadline exceeded")]
+    DeadlineExceeded,
+    /// The call was cancelled.
+    #[error("call cancelled")]
+    Cancelled,
+    /// The handler returned an error of the application.
+    #[error("application error: {0}")]
+    Application(String),
+    /// The server failed for a reason of its own.
+    #[error("server error: {0}")]
+    Internal(String),
+    /// The connection is gone: every pending call fails with this at once.
+    #[error("connection lost: {0}")]
+    ConnectionLost(String),
+    /// The peer broke the protocol.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// The transport failed (registration, posting).
+    #[error("transport error: {0}")]
+    Transport(String),
+}
+
+impl RpcError {
+    /// The status and message a server sends for this error.
+    pub fn to_wire(&self) -> (Status, String) {
+        let status = match self {
+            RpcError::UnknownMethod(_) => Status::UnknownMethod,
+            RpcError::BadRequest(_) => Status::BadRequest,
+            RpcError::HandlerPanic(_) => Status::HandlerPanic,
+            RpcError::PayloadTooLarge { .. } => Status::PayloadTooLarge,
+            RpcError::DeadlineExceeded => Status::DeadlineExceeded,
+            RpcError::Cancelled => Status::Cancelled,
+            RpcError::Application(_) => Status::Application,
+            _ => Status::Internal,
+        };
+        let msg = match self {
+            RpcError::BadRequest(m) | RpcError::HandlerPanic(m) | RpcError::Application(m) | RpcError::Internal(m) => {
+                m.clone()
+            }
+            RpcError::PayloadTooLarge { len, max } => format!("{len}/{max}"),
+            other => other.to_string(),
+        };
+        (status, msg)
+    }
+
+    /// The error a caller sees for a response with `status` and body `msg`.
+    pub fn from_wire(status: Status, method: u32, msg: &[u8]) -> Self {
+        let text = String::from_utf8_lossy(msg).into_owned();
+        match status {
+            Status::Ok => RpcError::Protocol("error constructed from an Ok status".into()),
+            Status::UnknownMethod => RpcError::UnknownMethod(method),
+            Status::BadRequest => RpcError::BadRequest(text),
+            Status::HandlerPanic => RpcError::HandlerPanic(text),
+            Status::PayloadTooLarge => {
+                let mut it = text.split('/').map(|p| p.parse::<u64>().unwrap_or(0));
+                RpcError::PayloadTooLarge {
+                    len: it.next().unwrap_or(0),
+                    max: it.next().unwrap_or(0),
+                }
+            }
+            Status::DeadlineExceeded => RpcError::DeadlineExceeded,
+            Status::Cancelled => RpcError::Cancelled,
+            Status::Application => RpcError::Application(text),
+            Status::Internal => RpcError::Internal(text),
+        }
+    }
+}

@@ -1,0 +1,415 @@
+//! Deterministic tests of the sans-IO session: two sessions wired in memory, with a model of the
+//! NIC between them that checks what a real one would punish — a Send into an empty receive ring
+//! (RNR), and a Read or Write that reaches a buffer its owner already released (the memory-safety
+//! bug the ownership rules exist to prevent).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+use rdma_rpc_core::proto::*;
+use rdma_rpc_core::transport::RemoteRegion;
+use rdma_rpc_core::RpcError;
+
+const RING: u32 = 8;
+
+fn cfg() -> SessionConfig {
+    SessionConfig { ring: RING, eager_max: 64, max_payload: 1 << 20 }
+}
+
+enum Wire {
+    Send(Vec<u8>),
+    WriteImm { imm: u32, len: usize },
+}
+
+/// One side: a session plus what its driver and NIC would hold.
+struct Side {
+    s: Session,
+    posted: u32,
+    bufs: HashMap<BufId, Vec<u8>>,
+    /// Buffers whose descriptor went to the peer and that were not yet released.
+    lent: HashSet<BufId>,
+    next_buf: BufId,
+    inbox: VecDeque<Wire>,
+    /// Reads and writes this side's NIC has yet to run against the peer.
+    rdma: VecDeque<Transmit>,
+    done: HashMap<u32, Result<Reply, RpcError>>,
+    requests: Vec<(u32, Vec<u8>)>,
+    aborted: HashSet<u32>,
+    rnr: u32,
+}
+
+impl Side {
+    fn new(base: BufId) -> Self {
+        Side {
+            s: Session::new(cfg()),
+            posted: RING,
+            bufs: HashMap::new(),
+            lent: HashSet::new(),
+            next_buf: base,
+            inbox: VecDeque::new(),
+            rdma: VecDeque::new(),
+            done: HashMap::new(),
+            requests: Vec::new(),
+            aborted: HashSet::new(),
+            rnr: 0,
+        }
+    }
+
+    fn stage(&mut self, data: Vec<u8>) -> (RemoteRegion, BufId) {
+        let id = self.next_buf;
+        self.next_buf += 1;
+        let desc = RemoteRegion { addr: id, len: data.len() as u64, rkey: 7 };
+        self.bufs.insert(id, data);
+        self.lent.insert(id);
+        (desc, id)
+    }
+
+    fn payload(&mut self, data: Vec<u8>) -> Payload {
+        if self.s.is_rendezvous(data.len()) {
+            let (desc, buf) = self.stage(data);
+            Payload::Lent { desc, buf }
+        } else {
+            Payload::Eager(data)
+        }
+    }
+
+    fn call(&mut self, len: usize, landing: Option<usize>, budget: Option<Duration>, now: Instant) -> u32 {
+        let p = self.payload(pattern(len, len as u8));
+        let landing = landing.map(|l| self.stage(vec![0; l]));
+        self.s.start_call(1, p, landing, budget, now).expect("start_call")
+    }
+
+    fn drain_events(&mut self) {
+        while let Some(e) = self.s.poll_event() {
+            match e {
+                Event::CallDone { call, result } => {
+                    if let Ok(Reply::Landed { buf, .. }) = &result {
+                        assert!(self.lent.remove(buf), "landed in a buffer that was not lent");
+                    }
+                    assert!(self.done.insert(call, result).is_none(), "call {call} completed twice");
+                }
+                Event::Request { call, payload, .. } => self.requests.push((call, payload)),
+                Event::Abort { call } => {
+                    self.aborted.insert(call);
+                }
+            }
+        }
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+/// Moves everything `from` wants to transmit: Sends and writes go on the wire (or to the NIC
+/// queue), releases free buffers.
+fn pump(from: &mut Side, to: &mut Side) {
+    while let Some(t) = from.s.poll_transmit() {
+        match t {
+            Transmit::Send(m) => to.inbox.push_back(Wire::Send(m)),
+            Transmit::Release(b) => {
+                assert!(from.lent.remove(&b), "buffer {b} released twice or never lent");
+                from.bufs.remove(&b);
+            }
+            other => from.rdma.push_back(other),
+        }
+    }
+}
+
+/// Runs one queued RDMA operation of `from` against `to`'s memory.
+fn run_rdma(from: &mut Side, to: &mut Side, now: Instant) {
+    let Some(op) = from.rdma.pop_front() else { return };
+    match op {
+        Transmit::Read { token, remote } => {
+            assert!(to.lent.contains(&remote.addr), "RDMA Read of buffer {} after its release", remote.addr);
+            let data = to.bufs[&remote.addr][..remote.len as usize].to_vec();
+            from.s.handle_read_done(token, Ok(data), now);
+        }
+        Transmit::WriteImm { buf, len, remote, imm } => {
+            assert!(to.lent.contains(&remote.addr), "RDMA Write into landing buffer {} after its release", remote.addr);
+            assert!(from.lent.contains(&buf), "RDMA Write from buffer {buf} after its release");
+            let data = from.bufs[&buf][..len].to_vec();
+            to.bufs.get_mut(&remote.addr).expect("landing")[..len].copy_from_slice(&data);
+            to.inbox.push_back(Wire::WriteImm { imm, len });
+            from.s.handle_write_done(buf);
+        }
+        _ => unreachable!(),
+    }
+}
+
+/// Delivers one message into `to`'s receive ring, as the NIC would.
+fn deliver(to: &mut Side, now: Instant) -> Result<(), ProtoError> {
+    let Some(w) = to.inbox.pop_front() else { return Ok(()) };
+    if to.posted == 0 {
+        to.rnr += 1;
+        return Ok(());
+    }
+    to.posted -= 1;
+    let r = match w {
+        Wire::Send(m) => to.s.handle_message(&m, now),
+        Wire::WriteImm { imm, len } => to.s.handle_write_imm(imm, len),
+    };
+    to.posted += 1; // reposted as soon as decoded
+    r
+}
+
+/// The server's handler: echo the request reversed, at a size chosen by the test.
+fn serve(server: &mut Side, resp_len: impl Fn(usize) -> usize) {
+    for (call, req) in std::mem::take(&mut server.requests) {
+        if server.aborted.contains(&call) {
+            continue;
+        }
+        let len = resp_len(req.len());
+        let mut body = pattern(len, req.len() as u8);
+        body.iter_mut().zip(req.iter()).for_each(|(b, r)| *b ^= r);
+        let p = server.payload(body);
+        server.s.respond(call, Ok(p));
+    }
+}
+
+fn expected_response(req_len: usize, resp_len: usize) -> Vec<u8> {
+    let req = pattern(req_len, req_len as u8);
+    let mut body = pattern(resp_len, req_len as u8);
+    body.iter_mut().zip(req.iter()).for_each(|(b, r)| *b ^= r);
+    body
+}
+
+fn settle(a: &mut Side, b: &mut Side, now: Instant, resp_len: impl Fn(usize) -> usize + Copy) {
+    for _ in 0..10_000 {
+        pump(a, b);
+        pump(b, a);
+        run_rdma(a, b, now);
+        run_rdma(b, a, now);
+        deliver(b, now).expect("server accepts");
+        deliver(a, now).expect("client accepts");
+        a.drain_events();
+        b.drain_events();
+        serve(b, resp_len);
+        let idle = a.inbox.is_empty() && b.inbox.is_empty() && a.rdma.is_empty() && b.rdma.is_empty();
+        if idle && b.requests.is_empty() {
+            pump(a, b);
+            pump(b, a);
+            if a.inbox.is_empty() && b.inbox.is_empty() && a.rdma.is_empty() && b.rdma.is_empty() {
+                return;
+            }
+        }
+    }
+    panic!("did not settle");
+}
+
+fn reply_bytes(a: &Side, r: &Reply) -> Vec<u8> {
+    match r {
+        Reply::Bytes(b) => b.clone(),
+        Reply::Landed { buf, len } => a.bufs[buf][..*len].to_vec(),
+    }
+}
+
+#[test]
+fn eager_and_rendezvous_both_ways() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    let cases = [(0, 0, None), (10, 64, None), (65, 10, None), (10, 500, None), (300, 900, Some(1000)), (300, 900, Some(100))];
+    let mut calls = Vec::new();
+    for (req, resp, landing) in cases {
+        let id = a.call(req, landing, None, now);
+        calls.push((id, req, resp));
+        settle(&mut a, &mut b, now, move |_| resp);
+        let got = a.done.remove(&id).expect("done").expect("ok");
+        assert_eq!(reply_bytes(&a, &got), expected_response(req, resp), "req {req} resp {resp} landing {landing:?}");
+        if let Reply::Landed { buf, .. } = got {
+            a.bufs.remove(&buf);
+        }
+    }
+    assert!(a.lent.is_empty() && b.lent.is_empty(), "every lent buffer released");
+    assert_eq!((a.rnr, b.rnr), (0, 0));
+}
+
+#[test]
+fn credit_exhaustion_holds_the_sender_and_recovers() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    for _ in 0..100 {
+        a.call(8, None, None, now);
+    }
+    pump(&mut a, &mut b);
+    assert!(b.inbox.len() < RING as usize, "at most ring-1 messages in flight without credits back: {}", b.inbox.len());
+    // a slow consumer: the server drains one message at a time, much later
+    settle(&mut a, &mut b, now, |_| 8);
+    assert_eq!(a.done.len(), 100);
+    assert!(a.done.values().all(Result::is_ok));
+    assert_eq!((a.rnr, b.rnr), (0, 0));
+    assert!(a.s.credits().available() <= RING && b.s.credits().available() <= RING);
+}
+
+#[test]
+fn deadline_fails_the_call_and_aborts_the_handler() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    let id = a.call(100, None, Some(Duration::from_millis(5)), now);
+    pump(&mut a, &mut b);
+    deliver(&mut b, now).expect("ok");
+    pump(&mut b, &mut a);
+    run_rdma(&mut b, &mut a, now);
+    b.drain_events();
+    assert_eq!(b.requests.len(), 1, "request fetched by rendezvous");
+    let later = now + Duration::from_millis(10);
+    a.s.handle_timeout(later);
+    b.s.handle_timeout(later);
+    a.drain_events();
+    b.drain_events();
+    assert_eq!(a.done.get(&id), Some(&Err(RpcError::DeadlineExceeded)));
+    assert!(b.aborted.contains(&b.requests[0].0), "the server aborts the late handler");
+    settle(&mut a, &mut b, later, |_| 8);
+    assert!(a.lent.is_empty(), "the lent request buffer is released once the server is done");
+    assert_eq!(a.s.pending_calls(), 0);
+}
+
+#[test]
+fn cancel_keeps_the_buffer_lent_until_the_server_is_done() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    let id = a.call(500, None, None, now);
+    pump(&mut a, &mut b);
+    deliver(&mut b, now).expect("ok"); // server now reads the request
+    pump(&mut b, &mut a);
+    a.s.cancel(id);
+    pump(&mut a, &mut b);
+    assert!(!a.lent.is_empty(), "cancelled, but the server may still be reading: not released");
+    run_rdma(&mut b, &mut a, now); // the Read runs after the cancel: must still be valid memory
+    settle(&mut a, &mut b, now, |_| 8);
+    assert!(a.lent.is_empty());
+    assert!(!a.done.contains_key(&id), "a cancelled call reports nothing");
+    assert_eq!(a.s.pending_calls(), 0);
+    assert_eq!(b.s.serving(), 0);
+}
+
+#[test]
+fn peer_crash_fails_every_pending_call_at_once() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    let ids: Vec<u32> = (0..5).map(|i| a.call(if i % 2 == 0 { 10 } else { 1000 }, Some(2000), None, now)).collect();
+    pump(&mut a, &mut b);
+    a.s.handle_connection_lost("peer died");
+    a.drain_events();
+    pump(&mut a, &mut b);
+    for id in ids {
+        assert!(matches!(a.done.get(&id), Some(Err(RpcError::ConnectionLost(_)))));
+    }
+    assert!(a.lent.is_empty(), "all buffers back: no peer can reach them");
+    assert!(matches!(a.s.start_call(1, Payload::Eager(vec![]), None, None, now), Err(RpcError::ConnectionLost(_))));
+    drop(b);
+}
+
+#[test]
+fn duplicate_and_unknown_call_ids_are_errors() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    a.call(4, None, None, now);
+    pump(&mut a, &mut b);
+    let Some(Wire::Send(m)) = b.inbox.pop_front() else { panic!("a request") };
+    b.s.handle_message(&m, now).expect("first");
+    assert_eq!(b.s.handle_message(&m, now), Err(ProtoError::DuplicateCall(1)));
+    let mut resp = Vec::new();
+    Header { kind: Kind::Response, flags: 0, call_id: 99, method: 0, status: 0, credits: 0, body_len: 0, budget_us: 0 }
+        .encode(&mut resp);
+    assert_eq!(a.s.handle_message(&resp, now), Err(ProtoError::UnknownCall(99)));
+    assert_eq!(a.s.handle_write_imm(77, 8), Err(ProtoError::UnknownCall(77)));
+}
+
+#[test]
+fn malformed_headers_are_errors() {
+    let now = Instant::now();
+    let mut s = Session::new(cfg());
+    assert_eq!(s.handle_message(&[], now), Err(ProtoError::Truncated));
+    let mut m = Vec::new();
+    Header { kind: Kind::Request, flags: FLAG_RENDEZVOUS, call_id: 1, method: 1, status: 0, credits: 0, body_len: 3, budget_us: 0 }
+        .encode(&mut m);
+    m.extend_from_slice(&[1, 2, 3]);
+    assert_eq!(s.handle_message(&m, now), Err(ProtoError::Truncated), "a rendezvous request without descriptor");
+    m[0] = 9;
+    assert_eq!(s.handle_message(&m, now), Err(ProtoError::BadVersion(9)));
+    let mut c = Vec::new();
+    Header { kind: Kind::Credit, flags: 0, call_id: 0, method: 0, status: 0, credits: 1000, body_len: 0, budget_us: 0 }
+        .encode(&mut c);
+    assert_eq!(s.handle_message(&c, now), Err(ProtoError::Overrun), "more credits than the ring");
+}
+
+proptest! {
+    #[test]
+    fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+        let mut s = Session::new(cfg());
+        let _ = s.handle_message(&bytes, Instant::now());
+        let _ = s.handle_write_imm(u32::from(bytes.first().copied().unwrap_or(0)), bytes.len());
+        while s.poll_transmit().is_some() {}
+    }
+
+    #[test]
+    fn random_headers_never_panic(kind in 0u8..8, flags in 0u16..4, call in 0u32..4, status in 0u16..10,
+                                  credits in 0u16..20, body in proptest::collection::vec(any::<u8>(), 0..80)) {
+        let mut s = Session::new(cfg());
+        let _ = s.start_call(1, Payload::Eager(vec![1]), None, None, Instant::now());
+        let mut m = vec![1, kind];
+        m.extend_from_slice(&flags.to_le_bytes());
+        m.extend_from_slice(&call.to_le_bytes());
+        m.extend_from_slice(&1u32.to_le_bytes());
+        m.extend_from_slice(&status.to_le_bytes());
+        m.extend_from_slice(&credits.to_le_bytes());
+        m.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        m.extend_from_slice(&0u32.to_le_bytes());
+        m.extend_from_slice(&body);
+        let _ = s.handle_message(&m, Instant::now());
+        while s.poll_transmit().is_some() {}
+        while s.poll_event().is_some() {}
+    }
+
+    /// Random call mixes, sizes across the threshold, cancellations, deadlines and interleavings:
+    /// never RNR, credits within the ring, every live call answered once and correctly, and no
+    /// buffer reached after its release.
+    #[test]
+    fn random_mixes_keep_every_promise(ops in proptest::collection::vec((0u8..8, 0usize..400, 0usize..400), 1..120)) {
+        let t0 = Instant::now();
+        let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+        let mut started: HashMap<u32, (usize, usize)> = HashMap::new();
+        let mut cancelled = HashSet::new();
+        let mut now = t0;
+        let resp_for = |req: usize| (req * 7 + 3) % 400;
+        for (op, x, y) in ops {
+            match op {
+                0 | 1 => {
+                    let landing = (y % 3 == 0).then_some(y);
+                    let budget = (x % 11 == 0).then(|| Duration::from_millis(1 + (y % 5) as u64));
+                    let id = a.call(x, landing, budget, now);
+                    started.insert(id, (x, resp_for(x)));
+                }
+                2 => { if let Some(&id) = started.keys().nth(x % started.len().max(1)) { a.s.cancel(id); cancelled.insert(id); } }
+                3 => { pump(&mut a, &mut b); pump(&mut b, &mut a); }
+                4 => { deliver(&mut b, now).expect("server"); b.drain_events(); }
+                5 => { deliver(&mut a, now).expect("client"); a.drain_events(); }
+                6 => { run_rdma(&mut a, &mut b, now); run_rdma(&mut b, &mut a, now); }
+                _ => {
+                    now += Duration::from_millis((x % 3) as u64);
+                    a.s.handle_timeout(now); b.s.handle_timeout(now);
+                    a.drain_events(); b.drain_events();
+                    serve(&mut b, resp_for);
+                }
+            }
+            prop_assert!(a.s.credits().available() <= RING && b.s.credits().available() <= RING);
+        }
+        settle(&mut a, &mut b, now, resp_for);
+        prop_assert_eq!((a.rnr, b.rnr), (0, 0));
+        for (id, (req, resp)) in &started {
+            match a.done.get(id) {
+                Some(Ok(r)) => prop_assert_eq!(reply_bytes(&a, r), expected_response(*req, *resp)),
+                Some(Err(RpcError::DeadlineExceeded | RpcError::Cancelled)) => {}
+                Some(Err(e)) => prop_assert!(false, "call {} failed: {}", id, e),
+                None => prop_assert!(cancelled.contains(id), "call {} never answered", id),
+            }
+        }
+        let landed: HashSet<BufId> = a.done.values().filter_map(|r| match r { Ok(Reply::Landed { buf, .. }) => Some(*buf), _ => None }).collect();
+        prop_assert!(a.lent.iter().all(|b| landed.contains(b)), "client buffers still lent: {:?}", a.lent);
+        prop_assert!(b.lent.is_empty(), "server buffers still lent: {:?}", b.lent);
+        prop_assert_eq!(a.s.pending_calls(), 0);
+        prop_assert_eq!(b.s.serving(), 0);
+    }
+}
