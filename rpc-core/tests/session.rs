@@ -14,7 +14,11 @@ use rdma_rpc_core::RpcError;
 const RING: u32 = 8;
 
 fn cfg() -> SessionConfig {
-    SessionConfig { ring: RING, eager_max: 64, max_payload: 1 << 20 }
+    SessionConfig {
+        ring: RING,
+        eager_max: 64,
+        max_payload: 1 << 20,
+    }
 }
 
 enum Wire {
@@ -59,7 +63,11 @@ impl Side {
     fn stage(&mut self, data: Vec<u8>) -> (RemoteRegion, BufId) {
         let id = self.next_buf;
         self.next_buf += 1;
-        let desc = RemoteRegion { addr: id, len: data.len() as u64, rkey: 7 };
+        let desc = RemoteRegion {
+            addr: id,
+            len: data.len() as u64,
+            rkey: 7,
+        };
         self.bufs.insert(id, data);
         self.lent.insert(id);
         (desc, id)
@@ -99,7 +107,9 @@ impl Side {
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
 }
 
 /// Moves everything `from` wants to transmit: Sends and writes go on the wire (or to the NIC
@@ -122,13 +132,24 @@ fn run_rdma(from: &mut Side, to: &mut Side, now: Instant) {
     let Some(op) = from.rdma.pop_front() else { return };
     match op {
         Transmit::Read { token, remote } => {
-            assert!(to.lent.contains(&remote.addr), "RDMA Read of buffer {} after its release", remote.addr);
+            assert!(
+                to.lent.contains(&remote.addr),
+                "RDMA Read of buffer {} after its release",
+                remote.addr
+            );
             let data = to.bufs[&remote.addr][..remote.len as usize].to_vec();
             from.s.handle_read_done(token, Ok(data), now);
         }
         Transmit::WriteImm { buf, len, remote, imm } => {
-            assert!(to.lent.contains(&remote.addr), "RDMA Write into landing buffer {} after its release", remote.addr);
-            assert!(from.lent.contains(&buf), "RDMA Write from buffer {buf} after its release");
+            assert!(
+                to.lent.contains(&remote.addr),
+                "RDMA Write into landing buffer {} after its release",
+                remote.addr
+            );
+            assert!(
+                from.lent.contains(&buf),
+                "RDMA Write from buffer {buf} after its release"
+            );
             let data = from.bufs[&buf][..len].to_vec();
             to.bufs.get_mut(&remote.addr).expect("landing")[..len].copy_from_slice(&data);
             to.inbox.push_back(Wire::WriteImm { imm, len });
@@ -209,14 +230,25 @@ fn reply_bytes(a: &Side, r: &Reply) -> Vec<u8> {
 fn eager_and_rendezvous_both_ways() {
     let now = Instant::now();
     let (mut a, mut b) = (Side::new(1000), Side::new(2000));
-    let cases = [(0, 0, None), (10, 64, None), (65, 10, None), (10, 500, None), (300, 900, Some(1000)), (300, 900, Some(100))];
+    let cases = [
+        (0, 0, None),
+        (10, 64, None),
+        (65, 10, None),
+        (10, 500, None),
+        (300, 900, Some(1000)),
+        (300, 900, Some(100)),
+    ];
     let mut calls = Vec::new();
     for (req, resp, landing) in cases {
         let id = a.call(req, landing, None, now);
         calls.push((id, req, resp));
         settle(&mut a, &mut b, now, move |_| resp);
         let got = a.done.remove(&id).expect("done").expect("ok");
-        assert_eq!(reply_bytes(&a, &got), expected_response(req, resp), "req {req} resp {resp} landing {landing:?}");
+        assert_eq!(
+            reply_bytes(&a, &got),
+            expected_response(req, resp),
+            "req {req} resp {resp} landing {landing:?}"
+        );
         if let Reply::Landed { buf, .. } = got {
             a.bufs.remove(&buf);
         }
@@ -233,7 +265,11 @@ fn credit_exhaustion_holds_the_sender_and_recovers() {
         a.call(8, None, None, now);
     }
     pump(&mut a, &mut b);
-    assert!(b.inbox.len() < RING as usize, "at most ring-1 messages in flight without credits back: {}", b.inbox.len());
+    assert!(
+        b.inbox.len() < RING as usize,
+        "at most ring-1 messages in flight without credits back: {}",
+        b.inbox.len()
+    );
     // a slow consumer: the server drains one message at a time, much later
     settle(&mut a, &mut b, now, |_| 8);
     assert_eq!(a.done.len(), 100);
@@ -259,9 +295,15 @@ fn deadline_fails_the_call_and_aborts_the_handler() {
     a.drain_events();
     b.drain_events();
     assert_eq!(a.done.get(&id), Some(&Err(RpcError::DeadlineExceeded)));
-    assert!(b.aborted.contains(&b.requests[0].0), "the server aborts the late handler");
+    assert!(
+        b.aborted.contains(&b.requests[0].0),
+        "the server aborts the late handler"
+    );
     settle(&mut a, &mut b, later, |_| 8);
-    assert!(a.lent.is_empty(), "the lent request buffer is released once the server is done");
+    assert!(
+        a.lent.is_empty(),
+        "the lent request buffer is released once the server is done"
+    );
     assert_eq!(a.s.pending_calls(), 0);
 }
 
@@ -275,7 +317,10 @@ fn cancel_keeps_the_buffer_lent_until_the_server_is_done() {
     pump(&mut b, &mut a);
     a.s.cancel(id);
     pump(&mut a, &mut b);
-    assert!(!a.lent.is_empty(), "cancelled, but the server may still be reading: not released");
+    assert!(
+        !a.lent.is_empty(),
+        "cancelled, but the server may still be reading: not released"
+    );
     run_rdma(&mut b, &mut a, now); // the Read runs after the cancel: must still be valid memory
     settle(&mut a, &mut b, now, |_| 8);
     assert!(a.lent.is_empty());
@@ -288,7 +333,9 @@ fn cancel_keeps_the_buffer_lent_until_the_server_is_done() {
 fn peer_crash_fails_every_pending_call_at_once() {
     let now = Instant::now();
     let (mut a, mut b) = (Side::new(1000), Side::new(2000));
-    let ids: Vec<u32> = (0..5).map(|i| a.call(if i % 2 == 0 { 10 } else { 1000 }, Some(2000), None, now)).collect();
+    let ids: Vec<u32> = (0..5)
+        .map(|i| a.call(if i % 2 == 0 { 10 } else { 1000 }, Some(2000), None, now))
+        .collect();
     pump(&mut a, &mut b);
     a.s.handle_connection_lost("peer died");
     a.drain_events();
@@ -297,7 +344,10 @@ fn peer_crash_fails_every_pending_call_at_once() {
         assert!(matches!(a.done.get(&id), Some(Err(RpcError::ConnectionLost(_)))));
     }
     assert!(a.lent.is_empty(), "all buffers back: no peer can reach them");
-    assert!(matches!(a.s.start_call(1, Payload::Eager(vec![]), None, None, now), Err(RpcError::ConnectionLost(_))));
+    assert!(matches!(
+        a.s.start_call(1, Payload::Eager(vec![]), None, None, now),
+        Err(RpcError::ConnectionLost(_))
+    ));
     drop(b);
 }
 
@@ -307,12 +357,23 @@ fn duplicate_and_unknown_call_ids_are_errors() {
     let (mut a, mut b) = (Side::new(1000), Side::new(2000));
     a.call(4, None, None, now);
     pump(&mut a, &mut b);
-    let Some(Wire::Send(m)) = b.inbox.pop_front() else { panic!("a request") };
+    let Some(Wire::Send(m)) = b.inbox.pop_front() else {
+        panic!("a request")
+    };
     b.s.handle_message(&m, now).expect("first");
     assert_eq!(b.s.handle_message(&m, now), Err(ProtoError::DuplicateCall(1)));
     let mut resp = Vec::new();
-    Header { kind: Kind::Response, flags: 0, call_id: 99, method: 0, status: 0, credits: 0, body_len: 0, budget_us: 0 }
-        .encode(&mut resp);
+    Header {
+        kind: Kind::Response,
+        flags: 0,
+        call_id: 99,
+        method: 0,
+        status: 0,
+        credits: 0,
+        body_len: 0,
+        budget_us: 0,
+    }
+    .encode(&mut resp);
     assert_eq!(a.s.handle_message(&resp, now), Err(ProtoError::UnknownCall(99)));
     assert_eq!(a.s.handle_write_imm(77, 8), Err(ProtoError::UnknownCall(77)));
 }
@@ -323,16 +384,42 @@ fn malformed_headers_are_errors() {
     let mut s = Session::new(cfg());
     assert_eq!(s.handle_message(&[], now), Err(ProtoError::Truncated));
     let mut m = Vec::new();
-    Header { kind: Kind::Request, flags: FLAG_RENDEZVOUS, call_id: 1, method: 1, status: 0, credits: 0, body_len: 3, budget_us: 0 }
-        .encode(&mut m);
+    Header {
+        kind: Kind::Request,
+        flags: FLAG_RENDEZVOUS,
+        call_id: 1,
+        method: 1,
+        status: 0,
+        credits: 0,
+        body_len: 3,
+        budget_us: 0,
+    }
+    .encode(&mut m);
     m.extend_from_slice(&[1, 2, 3]);
-    assert_eq!(s.handle_message(&m, now), Err(ProtoError::Truncated), "a rendezvous request without descriptor");
+    assert_eq!(
+        s.handle_message(&m, now),
+        Err(ProtoError::Truncated),
+        "a rendezvous request without descriptor"
+    );
     m[0] = 9;
     assert_eq!(s.handle_message(&m, now), Err(ProtoError::BadVersion(9)));
     let mut c = Vec::new();
-    Header { kind: Kind::Credit, flags: 0, call_id: 0, method: 0, status: 0, credits: 1000, body_len: 0, budget_us: 0 }
-        .encode(&mut c);
-    assert_eq!(s.handle_message(&c, now), Err(ProtoError::Overrun), "more credits than the ring");
+    Header {
+        kind: Kind::Credit,
+        flags: 0,
+        call_id: 0,
+        method: 0,
+        status: 0,
+        credits: 1000,
+        body_len: 0,
+        budget_us: 0,
+    }
+    .encode(&mut c);
+    assert_eq!(
+        s.handle_message(&c, now),
+        Err(ProtoError::Overrun),
+        "more credits than the ring"
+    );
 }
 
 proptest! {

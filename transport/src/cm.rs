@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::device::DeviceImpl;
 use crate::qp::QpImpl;
-use crate::{Device, Error, QpOptions, QueuePair, Result};
+use crate::{Device, Error, QpOptions, QueuePair, RecvWr, Result};
 
 /// The most private data either side may carry (the rdma_cm limit for an RC connect on IB/RoCE).
 pub const MAX_PRIVATE_DATA: usize = 56;
@@ -149,19 +149,31 @@ impl ConnectRequest {
     /// # Errors
     /// [`Error::PrivateDataTooLong`], invalid options, provider errors.
     pub fn accept(self, opts: &QpOptions, private_data: &[u8]) -> Result<QueuePair> {
+        self.accept_with_recvs(opts, private_data, Vec::new())
+    }
+
+    /// As [`ConnectRequest::accept`], with `recvs` posted before the peer learns the connection
+    /// is up: its first Send always finds a receive.
+    ///
+    /// # Errors
+    /// As [`ConnectRequest::accept`]; [`Error::QueueFull`] for more receives than the queue.
+    pub fn accept_with_recvs(self, opts: &QpOptions, private_data: &[u8], recvs: Vec<RecvWr>) -> Result<QueuePair> {
         check_private(private_data)?;
         opts.validate()?;
-        match self.imp {
+        let (qp, pending) = match self.imp {
             RequestImpl::Tcp(r) => {
-                let (qp, num) = r.accept(opts, private_data)?;
-                Ok(QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()))
+                let (qp, num, p) = r.accept(opts)?;
+                (QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), Pending::Tcp(p))
             }
             #[cfg(feature = "verbs")]
             RequestImpl::Verbs(r) => {
-                let (qp, num) = r.accept(opts, private_data)?;
-                Ok(QueuePair::new(QpImpl::Verbs(qp), num, opts.clone()))
+                let (qp, num, p) = r.accept(opts)?;
+                (QueuePair::new(QpImpl::Verbs(qp), num, opts.clone()), Pending::Verbs(p))
             }
-        }
+        };
+        qp.post_recv_batch(recvs).map_err(|e| e.error)?;
+        pending.finish(private_data)?;
+        Ok(qp)
     }
 
     /// Refuses the connection; the peer's `connect` fails with [`Error::Rejected`].
@@ -170,6 +182,23 @@ impl ConnectRequest {
             RequestImpl::Tcp(r) => r.reject(),
             #[cfg(feature = "verbs")]
             RequestImpl::Verbs(r) => r.reject(),
+        }
+    }
+}
+
+/// The last step of set-up, once the new QP has its first receives.
+enum Pending {
+    Tcp(crate::tcp::Pending),
+    #[cfg(feature = "verbs")]
+    Verbs(crate::verbs::Pending),
+}
+
+impl Pending {
+    fn finish(self, private_data: &[u8]) -> Result<Vec<u8>> {
+        match self {
+            Pending::Tcp(p) => p.finish(private_data),
+            #[cfg(feature = "verbs")]
+            Pending::Verbs(p) => p.finish(private_data),
         }
     }
 }
@@ -186,12 +215,26 @@ pub fn connect(
     private_data: &[u8],
     timeout: Duration,
 ) -> Result<(QueuePair, Vec<u8>)> {
+    connect_with_recvs(addr, opts, private_data, timeout, Vec::new())
+}
+
+/// As [`connect`], with `recvs` posted before the connection is established.
+///
+/// # Errors
+/// As [`connect`]; [`Error::QueueFull`] for more receives than the queue.
+pub fn connect_with_recvs(
+    addr: impl ToSocketAddrs,
+    opts: &QpOptions,
+    private_data: &[u8],
+    timeout: Duration,
+    recvs: Vec<RecvWr>,
+) -> Result<(QueuePair, Vec<u8>)> {
     check_private(private_data)?;
     opts.validate()?;
-    match &opts.pd.device().inner.imp {
+    let (qp, pending) = match &opts.pd.device().inner.imp {
         DeviceImpl::Tcp => {
-            let (qp, num, data) = crate::tcp::connect(addr, opts, private_data, timeout)?;
-            Ok((QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), data))
+            let (qp, num, p) = crate::tcp::connect(addr, opts, private_data, timeout)?;
+            (QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), Pending::Tcp(p))
         }
         #[cfg(feature = "verbs")]
         DeviceImpl::Verbs(ctx) => {
@@ -200,8 +243,11 @@ pub fn connect(
                 .map_err(|e| Error::io("resolving the address", e))?
                 .next()
                 .ok_or_else(|| Error::InvalidArgument("address resolves to nothing".into()))?;
-            let (qp, num, data) = crate::verbs::connect(ctx, addr, opts, private_data, timeout)?;
-            Ok((QueuePair::new(QpImpl::Verbs(qp), num, opts.clone()), data))
+            let (qp, num, p) = crate::verbs::connect(ctx, addr, opts, timeout)?;
+            (QueuePair::new(QpImpl::Verbs(qp), num, opts.clone()), Pending::Verbs(p))
         }
-    }
+    };
+    qp.post_recv_batch(recvs).map_err(|e| e.error)?;
+    let data = pending.finish(private_data)?;
+    Ok((qp, data))
 }

@@ -66,7 +66,7 @@ mod wc;
 mod wr;
 
 pub use access::AccessFlags;
-pub use cm::{connect, ConnectRequest, Listener, MAX_PRIVATE_DATA};
+pub use cm::{connect, connect_with_recvs, ConnectRequest, Listener, MAX_PRIVATE_DATA};
 pub use cq::{Completion, CompletionError, CompletionQueue};
 pub use device::{Device, DeviceCaps, ProviderSpec, PROVIDER_ENV};
 pub use error::{Error, Result};

@@ -22,7 +22,7 @@ use crate::cq::RawWc;
 use crate::mr::Region;
 use crate::DeviceCaps;
 
-pub(crate) use cm::{connect, Listener, Request};
+pub(crate) use cm::{connect, Listener, Pending, Request};
 pub(crate) use engine::Qp;
 
 /// Largest message: 1 GiB.

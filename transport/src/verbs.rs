@@ -16,7 +16,7 @@ use rdma_sys::*;
 
 use crate::{AccessFlags, DeviceCaps, Error, Result};
 
-pub(crate) use cm::{connect, Listener, Request};
+pub(crate) use cm::{connect, Listener, Pending, Request};
 pub(crate) use cq::Cq;
 pub(crate) use qp::Qp;
 

@@ -153,8 +153,16 @@ struct ServerCall {
 }
 
 enum Out {
-    Msg { header: Header, body: Vec<u8> },
-    WriteImm { buf: BufId, len: usize, remote: RemoteRegion, imm: u32 },
+    Msg {
+        header: Header,
+        body: Vec<u8>,
+    },
+    WriteImm {
+        buf: BufId,
+        len: usize,
+        remote: RemoteRegion,
+        imm: u32,
+    },
 }
 
 /// One side of an rdma-rpc connection. See the [module docs](super) for the order of calls.
@@ -468,7 +476,10 @@ impl Session {
                             self.queue.push_back(Out::WriteImm {
                                 buf,
                                 len: desc.len as usize,
-                                remote: RemoteRegion { len: desc.len, ..remote },
+                                remote: RemoteRegion {
+                                    len: desc.len,
+                                    ..remote
+                                },
                                 imm: call,
                             });
                         }

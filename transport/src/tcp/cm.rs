@@ -93,13 +93,39 @@ fn accept_within(l: &TcpListener, t: Duration) -> Result<(TcpStream, SocketAddr)
     Ok((s, a))
 }
 
+/// The last step of connection set-up, taken once the new QP has its receives posted.
+pub(crate) enum Pending {
+    /// Accepting: the reply to send.
+    Reply(TcpStream),
+    /// Connecting: already done, with the peer's private data.
+    Done(Vec<u8>),
+}
+
+impl Pending {
+    pub(crate) fn finish(self, private_data: &[u8]) -> Result<Vec<u8>> {
+        match self {
+            Pending::Reply(stream) => {
+                let mut reply = vec![1u8];
+                reply.extend_from_slice(private_data);
+                write_msg(&mut &stream, &reply)?;
+                Ok(Vec::new())
+            }
+            Pending::Done(data) => Ok(data),
+        }
+    }
+}
+
 impl Request {
-    pub(crate) fn accept(self, opts: &QpOptions, private_data: &[u8]) -> Result<(Qp, u32)> {
+    /// Starts the QP's engine; the reply goes out with [`Pending::finish`], after the caller
+    /// posted its first receives, so the peer's first Send always finds one.
+    pub(crate) fn accept(self, opts: &QpOptions) -> Result<(Qp, u32, Pending)> {
         let qp_num = random_u32();
-        let mut reply = vec![1u8];
-        reply.extend_from_slice(private_data);
-        write_msg(&mut &self.stream, &reply)?;
-        start(self.stream, opts, qp_num)
+        let reply = self
+            .stream
+            .try_clone()
+            .map_err(|e| Error::io("cloning the socket", e))?;
+        let (qp, n) = start(self.stream, opts, qp_num)?;
+        Ok((qp, n, Pending::Reply(reply)))
     }
 
     pub(crate) fn reject(self) {
@@ -112,7 +138,7 @@ pub(crate) fn connect(
     opts: &QpOptions,
     private_data: &[u8],
     timeout: Duration,
-) -> Result<(Qp, u32, Vec<u8>)> {
+) -> Result<(Qp, u32, Pending)> {
     let addr = addr
         .to_socket_addrs()
         .map_err(|e| Error::io("resolving the address", e))?
@@ -131,7 +157,7 @@ pub(crate) fn connect(
             let data = data.to_vec();
             let qp_num = random_u32();
             let (qp, n) = start(stream, opts, qp_num)?;
-            Ok((qp, n, data))
+            Ok((qp, n, Pending::Done(data)))
         }
         Some((0, _)) => Err(Error::Rejected),
         _ => Err(Error::Protocol("malformed connection reply".into())),

@@ -97,11 +97,38 @@ impl Drop for Id {
 }
 
 /// What we keep of an rdma_cm event after acknowledging it.
-struct Event {
-    kind: u32,
-    status: i32,
+pub(super) struct Event {
+    pub(super) kind: u32,
+    pub(super) status: i32,
     id: *mut rdma_cm_id,
-    private_data: Vec<u8>,
+    pub(super) private_data: Vec<u8>,
+}
+
+// SAFETY: `id` is only compared and handed back to the thread that owns the listener.
+unsafe impl Send for Event {}
+
+/// Copies what we need out of an event.
+///
+/// # Safety
+/// `ev` must be a valid event from rdma_get_cm_event, not yet acknowledged.
+pub(super) unsafe fn copy_event(ev: *const rdma_cm_event) -> Event {
+    // SAFETY: the caller promises a valid event; conn is the active member for connection
+    // events on RDMA_PS_TCP, and private_data points at private_data_len bytes (or is NULL).
+    unsafe {
+        let e = &*ev;
+        let conn = e.param.conn;
+        let private_data = if conn.private_data.is_null() {
+            Vec::new()
+        } else {
+            std::slice::from_raw_parts(conn.private_data.cast::<u8>(), usize::from(conn.private_data_len)).to_vec()
+        };
+        Event {
+            kind: e.event,
+            status: e.status,
+            id: e.id,
+            private_data,
+        }
+    }
 }
 
 fn next_event(ch: &Channel, deadline: Option<Instant>) -> Result<Event> {
@@ -140,30 +167,15 @@ fn next_event(ch: &Channel, deadline: Option<Instant>) -> Result<Event> {
         check("rdma_get_cm_event", unsafe {
             rdma_get_cm_event(ch.0.as_ptr(), &mut ev)
         })?;
-        // SAFETY: ev is valid until acknowledged; conn is the active member for connection
-        // events on RDMA_PS_TCP, and private_data points at private_data_len bytes (or is NULL).
-        let out = unsafe {
-            let e = &*ev;
-            let conn = e.param.conn;
-            let private_data = if conn.private_data.is_null() {
-                Vec::new()
-            } else {
-                std::slice::from_raw_parts(conn.private_data.cast::<u8>(), usize::from(conn.private_data_len)).to_vec()
-            };
-            Event {
-                kind: e.event,
-                status: e.status,
-                id: e.id,
-                private_data,
-            }
-        };
+        // SAFETY: ev came from rdma_get_cm_event and is not acknowledged yet.
+        let out = unsafe { copy_event(ev) };
         // SAFETY: acknowledged once; we copied what we need.
         unsafe { rdma_ack_cm_event(ev) };
         return Ok(out);
     }
 }
 
-fn expect(ev: Event, want: u32, what: &'static str) -> Result<Event> {
+pub(super) fn expect(ev: Event, want: u32, what: &'static str) -> Result<Event> {
     use rdma_cm_event_type::*;
     if ev.kind == want {
         return Ok(ev);
@@ -184,24 +196,10 @@ fn frame(data: &[u8]) -> Vec<u8> {
     v
 }
 
-fn unframe(raw: &[u8]) -> Vec<u8> {
+pub(super) fn unframe(raw: &[u8]) -> Vec<u8> {
     match raw.split_first() {
         Some((&n, rest)) => rest[..usize::from(n).min(rest.len())].to_vec(),
         None => Vec::new(),
-    }
-}
-
-fn conn_param(ctx: &Context, private: &[u8]) -> rdma_conn_param {
-    rdma_conn_param {
-        private_data: private.as_ptr().cast(),
-        private_data_len: private.len() as u8,
-        responder_resources: ctx.max_rd_atom,
-        initiator_depth: ctx.max_init_rd_atom,
-        flow_control: 1,
-        retry_count: RETRY_COUNT,
-        rnr_retry_count: RNR_RETRY,
-        srq: 0,
-        qp_num: 0,
     }
 }
 
@@ -324,9 +322,8 @@ pub(crate) fn connect(
     ctx: &Context,
     addr: SocketAddr,
     opts: &QpOptions,
-    private_data: &[u8],
     timeout: Duration,
-) -> Result<(Qp, u32, Vec<u8>)> {
+) -> Result<(Qp, u32, Pending)> {
     let deadline = Instant::now() + timeout;
     let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
     let ch = Channel::new()?;
@@ -351,18 +348,62 @@ pub(crate) fn connect(
         "rdma_resolve_route",
     )?;
     create_qp(&id, opts)?;
-    let framed = frame(private_data);
-    let mut param = conn_param(ctx, &framed);
-    // SAFETY: the id has a route and a QP; param and the private data it points at live across the call.
-    check("rdma_connect", unsafe { rdma_connect(id.raw(), &mut param) })?;
-    let ev = expect(
-        next_event(&ch, Some(deadline))?,
-        rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
-        "rdma_connect",
-    )?;
-    let reply = unframe(&ev.private_data);
-    let (qp, num) = Qp::new(id.into_raw(), ch.into_raw(), &opts.send_cq, &opts.recv_cq)?;
-    Ok((qp, num, reply))
+    let raw = id.raw();
+    let (qp, num, setup) = Qp::new(id.into_raw(), ch.into_raw(), &opts.send_cq, &opts.recv_cq)?;
+    let pending = Pending {
+        id: raw,
+        connect: true,
+        rd_atom: (ctx.max_rd_atom, ctx.max_init_rd_atom),
+        setup,
+        deadline,
+    };
+    Ok((qp, num, pending))
+}
+
+/// The last step of connection set-up (rdma_connect or rdma_accept, then ESTABLISHED), taken
+/// once the new QP has its first receives posted.
+pub(crate) struct Pending {
+    /// Owned by the `Qp`, which outlives this value (the caller holds both).
+    id: *mut rdma_cm_id,
+    connect: bool,
+    rd_atom: (u8, u8),
+    setup: std::sync::mpsc::Receiver<Event>,
+    deadline: Instant,
+}
+
+impl Pending {
+    pub(crate) fn finish(self, private_data: &[u8]) -> Result<Vec<u8>> {
+        let framed = frame(private_data);
+        let mut param = rdma_conn_param {
+            private_data: framed.as_ptr().cast(),
+            private_data_len: framed.len() as u8,
+            responder_resources: self.rd_atom.0,
+            initiator_depth: self.rd_atom.1,
+            flow_control: 1,
+            retry_count: RETRY_COUNT,
+            rnr_retry_count: RNR_RETRY,
+            srq: 0,
+            qp_num: 0,
+        };
+        // SAFETY: the id is live (its Qp is held by the caller) and has a QP; param and the
+        // private data it points at live across the call.
+        if self.connect {
+            check("rdma_connect", unsafe { rdma_connect(self.id, &mut param) })?;
+        } else {
+            check("rdma_accept", unsafe { rdma_accept(self.id, &mut param) })?;
+        }
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        let ev = self
+            .setup
+            .recv_timeout(left)
+            .map_err(|_| Error::Timeout("establishing the connection"))?;
+        let ev = expect(
+            ev,
+            rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
+            if self.connect { "rdma_connect" } else { "rdma_accept" },
+        )?;
+        Ok(unframe(&ev.private_data))
+    }
 }
 
 /// A listening rdma_cm id.
@@ -460,29 +501,25 @@ impl Request {
         self.peer
     }
 
-    pub(crate) fn accept(mut self, opts: &QpOptions, private_data: &[u8]) -> Result<(Qp, u32)> {
+    pub(crate) fn accept(mut self, opts: &QpOptions) -> Result<(Qp, u32, Pending)> {
         let (Some(id), Some(ch)) = (self.id.take(), self.ch.take()) else {
             return Err(Error::Protocol("request already answered".into()));
-        };
-        let PdImpl::Verbs(_) = &opts.pd.inner.imp else {
-            return Err(Error::InvalidArgument("a verbs QP needs a verbs PD".into()));
         };
         let crate::device::DeviceImpl::Verbs(ctx) = &opts.pd.device().inner.imp else {
             return Err(Error::InvalidArgument("a verbs QP needs a verbs device".into()));
         };
         id.check_device(ctx)?;
         create_qp(&id, opts)?;
-        let framed = frame(private_data);
-        let mut param = conn_param(ctx, &framed);
-        // SAFETY: the id has a QP; param and its private data live across the call.
-        check("rdma_accept", unsafe { rdma_accept(id.raw(), &mut param) })?;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        expect(
-            next_event(&ch, Some(deadline))?,
-            rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
-            "rdma_accept",
-        )?;
-        Qp::new(id.into_raw(), ch.into_raw(), &opts.send_cq, &opts.recv_cq)
+        let raw = id.raw();
+        let (qp, num, setup) = Qp::new(id.into_raw(), ch.into_raw(), &opts.send_cq, &opts.recv_cq)?;
+        let pending = Pending {
+            id: raw,
+            connect: false,
+            rd_atom: (ctx.max_rd_atom, ctx.max_init_rd_atom),
+            setup,
+            deadline: Instant::now() + Duration::from_secs(30),
+        };
+        Ok((qp, num, pending))
     }
 
     pub(crate) fn reject(mut self) {

@@ -63,12 +63,12 @@ fn verbs_cq(cq: &CompletionQueue) -> Option<&super::Cq> {
 
 impl Qp {
     /// Takes ownership of a connected id (with its QP) and its own event channel.
-    pub(crate) fn new(
+    pub(super) fn new(
         id: NonNull<rdma_cm_id>,
         channel: NonNull<rdma_event_channel>,
         send_cq: &CompletionQueue,
         recv_cq: &CompletionQueue,
-    ) -> Result<(Self, u32)> {
+    ) -> Result<(Self, u32, std::sync::mpsc::Receiver<super::cm::Event>)> {
         let inner = Arc::new(QpInner {
             id,
             channel,
@@ -89,9 +89,10 @@ impl Qp {
         }
         let ev_inner = inner.clone();
         let wake_rd = wake[0];
+        let (setup_tx, setup_rx) = std::sync::mpsc::channel();
         let events = std::thread::Builder::new()
             .name(format!("rdma-cm-{qp_num:x}"))
-            .spawn(move || event_loop(&ev_inner, wake_rd))
+            .spawn(move || event_loop(&ev_inner, wake_rd, &setup_tx))
             .map_err(|e| Error::io("spawning the connection event thread", e))?;
         Ok((
             Self {
@@ -102,6 +103,7 @@ impl Qp {
                 destroyed: false,
             },
             qp_num,
+            setup_rx,
         ))
     }
 
@@ -302,7 +304,9 @@ impl Qp {
 
 /// Reads the connection's rdma_cm events until woken: a DISCONNECTED (the peer disconnected,
 /// failed, or died and its kernel sent a DREQ) moves our QP to the error state.
-fn event_loop(inner: &QpInner, wake: RawFd) {
+/// Connection set-up events (ESTABLISHED, REJECTED, errors) go to `setup`, for the accept or
+/// connect that waits on them.
+fn event_loop(inner: &QpInner, wake: RawFd, setup: &std::sync::mpsc::Sender<super::cm::Event>) {
     // SAFETY: the channel is live until after this thread is joined.
     let fd = unsafe { (*inner.channel.as_ptr()).fd };
     loop {
@@ -338,12 +342,15 @@ fn event_loop(inner: &QpInner, wake: RawFd) {
             return;
         }
         // SAFETY: ev is a valid event until acknowledged below.
-        let kind = unsafe { (*ev).event };
-        tracing::debug!(kind, "rdma_cm event on a connected QP");
-        if kind == rdma_cm_event_type::RDMA_CM_EVENT_DISCONNECTED
-            || kind == rdma_cm_event_type::RDMA_CM_EVENT_DEVICE_REMOVAL
-        {
-            inner.qp_failed();
+        let event = unsafe { super::cm::copy_event(ev) };
+        tracing::debug!(kind = event.kind, "rdma_cm event on a QP");
+        use rdma_cm_event_type::*;
+        match event.kind {
+            RDMA_CM_EVENT_DISCONNECTED | RDMA_CM_EVENT_DEVICE_REMOVAL => inner.qp_failed(),
+            RDMA_CM_EVENT_TIMEWAIT_EXIT => {}
+            _ => {
+                let _ = setup.send(event);
+            }
         }
         // SAFETY: ev came from rdma_get_cm_event and is acknowledged once.
         unsafe { rdma_ack_cm_event(ev) };

@@ -1,0 +1,119 @@
+//! Configuration of clients and servers.
+
+use std::time::Duration;
+
+/// How a connection's driver waits for completions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CompletionMode {
+    /// Poll the CQ in a loop (yielding to tokio between polls): lowest latency, one busy core.
+    Spin,
+    /// Arm the CQ and sleep until the completion channel fires: no CPU while idle.
+    Event,
+    /// Spin for a bounded budget after the last activity, then sleep as `Event`.
+    Adaptive {
+        /// How long to keep spinning after the last completion or command.
+        spin: Duration,
+    },
+}
+
+impl Default for CompletionMode {
+    fn default() -> Self {
+        CompletionMode::Adaptive {
+            spin: Duration::from_micros(50),
+        }
+    }
+}
+
+/// Settings of a [`Client`](crate::Client) or [`Server`](crate::Server). Both ends exchange
+/// theirs when connecting and use the smaller threshold and payload limit.
+///
+/// # Examples
+/// ```
+/// let cfg = rdma_rpc_core::Config { eager_threshold: 4096, ..Default::default() };
+/// assert_eq!(cfg.ring, 64);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Receive slots each side keeps posted (the credit window).
+    pub ring: u32,
+    /// Payloads up to this size travel inside a Send; larger ones by rendezvous (RDMA Read of a
+    /// lent buffer, or Write-with-immediate into a landing buffer).
+    pub eager_threshold: usize,
+    /// Largest request or response accepted.
+    pub max_payload: u64,
+    /// How completions are waited for.
+    pub mode: CompletionMode,
+    /// Limit for connection set-up.
+    pub connect_timeout: Duration,
+}
+
+/// The default eager/rendezvous switch point. See the README for how it was chosen and how to
+/// measure your own.
+pub const DEFAULT_EAGER_THRESHOLD: usize = 16 * 1024;
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            ring: 64,
+            eager_threshold: DEFAULT_EAGER_THRESHOLD,
+            max_payload: 256 << 20,
+            mode: CompletionMode::default(),
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Per-call options.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CallOptions {
+    /// Fail with `DeadlineExceeded` after this long; the server gets the remaining budget.
+    pub deadline: Option<Duration>,
+    /// Expected response size. Above the threshold, the call advertises a landing buffer of this
+    /// size so that the server can RDMA-Write the response straight into it.
+    pub response_hint: Option<usize>,
+}
+
+/// What each side tells the other in the connection's private data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Hello {
+    pub(crate) ring: u32,
+    pub(crate) eager_threshold: u32,
+    pub(crate) max_payload: u64,
+}
+
+const MAGIC: &[u8; 4] = b"RRPC";
+
+impl Hello {
+    pub(crate) fn from_config(c: &Config) -> Self {
+        Self {
+            ring: c.ring,
+            eager_threshold: c.eager_threshold.min(u32::MAX as usize) as u32,
+            max_payload: c.max_payload,
+        }
+    }
+
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut v = MAGIC.to_vec();
+        v.push(crate::proto::VERSION);
+        v.extend_from_slice(&self.ring.to_le_bytes());
+        v.extend_from_slice(&self.eager_threshold.to_le_bytes());
+        v.extend_from_slice(&self.max_payload.to_le_bytes());
+        v
+    }
+
+    pub(crate) fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() < 21 || &b[..4] != MAGIC || b[4] != crate::proto::VERSION {
+            return None;
+        }
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let mut mp = [0u8; 8];
+        mp.copy_from_slice(&b[13..21]);
+        let h = Self {
+            ring: u32_at(5),
+            eager_threshold: u32_at(9),
+            max_payload: u64::from_le_bytes(mp),
+        };
+        (h.ring >= 2 && h.ring <= 4096).then_some(h)
+    }
+}

@@ -1,0 +1,109 @@
+//! Registered buffers for rendezvous, per connection: size classes, reused, never registered on
+//! the hot path once warm, and never reused while lent to the peer.
+
+use std::collections::HashMap;
+
+use rdma_rpc_transport::{AccessFlags, MemoryRegion, ProtectionDomain, RemoteRegion};
+
+use crate::proto::BufId;
+use crate::RpcError;
+
+/// The buffers of one connection: free ones by size class, and those the session holds (lent to
+/// the peer, or being read into) by id.
+pub(crate) struct Stash {
+    pd: ProtectionDomain,
+    free: HashMap<usize, Vec<MemoryRegion>>,
+    held: HashMap<BufId, MemoryRegion>,
+    next: BufId,
+    registered: usize,
+}
+
+const MIN_CLASS: usize = 4096;
+/// Free buffers kept per size class; more are deregistered.
+const KEEP: usize = 8;
+
+fn class(len: usize) -> usize {
+    len.max(MIN_CLASS).next_power_of_two()
+}
+
+impl Stash {
+    pub(crate) fn new(pd: &ProtectionDomain) -> Self {
+        Self {
+            pd: pd.clone(),
+            free: HashMap::new(),
+            held: HashMap::new(),
+            next: 1,
+            registered: 0,
+        }
+    }
+
+    /// A buffer of at least `len` bytes, held under a fresh id.
+    pub(crate) fn take(&mut self, len: usize) -> Result<(BufId, &mut MemoryRegion), RpcError> {
+        let c = class(len);
+        let mr = match self.free.get_mut(&c).and_then(Vec::pop) {
+            Some(mr) => mr,
+            None => {
+                let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
+                let mr = self
+                    .pd
+                    .register(c, access)
+                    .map_err(|e| RpcError::Transport(format!("registering a {c}-byte rendezvous buffer: {e}")))?;
+                self.registered += c;
+                mr
+            }
+        };
+        let id = self.next;
+        self.next += 1;
+        let slot = self.held.entry(id).or_insert(mr);
+        Ok((id, slot))
+    }
+
+    /// Stages `data` in a held buffer and describes it for the peer.
+    pub(crate) fn lend(&mut self, data: &[u8]) -> Result<(RemoteRegion, BufId), RpcError> {
+        let (id, mr) = self.take(data.len())?;
+        mr.bytes_mut()[..data.len()].copy_from_slice(data);
+        let mut desc = mr.remote();
+        desc.len = data.len() as u64;
+        Ok((desc, id))
+    }
+
+    /// A held buffer, for reading its bytes.
+    pub(crate) fn get(&self, id: BufId) -> Option<&MemoryRegion> {
+        self.held.get(&id)
+    }
+
+    /// Takes a held buffer out (to post it); give it back with [`Stash::put_back`].
+    pub(crate) fn take_out(&mut self, id: BufId) -> Option<MemoryRegion> {
+        self.held.remove(&id)
+    }
+
+    pub(crate) fn put_back(&mut self, id: BufId, mr: MemoryRegion) {
+        self.held.insert(id, mr);
+    }
+
+    /// The session says no peer can reach `id` any more: back to the free list.
+    pub(crate) fn release(&mut self, id: BufId) {
+        if let Some(mr) = self.held.remove(&id) {
+            self.recycle(mr);
+        }
+    }
+
+    pub(crate) fn recycle(&mut self, mr: MemoryRegion) {
+        let list = self.free.entry(mr.len()).or_default();
+        if list.len() < KEEP {
+            list.push(mr);
+        } else {
+            self.registered -= mr.len();
+        }
+    }
+
+    /// Bytes registered for rendezvous on this connection (held and free).
+    pub(crate) fn registered_bytes(&self) -> usize {
+        self.registered
+    }
+
+    /// Buffers the session still holds.
+    pub(crate) fn held(&self) -> usize {
+        self.held.len()
+    }
+}
