@@ -4,8 +4,16 @@
 //!   by RDMA Read and Write-with-immediate, call table, deadlines, cancellation, errors.
 //! - [`Client`] and [`Server`]: thin tokio drivers that run a session over a transport QP.
 
+mod client;
+mod config;
+mod driver;
 pub mod proto;
+mod server;
+mod stash;
 mod status;
 
+pub use client::Client;
+pub use config::{CallOptions, CompletionMode, Config, DEFAULT_EAGER_THRESHOLD};
 pub use rdma_rpc_transport as transport;
+pub use server::{Server, ServerBuilder};
 pub use status::{RpcError, Status};

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use rdma_rpc_transport::{AccessFlags, MemoryRegion, ProtectionDomain, RemoteRegion};
 
-use crate::proto::BufId;
+use crate::proto::{BufId, LANDING_PREFIX};
 use crate::RpcError;
 
 /// The buffers of one connection: free ones by size class, and those the session holds (lent to
@@ -58,13 +58,40 @@ impl Stash {
         Ok((id, slot))
     }
 
-    /// Stages `data` in a held buffer and describes it for the peer.
+    /// Stages `data` in a held buffer as [length][bytes] (the layout a landed response has, so
+    /// the same buffer can be read by the peer or written into its landing buffer) and
+    /// describes the bytes for the peer.
     pub(crate) fn lend(&mut self, data: &[u8]) -> Result<(RemoteRegion, BufId), RpcError> {
-        let (id, mr) = self.take(data.len())?;
-        mr.bytes_mut()[..data.len()].copy_from_slice(data);
-        let mut desc = mr.remote();
-        desc.len = data.len() as u64;
+        let (id, mr) = self.take(LANDING_PREFIX + data.len())?;
+        {
+            let mut b = mr.bytes_mut();
+            b[..LANDING_PREFIX].copy_from_slice(&(data.len() as u64).to_le_bytes());
+            b[LANDING_PREFIX..LANDING_PREFIX + data.len()].copy_from_slice(data);
+        }
+        let whole = mr.remote();
+        let desc = RemoteRegion {
+            addr: whole.addr + LANDING_PREFIX as u64,
+            len: data.len() as u64,
+            rkey: whole.rkey,
+        };
         Ok((desc, id))
+    }
+
+    /// The bytes of a landed response in held buffer `id`, which is then freed.
+    pub(crate) fn landed(&mut self, id: BufId) -> Result<Vec<u8>, RpcError> {
+        let out = self.get(id).map(|mr| {
+            let b = mr.bytes();
+            let mut n = [0u8; LANDING_PREFIX];
+            n.copy_from_slice(&b[..LANDING_PREFIX]);
+            let n = u64::from_le_bytes(n);
+            usize::try_from(n)
+                .ok()
+                .filter(|&n| n <= b.len() - LANDING_PREFIX)
+                .map(|n| b[LANDING_PREFIX..LANDING_PREFIX + n].to_vec())
+                .ok_or_else(|| RpcError::Protocol(format!("landed response claims {n} bytes")))
+        });
+        self.release(id);
+        out.unwrap_or_else(|| Err(RpcError::Protocol("landing buffer unknown".into())))
     }
 
     /// A held buffer, for reading its bytes.
@@ -95,15 +122,5 @@ impl Stash {
         } else {
             self.registered -= mr.len();
         }
-    }
-
-    /// Bytes registered for rendezvous on this connection (held and free).
-    pub(crate) fn registered_bytes(&self) -> usize {
-        self.registered
-    }
-
-    /// Buffers the session still holds.
-    pub(crate) fn held(&self) -> usize {
-        self.held.len()
     }
 }

@@ -92,7 +92,7 @@ impl Side {
         while let Some(e) = self.s.poll_event() {
             match e {
                 Event::CallDone { call, result } => {
-                    if let Ok(Reply::Landed { buf, .. }) = &result {
+                    if let Ok(Reply::Landed { buf }) = &result {
                         assert!(self.lent.remove(buf), "landed in a buffer that was not lent");
                     }
                     assert!(self.done.insert(call, result).is_none(), "call {call} completed twice");
@@ -150,8 +150,9 @@ fn run_rdma(from: &mut Side, to: &mut Side, now: Instant) {
                 from.lent.contains(&buf),
                 "RDMA Write from buffer {buf} after its release"
             );
-            let data = from.bufs[&buf][..len].to_vec();
-            to.bufs.get_mut(&remote.addr).expect("landing")[..len].copy_from_slice(&data);
+            let mut data = (len as u64).to_le_bytes().to_vec();
+            data.extend_from_slice(&from.bufs[&buf][..len]);
+            to.bufs.get_mut(&remote.addr).expect("landing")[..LANDING_PREFIX + len].copy_from_slice(&data);
             to.inbox.push_back(Wire::WriteImm { imm, len });
             from.s.handle_write_done(buf);
         }
@@ -222,7 +223,11 @@ fn settle(a: &mut Side, b: &mut Side, now: Instant, resp_len: impl Fn(usize) -> 
 fn reply_bytes(a: &Side, r: &Reply) -> Vec<u8> {
     match r {
         Reply::Bytes(b) => b.clone(),
-        Reply::Landed { buf, len } => a.bufs[buf][..*len].to_vec(),
+        Reply::Landed { buf } => {
+            let b = &a.bufs[buf];
+            let len = u64::from_le_bytes(b[..LANDING_PREFIX].try_into().expect("prefix")) as usize;
+            b[LANDING_PREFIX..LANDING_PREFIX + len].to_vec()
+        }
     }
 }
 
@@ -249,7 +254,7 @@ fn eager_and_rendezvous_both_ways() {
             expected_response(req, resp),
             "req {req} resp {resp} landing {landing:?}"
         );
-        if let Reply::Landed { buf, .. } = got {
+        if let Reply::Landed { buf } = got {
             a.bufs.remove(&buf);
         }
     }
@@ -493,7 +498,7 @@ proptest! {
                 None => prop_assert!(cancelled.contains(id), "call {} never answered", id),
             }
         }
-        let landed: HashSet<BufId> = a.done.values().filter_map(|r| match r { Ok(Reply::Landed { buf, .. }) => Some(*buf), _ => None }).collect();
+        let landed: HashSet<BufId> = a.done.values().filter_map(|r| match r { Ok(Reply::Landed { buf }) => Some(*buf), _ => None }).collect();
         prop_assert!(a.lent.iter().all(|b| landed.contains(b)), "client buffers still lent: {:?}", a.lent);
         prop_assert!(b.lent.is_empty(), "server buffers still lent: {:?}", b.lent);
         prop_assert_eq!(a.s.pending_calls(), 0);

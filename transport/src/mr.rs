@@ -216,6 +216,21 @@ impl MemoryRegion {
     }
 }
 
+impl MemoryRegion {
+    /// Joins `other` back onto the end of `self`, undoing [`MemoryRegion::split_off`].
+    ///
+    /// # Errors
+    /// Gives `other` back when it is not the piece right after `self` in the same registration.
+    pub fn unsplit(&mut self, other: MemoryRegion) -> Result<(), MemoryRegion> {
+        let adjacent = Arc::ptr_eq(&self.region, &other.region) && self.off + self.len == other.off;
+        if !adjacent || self.home.is_some() || other.home.is_some() {
+            return Err(other);
+        }
+        self.len += other.len;
+        Ok(())
+    }
+}
+
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
         if let Some(home) = self.home.take() {

@@ -13,6 +13,9 @@ use crate::{RpcError, Status};
 /// A registered buffer, named by the driver that owns it.
 pub type BufId = u64;
 
+/// Bytes of the length header in front of a landed response (and of a lent buffer's payload).
+pub const LANDING_PREFIX: usize = 8;
+
 /// Sizes both sides agree on (exchanged at connection set-up).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionConfig {
@@ -50,13 +53,12 @@ pub enum Payload {
 pub enum Reply {
     /// The response bytes.
     Bytes(Vec<u8>),
-    /// The response landed by RDMA Write in the landing buffer the call advertised; the driver
-    /// takes the bytes out and then owns the buffer again.
+    /// The response landed by RDMA Write in the landing buffer the call advertised, laid out
+    /// as [`LANDING_PREFIX`] bytes of little-endian length, then the bytes. The driver takes
+    /// them out (checking the length against the buffer) and owns the buffer again.
     Landed {
         /// The landing buffer.
         buf: BufId,
-        /// Bytes written.
-        len: usize,
     },
 }
 
@@ -81,12 +83,14 @@ pub enum Transmit {
         /// Where from (its `len` is the payload length).
         remote: RemoteRegion,
     },
-    /// RDMA Write-with-immediate `len` bytes of `buf` to `remote`, then call
-    /// [`Session::handle_write_done`].
+    /// RDMA Write-with-immediate a response of `len` bytes to `remote`, then call
+    /// [`Session::handle_write_done`]. What is written is `buf`'s [`LANDING_PREFIX`]-byte length
+    /// header followed by the bytes (the layout a lent buffer has), `LANDING_PREFIX + len` bytes
+    /// from the start of `buf`; the immediate goes with the last piece.
     WriteImm {
         /// Source.
         buf: BufId,
-        /// Bytes.
+        /// Payload bytes (without the prefix).
         len: usize,
         /// Destination.
         remote: RemoteRegion,
@@ -470,7 +474,7 @@ impl Session {
                 }
                 let landing = self.served.get(&call).and_then(|s| s.landing);
                 if let Some(sc) = self.served.get_mut(&call) {
-                    match landing.filter(|l| l.len >= desc.len) {
+                    match landing.filter(|l| l.len >= desc.len + LANDING_PREFIX as u64) {
                         Some(remote) => {
                             sc.state = Serving::Writing(buf);
                             self.queue.push_back(Out::WriteImm {
@@ -563,10 +567,11 @@ impl Session {
     /// [`ProtoError::UnknownCall`] when no call of ours advertised a landing buffer under `imm`.
     pub fn handle_write_imm(&mut self, imm: u32, len: usize) -> Result<(), ProtoError> {
         self.credits.reposted();
+        let _ = len; // the length travels in the landing buffer's prefix
         match self.calls.get(&imm) {
             Some(c) if c.landing.is_some() => {
                 let buf = c.landing.unwrap_or_default();
-                self.finish_call(imm, Ok(Reply::Landed { buf, len }));
+                self.finish_call(imm, Ok(Reply::Landed { buf }));
                 Ok(())
             }
             _ => Err(ProtoError::UnknownCall(imm)),

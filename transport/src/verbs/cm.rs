@@ -15,9 +15,10 @@ use crate::{Error, QpOptions, Result};
 /// rdma_set_option level and name (rdma_cma.h enums that bindgen does not export).
 const RDMA_OPTION_ID: i32 = 0;
 const RDMA_OPTION_ID_ACK_TIMEOUT: i32 = 3;
-/// Local ACK timeout exponent: 4.096 µs × 2^14 ≈ 67 ms per try; with 7 retries a dead peer
+/// Local ACK timeout exponent: 4.096 µs × 2^18 ≈ 1.07 s per try (a 16 MiB RDMA Read on
+/// soft-RoCE under emulation needs more than 2^14 ≈ 67 ms); with 7 retries a silent peer
 /// becomes RETRY_EXC_ERR in about half a second.
-const ACK_TIMEOUT: u8 = 14;
+const ACK_TIMEOUT: u8 = 18;
 const RETRY_COUNT: u8 = 7;
 /// RNR retries: 6 (7 would mean "forever").
 const RNR_RETRY: u8 = 6;
@@ -385,13 +386,15 @@ impl Pending {
             srq: 0,
             qp_num: 0,
         };
-        // SAFETY: the id is live (its Qp is held by the caller) and has a QP; param and the
-        // private data it points at live across the call.
-        if self.connect {
-            check("rdma_connect", unsafe { rdma_connect(self.id, &mut param) })?;
+        let rc = if self.connect {
+            // SAFETY: the id is live (its Qp is held by the caller) and has a QP; param and the
+            // private data it points at live across the call.
+            unsafe { rdma_connect(self.id, &mut param) }
         } else {
-            check("rdma_accept", unsafe { rdma_accept(self.id, &mut param) })?;
-        }
+            // SAFETY: as above.
+            unsafe { rdma_accept(self.id, &mut param) }
+        };
+        check(if self.connect { "rdma_connect" } else { "rdma_accept" }, rc)?;
         let left = self.deadline.saturating_duration_since(Instant::now());
         let ev = self
             .setup

@@ -1,0 +1,440 @@
+//! The connection driver: a tokio task that runs a [`Session`] over a transport queue pair.
+//!
+//! It owns the QP, its CQ and every buffer of the connection (the receive ring, the send
+//! buffers, the rendezvous stash), turns the session's transmits into work requests and
+//! completions into session inputs, and waits by the configured completion mode.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+use rdma_rpc_transport::{
+    BufferPool, Completion, CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair, RecvWr, SendOp, SendWr,
+    WcOpcode,
+};
+
+use crate::config::CompletionMode;
+use crate::proto::{BufId, Event, Session, Token, Transmit, LANDING_PREFIX};
+use crate::stash::Stash;
+use crate::RpcError;
+
+const KIND_SHIFT: u32 = 60;
+const RECV: u64 = 1 << KIND_SHIFT;
+const SEND: u64 = 2 << KIND_SHIFT;
+const READ: u64 = 3 << KIND_SHIFT;
+const WRITE: u64 = 4 << KIND_SHIFT;
+const ID_MASK: u64 = (1 << KIND_SHIFT) - 1;
+
+/// The role-specific half of a driver: the client's call table or the server's handlers.
+pub(crate) trait Role {
+    /// Takes commands that arrived without waiting; returns whether there were any.
+    fn drain_inputs(&mut self, conn: &mut Conn) -> bool;
+    /// Handles one session event.
+    fn on_event(&mut self, conn: &mut Conn, ev: Event);
+    /// Waits for the next command; `false` when no more can come and the role is done.
+    fn wait_input(&mut self) -> impl std::future::Future<Output = Option<RoleInput>> + Send;
+    /// Handles a command returned by `wait_input`.
+    fn on_input(&mut self, conn: &mut Conn, input: RoleInput);
+    /// True when the driver may stop (client: all handles dropped and nothing pending).
+    fn finished(&self, conn: &Conn) -> bool;
+    /// The connection is lost; fail what the session does not know about.
+    fn on_lost(&mut self, why: &str);
+}
+
+/// A command for a role, type-erased so the wait loop stays generic.
+pub(crate) type RoleInput = Box<dyn std::any::Any + Send>;
+
+/// The connection's resources and session.
+pub(crate) struct Conn {
+    pub(crate) session: Session,
+    pub(crate) stash: Stash,
+    qp: QueuePair,
+    cq: CompletionQueue,
+    send_pool: BufferPool,
+    max_inline: usize,
+    reads: HashMap<u64, Job>,
+    writes: HashMap<BufId, Job>,
+    next_read: u64,
+    /// Largest single RDMA message on this device: longer transfers go in pieces.
+    chunk: usize,
+    backlog: VecDeque<Transmit>,
+    scratch: Vec<Completion>,
+    lost: Option<String>,
+}
+
+impl Conn {
+    /// The receive ring: `ring` buffers for the first posting.
+    pub(crate) fn ring(pd: &ProtectionDomain, ring: u32, slot: usize) -> Result<Vec<RecvWr>, RpcError> {
+        let pool = BufferPool::new(pd, slot, ring as usize, rdma_rpc_transport::AccessFlags::LOCAL_WRITE)
+            .map_err(|e| RpcError::Transport(e.to_string()))?;
+        Ok((0..ring)
+            .filter_map(|i| pool.take().map(|b| RecvWr::new(RECV | u64::from(i), b)))
+            .collect())
+    }
+
+    pub(crate) fn new(
+        session: Session,
+        pd: &ProtectionDomain,
+        qp: QueuePair,
+        cq: CompletionQueue,
+        slot: usize,
+    ) -> Result<Self, RpcError> {
+        let ring = session.config().ring as usize;
+        let send_pool = BufferPool::new(pd, slot, ring + 8, rdma_rpc_transport::AccessFlags::LOCAL_WRITE)
+            .map_err(|e| RpcError::Transport(e.to_string()))?;
+        let max_inline = qp.caps().max_inline_data as usize;
+        let chunk = qp.pd().device().caps().max_msg_size.clamp(4096, 1 << 30) as usize;
+        Ok(Self {
+            session,
+            stash: Stash::new(pd),
+            qp,
+            cq,
+            send_pool,
+            max_inline,
+            reads: HashMap::new(),
+            writes: HashMap::new(),
+            next_read: 0,
+            chunk,
+            backlog: VecDeque::new(),
+            scratch: Vec::with_capacity(64),
+            lost: None,
+        })
+    }
+
+    fn lose(&mut self, why: String) {
+        if self.lost.is_none() {
+            tracing::debug!(%why, "connection lost");
+            self.session.handle_connection_lost(&why);
+            self.lost = Some(why);
+        }
+    }
+
+    /// Takes the bytes of a held buffer and frees it.
+    pub(crate) fn take_bytes(&mut self, buf: BufId, len: usize) -> Vec<u8> {
+        let v = self
+            .stash
+            .get(buf)
+            .map(|m| m.bytes()[..len].to_vec())
+            .unwrap_or_default();
+        self.stash.release(buf);
+        v
+    }
+
+    /// Reaps completions without blocking; returns whether there were any.
+    fn poll_cq(&mut self) -> bool {
+        let mut done = std::mem::take(&mut self.scratch);
+        let n = match self.cq.poll(&mut done, 64) {
+            Ok(n) => n,
+            Err(e) => {
+                self.lose(format!("polling the CQ: {e}"));
+                0
+            }
+        };
+        for c in done.drain(..) {
+            self.on_completion(c);
+        }
+        self.scratch = done;
+        n > 0
+    }
+
+    fn on_completion(&mut self, c: Completion) {
+        let now = Instant::now();
+        if !c.status.is_success() {
+            let hint = c.status.hint().map(|h| format!(" ({h})")).unwrap_or_default();
+            self.lose(format!("work request failed: {}{hint}", c.status));
+            return;
+        }
+        let id = c.wr_id & ID_MASK;
+        match c.wr_id & !ID_MASK {
+            RECV => {
+                let Some(buf) = c.buf else { return };
+                let r = match c.opcode {
+                    WcOpcode::RecvRdmaWithImm => self.session.handle_write_imm(c.imm.unwrap_or(0), c.byte_len as usize),
+                    _ => {
+                        let bytes = buf.bytes();
+                        let len = (c.byte_len as usize).min(bytes.len());
+                        self.session.handle_message(&bytes[..len], now)
+                    }
+                };
+                if let Err(e) = r {
+                    self.lose(format!("peer broke the protocol: {e}"));
+                    return;
+                }
+                if let Err(e) = self.qp.post_recv(RecvWr::new(c.wr_id, buf)) {
+                    self.lose(format!("reposting a receive: {}", e.error));
+                }
+            }
+            SEND => {} // the send buffer returns to its pool as `c` drops
+            READ => {
+                let Some(job) = self.reads.get_mut(&id) else { return };
+                if let Some(buf) = c.buf {
+                    job.parts.push(buf);
+                }
+                job.remaining -= 1;
+                if job.remaining > 0 {
+                    return;
+                }
+                let Some(job) = self.reads.remove(&id) else { return };
+                let (local, len, token) = (job.buf, job.len, job.token);
+                match job.join() {
+                    Some(mr) => self.stash.put_back(local, mr),
+                    None => return self.lose("a read buffer came back in pieces that do not join".into()),
+                }
+                let bytes = self.take_bytes(local, len);
+                if let Some(token) = token {
+                    self.session.handle_read_done(token, Ok(bytes), now);
+                }
+            }
+            WRITE => {
+                let Some(job) = self.writes.get_mut(&id) else { return };
+                if let Some(buf) = c.buf {
+                    job.parts.push(buf);
+                }
+                job.remaining -= 1;
+                if job.remaining > 0 {
+                    return;
+                }
+                let Some(job) = self.writes.remove(&id) else { return };
+                match job.join() {
+                    Some(mr) => self.stash.put_back(id, mr),
+                    None => return self.lose("a write buffer came back in pieces that do not join".into()),
+                }
+                self.session.handle_write_done(id);
+            }
+            _ => tracing::warn!(wr_id = c.wr_id, "completion of unknown kind"),
+        }
+    }
+
+    /// Posts what the session wants sent.
+    fn flush(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            let t = match self.backlog.pop_front() {
+                Some(t) => t,
+                None => match self.session.poll_transmit() {
+                    Some(t) => t,
+                    None => return any,
+                },
+            };
+            any = true;
+            if let Err(t) = self.post(t) {
+                self.backlog.push_front(t);
+                return any;
+            }
+        }
+    }
+
+    /// Posts one transmit; gives it back when no send buffer is free yet.
+    fn post(&mut self, t: Transmit) -> Result<(), Transmit> {
+        if self.lost.is_some() {
+            if let Transmit::Release(b) = t {
+                self.stash.release(b);
+            }
+            return Ok(());
+        }
+        let wr = match t {
+            Transmit::Send(bytes) => {
+                let Some(mut buf) = self.send_pool.take() else {
+                    return Err(Transmit::Send(bytes));
+                };
+                buf.bytes_mut()[..bytes.len()].copy_from_slice(&bytes);
+                let wr = SendWr::send(SEND, buf).len(bytes.len());
+                if bytes.len() <= self.max_inline {
+                    wr.inline()
+                } else {
+                    wr
+                }
+            }
+            Transmit::Read { token, remote } => {
+                let len = remote.len as usize;
+                let (local, _) = match self.stash.take(len) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        self.session.handle_read_done(token, Err(e), Instant::now());
+                        return Ok(());
+                    }
+                };
+                let Some(buf) = self.stash.take_out(local) else {
+                    return Ok(());
+                };
+                let k = self.next_read;
+                self.next_read = (self.next_read + 1) & ID_MASK;
+                let (wrs, job) = self.pieces(buf, len, local, Some(token), |off, _| {
+                    (
+                        READ | k,
+                        SendOp::Read {
+                            remote: remote.at(off as u64),
+                        },
+                    )
+                });
+                self.reads.insert(k, job);
+                return self.post_all(wrs);
+            }
+            Transmit::WriteImm { buf, len, remote, imm } => {
+                let Some(mr) = self.stash.take_out(buf) else {
+                    return Ok(());
+                };
+                let (wrs, job) = self.pieces(mr, LANDING_PREFIX + len, buf, None, |off, last| {
+                    let op = SendOp::Write {
+                        remote: remote.at(off as u64),
+                        imm: last.then_some(imm),
+                    };
+                    (WRITE | buf, op)
+                });
+                self.writes.insert(buf, job);
+                return self.post_all(wrs);
+            }
+            Transmit::Release(b) => {
+                self.stash.release(b);
+                return Ok(());
+            }
+        };
+        if let Err(e) = self.qp.post_send(wr) {
+            self.lose(format!("posting: {}", e.error));
+        }
+        Ok(())
+    }
+}
+
+impl Conn {
+    /// Splits a transfer of `len` bytes of `mr` into work requests of at most the device's
+    /// message size; `op(offset, last)` names each piece (the last may carry the immediate).
+    fn pieces(
+        &self,
+        mut mr: MemoryRegion,
+        len: usize,
+        buf: BufId,
+        token: Option<Token>,
+        op: impl Fn(usize, bool) -> (u64, SendOp),
+    ) -> (Vec<SendWr>, Job) {
+        let mut wrs = Vec::with_capacity(len / self.chunk + 1);
+        let mut parts = Vec::new();
+        let mut off = 0;
+        loop {
+            let n = (len - off).min(self.chunk);
+            let last = off + n >= len;
+            // `split_off` only fails beyond the end, which `n <= len - off <= mr.len()` rules out.
+            let tail = mr.split_off(n).ok();
+            let (wr_id, o) = op(off, last);
+            wrs.push(SendWr::new(wr_id, o).buf(mr).len(n));
+            off += n;
+            match tail {
+                Some(t) if !last => mr = t,
+                Some(t) => {
+                    parts.push(t);
+                    break;
+                }
+                None => break,
+            }
+        }
+        let job = Job {
+            token,
+            buf,
+            len,
+            remaining: wrs.len(),
+            parts,
+        };
+        (wrs, job)
+    }
+
+    fn post_all(&mut self, wrs: Vec<SendWr>) -> Result<(), Transmit> {
+        if let Err(e) = self.qp.post_send_batch(wrs) {
+            self.lose(format!("posting: {}", e.error));
+        }
+        Ok(())
+    }
+}
+
+/// An RDMA Read or Write in flight, possibly in several pieces.
+struct Job {
+    token: Option<Token>,
+    buf: BufId,
+    len: usize,
+    remaining: usize,
+    parts: Vec<MemoryRegion>,
+}
+
+impl Job {
+    /// Joins the pieces back into the one buffer they were split from.
+    fn join(mut self) -> Option<MemoryRegion> {
+        self.parts.sort_by_key(MemoryRegion::addr);
+        let mut it = self.parts.into_iter();
+        let mut whole = it.next()?;
+        for p in it {
+            whole.unsplit(p).ok()?;
+        }
+        Some(whole)
+    }
+}
+
+/// Runs a connection until it is lost or its role is finished.
+pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: CompletionMode) {
+    let mut last_active = Instant::now();
+    loop {
+        let mut busy = role.drain_inputs(&mut conn);
+        busy |= conn.poll_cq();
+        let now = Instant::now();
+        if conn.session.poll_timeout().is_some_and(|d| d <= now) {
+            conn.session.handle_timeout(now);
+            busy = true;
+        }
+        busy |= conn.flush();
+        while let Some(ev) = conn.session.poll_event() {
+            role.on_event(&mut conn, ev);
+            busy = true;
+        }
+        busy |= conn.flush();
+        if let Some(why) = conn.lost.clone() {
+            role.on_lost(&why);
+            // Let the flush completions drain so buffers come back, then stop.
+            while conn.poll_cq() {}
+            return;
+        }
+        if role.finished(&conn) {
+            return;
+        }
+        if busy {
+            last_active = Instant::now();
+            continue;
+        }
+        let spin = match mode {
+            CompletionMode::Spin => true,
+            CompletionMode::Adaptive { spin } => last_active.elapsed() < spin,
+            _ => false,
+        };
+        if spin {
+            tokio::task::yield_now().await;
+            continue;
+        }
+        wait(&mut conn, &mut role).await;
+        last_active = Instant::now();
+    }
+}
+
+/// Sleeps until a completion, a command or a deadline.
+async fn wait<R: Role>(conn: &mut Conn, role: &mut R) {
+    let deadline = conn.session.poll_timeout();
+    let sleep = async move {
+        match deadline {
+            Some(d) => tokio::time::sleep_until(d.into()).await,
+            None => std::future::pending().await,
+        }
+    };
+    let cq = conn.cq.clone();
+    let mut got = Vec::new();
+    tokio::select! {
+        r = cq.wait(&mut got, 64) => {
+            if let Err(e) = r {
+                conn.lose(format!("waiting on the CQ: {e}"));
+            }
+            for c in got.drain(..) {
+                conn.on_completion(c);
+            }
+        }
+        input = role.wait_input() => {
+            if let Some(i) = input {
+                role.on_input(conn, i);
+            }
+        }
+        () = sleep => {}
+    }
+}

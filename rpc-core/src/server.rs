@@ -1,0 +1,247 @@
+//! The server: handlers by method id, a listener, one driver task per connection.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use rdma_rpc_transport::{Device, Listener, QpOptions};
+use tokio::sync::mpsc;
+use tokio::task::AbortHandle;
+use tracing::Instrument;
+
+use crate::client::{agree, qp_caps, slot_size};
+use crate::config::{Config, Hello};
+use crate::driver::{self, Conn, Role, RoleInput};
+use crate::proto::{Event, Payload, Session};
+use crate::RpcError;
+
+type BoxFuture = Pin<Box<dyn Future<Output = Result<Vec<u8>, RpcError>> + Send>>;
+type Handler = Arc<dyn Fn(Vec<u8>) -> BoxFuture + Send + Sync>;
+
+/// Collects handlers, then binds.
+pub struct ServerBuilder {
+    config: Config,
+    handlers: HashMap<u32, Handler>,
+}
+
+impl ServerBuilder {
+    /// Registers the handler of `method`: request bytes in, response bytes (or an error) out.
+    /// A later registration for the same id replaces the earlier one.
+    pub fn handler<F, Fut>(mut self, method: u32, f: F) -> Self
+    where
+        F: Fn(Vec<u8>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Vec<u8>, RpcError>> + Send + 'static,
+    {
+        self.handlers.insert(method, Arc::new(move |req| Box::pin(f(req))));
+        self
+    }
+
+    /// Listens on `addr` (port 0 picks one).
+    ///
+    /// # Errors
+    /// [`RpcError::Transport`] when the address cannot be bound.
+    pub fn bind(self, device: &Device, addr: SocketAddr) -> Result<Server, RpcError> {
+        let listener = Listener::bind(device, addr).map_err(|e| RpcError::Transport(e.to_string()))?;
+        Ok(Server {
+            device: device.clone(),
+            listener: Arc::new(listener),
+            config: self.config,
+            handlers: Arc::new(self.handlers),
+        })
+    }
+}
+
+/// A bound server. Run it with [`Server::serve`] (usually in a spawned task).
+pub struct Server {
+    device: Device,
+    listener: Arc<Listener>,
+    config: Config,
+    handlers: Arc<HashMap<u32, Handler>>,
+}
+
+impl Server {
+    /// Starts describing a server.
+    pub fn builder(config: Config) -> ServerBuilder {
+        ServerBuilder {
+            config,
+            handlers: HashMap::new(),
+        }
+    }
+
+    /// The address it listens on.
+    ///
+    /// # Errors
+    /// [`RpcError::Transport`] when the listener cannot say.
+    pub fn local_addr(&self) -> Result<SocketAddr, RpcError> {
+        self.listener
+            .local_addr()
+            .map_err(|e| RpcError::Transport(e.to_string()))
+    }
+
+    /// Accepts connections forever, each with its own protection domain, CQ, ring and driver.
+    /// A connection that fails to set up is logged and skipped.
+    ///
+    /// # Errors
+    /// Only when the listener itself fails.
+    pub async fn serve(self) -> Result<(), RpcError> {
+        loop {
+            let l = self.listener.clone();
+            // A bounded wait, so that a runtime shutting down never waits long on this thread.
+            let req = tokio::task::spawn_blocking(move || l.accept(Some(ACCEPT_POLL)))
+                .await
+                .map_err(|e| RpcError::Transport(format!("accept task: {e}")))?;
+            let req = match req {
+                Ok(r) => r,
+                Err(rdma_rpc_transport::Error::Timeout(_)) => continue,
+                Err(e) => {
+                    tracing::warn!(%e, "accepting a connection");
+                    continue;
+                }
+            };
+            let (device, config, handlers) = (self.device.clone(), self.config.clone(), self.handlers.clone());
+            tokio::spawn(async move {
+                if let Err(e) = serve_connection(device, config, handlers, req).await {
+                    tracing::warn!(%e, "setting up a connection");
+                }
+            });
+        }
+    }
+}
+
+async fn serve_connection(
+    device: Device,
+    config: Config,
+    handlers: Arc<HashMap<u32, Handler>>,
+    req: rdma_rpc_transport::ConnectRequest,
+) -> Result<(), RpcError> {
+    let mine = Hello::from_config(&config);
+    let Some(theirs) = Hello::decode(req.private_data()) else {
+        req.reject();
+        return Err(RpcError::Protocol("connect request without an rdma-rpc hello".into()));
+    };
+    let tr = |e: rdma_rpc_transport::Error| RpcError::Transport(e.to_string());
+    // Isolation: a protection domain per connection, so an rkey of one connection's buffers is
+    // worthless on any other connection's QP.
+    let pd = device.alloc_pd().map_err(tr)?;
+    let cq = device.create_cq(config.ring * 4 + 64).map_err(tr)?;
+    let slot = slot_size(&config);
+    let recvs = Conn::ring(&pd, config.ring, slot)?;
+    let opts = QpOptions::new(&pd, &cq).caps(qp_caps(&device, &config));
+    let qp = tokio::task::spawn_blocking(move || req.accept_with_recvs(&opts, &mine.encode(), recvs))
+        .await
+        .map_err(|e| RpcError::Transport(format!("accept task: {e}")))?
+        .map_err(tr)?;
+    let conn = Conn::new(Session::new(agree(&mine, &theirs)), &pd, qp, cq, slot)?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let role = ServerRole {
+        handlers,
+        running: HashMap::new(),
+        tx,
+        rx,
+    };
+    driver::run(conn, role, config.mode).await;
+    Ok(())
+}
+
+type Done = (u32, Result<Vec<u8>, RpcError>);
+
+const ACCEPT_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+
+struct ServerRole {
+    handlers: Arc<HashMap<u32, Handler>>,
+    running: HashMap<u32, AbortHandle>,
+    tx: mpsc::UnboundedSender<Done>,
+    rx: mpsc::UnboundedReceiver<Done>,
+}
+
+impl ServerRole {
+    fn respond(&mut self, conn: &mut Conn, call: u32, result: Result<Vec<u8>, RpcError>) {
+        if self.running.remove(&call).is_none() {
+            return; // aborted meanwhile: the session already answered
+        }
+        let result = match result {
+            Ok(bytes) if conn.session.is_rendezvous(bytes.len()) => match conn.stash.lend(&bytes) {
+                Ok((desc, buf)) => Ok(Payload::Lent { desc, buf }),
+                Err(e) => Err(e),
+            },
+            Ok(bytes) => Ok(Payload::Eager(bytes)),
+            Err(e) => Err(e),
+        };
+        conn.session.respond(call, result);
+    }
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic with a non-string payload".into())
+}
+
+impl Role for ServerRole {
+    fn drain_inputs(&mut self, conn: &mut Conn) -> bool {
+        let mut any = false;
+        while let Ok((call, result)) = self.rx.try_recv() {
+            self.respond(conn, call, result);
+            any = true;
+        }
+        any
+    }
+
+    fn on_event(&mut self, conn: &mut Conn, ev: Event) {
+        match ev {
+            Event::Request {
+                call,
+                method,
+                payload,
+                budget,
+            } => {
+                let Some(h) = self.handlers.get(&method).cloned() else {
+                    conn.session.respond(call, Err(RpcError::UnknownMethod(method)));
+                    return;
+                };
+                let span = tracing::debug_span!("rpc.serve", method, call, len = payload.len(), ?budget);
+                let task = tokio::spawn(h(payload).instrument(span));
+                self.running.insert(call, task.abort_handle());
+                let tx = self.tx.clone();
+                tokio::spawn(async move {
+                    let result = match task.await {
+                        Ok(r) => r,
+                        Err(e) if e.is_panic() => Err(RpcError::HandlerPanic(panic_message(e.into_panic()))),
+                        Err(_) => return, // aborted: cancelled or past its deadline
+                    };
+                    let _ = tx.send((call, result));
+                });
+            }
+            Event::Abort { call } => {
+                if let Some(h) = self.running.remove(&call) {
+                    h.abort();
+                }
+            }
+            Event::CallDone { .. } => {}
+        }
+    }
+
+    async fn wait_input(&mut self) -> Option<RoleInput> {
+        self.rx.recv().await.map(|d| Box::new(d) as RoleInput)
+    }
+
+    fn on_input(&mut self, conn: &mut Conn, input: RoleInput) {
+        if let Ok(d) = input.downcast::<Done>() {
+            let (call, result) = *d;
+            self.respond(conn, call, result);
+        }
+    }
+
+    fn finished(&self, _conn: &Conn) -> bool {
+        false
+    }
+
+    fn on_lost(&mut self, _why: &str) {
+        for (_, h) in self.running.drain() {
+            h.abort();
+        }
+    }
+}

@@ -1,0 +1,408 @@
+//! End to end: client and server over a real transport provider (from `RDMA_RPC_PROVIDER`,
+//! default `tcp`; in the VM lane `verbs` on rxe0, with `RDMA_RPC_TEST_IP`).
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdma_rpc_core::transport::Device;
+use rdma_rpc_core::{CallOptions, Client, Config, RpcError, Server};
+
+const ECHO: u32 = 1;
+const SIZED: u32 = 2;
+const SLOW: u32 = 3;
+const PANIC: u32 = 4;
+const CHECK: u32 = 5;
+const FAIL: u32 = 6;
+const THRESHOLD: usize = 16 * 1024;
+
+fn device() -> Device {
+    Device::open_default().expect("open the provider named by RDMA_RPC_PROVIDER")
+}
+
+fn test_ip() -> IpAddr {
+    std::env::var("RDMA_RPC_TEST_IP")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(IpAddr::from([127, 0, 0, 1]))
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// A request that names its own content: seed (8 bytes) + pattern(seed).
+fn tagged(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = seed.to_le_bytes().to_vec();
+    v.extend(pattern(len.saturating_sub(8), seed));
+    v.truncate(len.max(8));
+    v
+}
+
+fn is_intact(req: &[u8]) -> bool {
+    req.len() >= 8 && {
+        let seed = u64::from_le_bytes(req[..8].try_into().expect("8"));
+        req[8..] == pattern(req.len() - 8, seed)[..]
+    }
+}
+
+struct Probe {
+    started: AtomicUsize,
+    dropped: AtomicUsize,
+    corrupt: AtomicUsize,
+}
+
+struct DropFlag(Arc<Probe>);
+impl Drop for DropFlag {
+    fn drop(&mut self) {
+        self.0.dropped.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn config() -> Config {
+    Config {
+        eager_threshold: THRESHOLD,
+        ..Config::default()
+    }
+}
+
+async fn start(cfg: Config) -> (Client, Arc<Probe>) {
+    let dev = device();
+    let probe = Arc::new(Probe {
+        started: AtomicUsize::new(0),
+        dropped: AtomicUsize::new(0),
+        corrupt: AtomicUsize::new(0),
+    });
+    let (p1, p2) = (probe.clone(), probe.clone());
+    let server = Server::builder(cfg.clone())
+        .handler(ECHO, |req| async move { Ok(req) })
+        // request: [response length u64][anything]; response: pattern(len, len)
+        .handler(SIZED, |req| async move {
+            let len = u64::from_le_bytes(
+                req.get(..8)
+                    .and_then(|b| b.try_into().ok())
+                    .ok_or_else(|| RpcError::BadRequest("short".into()))?,
+            );
+            Ok(pattern(len as usize, len))
+        })
+        .handler(SLOW, move |_req| {
+            let p = p1.clone();
+            async move {
+                p.started.fetch_add(1, Ordering::SeqCst);
+                let _flag = DropFlag(p.clone());
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Ok(Vec::new())
+            }
+        })
+        .handler(PANIC, |req| async move {
+            if req.is_empty() {
+                panic!("handler exploded");
+            }
+            Ok(req)
+        })
+        .handler(CHECK, move |req| {
+            let p = p2.clone();
+            async move {
+                if !is_intact(&req) {
+                    p.corrupt.fetch_add(1, Ordering::SeqCst);
+                }
+                Ok(req[..8].to_vec())
+            }
+        })
+        .handler(
+            FAIL,
+            |_req| async move { Err(RpcError::Application("no such key".into())) },
+        )
+        .bind(&dev, SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    let client = Client::connect(&dev, addr, cfg).await.expect("connect");
+    (client, probe)
+}
+
+async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(300), f)
+        .await
+        .expect("bounded: no hang")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payloads_from_zero_to_64_mib_both_ways() {
+    let (client, _) = start(config()).await;
+    let sizes = [
+        0usize,
+        1,
+        100,
+        THRESHOLD - 1,
+        THRESHOLD,
+        THRESHOLD + 1,
+        64 << 10,
+        1 << 20,
+        16 << 20,
+        64 << 20,
+    ];
+    for &n in &sizes {
+        // request of n bytes, echoed back: both directions cross the threshold together
+        let req = pattern(n, n as u64);
+        println!("{n} bytes");
+        let got = bounded(client.call(ECHO, req.clone())).await.expect("echo");
+        assert!(got == req, "echo of {n} bytes differs");
+        // small request, large response: lent for the client to read, or written into a landing buffer
+        for hint in [None, Some(n)] {
+            let mut req = (n as u64).to_le_bytes().to_vec();
+            req.extend_from_slice(b"x");
+            let opts = CallOptions {
+                response_hint: hint,
+                ..Default::default()
+            };
+            let got = bounded(client.call_with(SIZED, req, opts)).await.expect("sized");
+            assert!(
+                got == pattern(n, n as u64),
+                "response of {n} bytes (hint {hint:?}) differs"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_callers_a_thousand_calls_each() {
+    let (client, _) = start(config()).await;
+    let calls: u64 = std::env::var("RDMA_RPC_E2E_CALLS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1000);
+    let mut tasks = Vec::new();
+    for caller in 0..64u64 {
+        let c = client.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..calls {
+                let seed = caller << 32 | i;
+                let len = 8 + ((seed * 37) % 200) as usize;
+                let got = c.call(CHECK, tagged(len, seed)).await.expect("call");
+                assert_eq!(
+                    got,
+                    seed.to_le_bytes(),
+                    "caller {caller} call {i} got another call's response"
+                );
+            }
+        }));
+    }
+    for t in tasks {
+        bounded(t).await.expect("caller");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_call_cancels_the_handler() {
+    let (client, probe) = start(config()).await;
+    for (i, size) in [10usize, 100 << 10].into_iter().enumerate() {
+        let call = client.call(SLOW, vec![7; size]);
+        let r = tokio::time::timeout(Duration::from_millis(300), call).await;
+        assert!(r.is_err(), "the slow call does not finish");
+        let t0 = Instant::now();
+        while probe.dropped.load(Ordering::SeqCst) <= i {
+            assert!(t0.elapsed() < Duration::from_secs(30), "the handler was not aborted");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    assert_eq!(probe.started.load(Ordering::SeqCst), 2);
+    // the connection still works
+    assert_eq!(client.call(ECHO, b"after".to_vec()).await.expect("echo"), b"after");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadline_exceeded_fails_the_call_and_stops_the_handler() {
+    let (client, probe) = start(config()).await;
+    let opts = CallOptions {
+        deadline: Some(Duration::from_millis(100)),
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let r = bounded(client.call_with(SLOW, vec![1; 64], opts)).await;
+    assert_eq!(r, Err(RpcError::DeadlineExceeded));
+    assert!(t0.elapsed() < Duration::from_secs(30));
+    while probe.dropped.load(Ordering::SeqCst) < 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the handler outlived the deadline"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        client.call(ECHO, b"still up".to_vec()).await.expect("echo"),
+        b"still up"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_method_panic_application_error_and_too_large() {
+    let cfg = Config {
+        max_payload: 1 << 20,
+        ..config()
+    };
+    let (client, _) = start(cfg).await;
+    assert_eq!(
+        bounded(client.call(999, vec![])).await,
+        Err(RpcError::UnknownMethod(999))
+    );
+    match bounded(client.call(PANIC, vec![])).await {
+        Err(RpcError::HandlerPanic(msg)) => assert!(msg.contains("handler exploded"), "{msg}"),
+        other => panic!("expected a handler panic, got {other:?}"),
+    }
+    assert_eq!(
+        bounded(client.call(PANIC, b"fine".to_vec()))
+            .await
+            .expect("server lives on"),
+        b"fine"
+    );
+    assert_eq!(
+        bounded(client.call(FAIL, vec![])).await,
+        Err(RpcError::Application("no such key".into()))
+    );
+    let r = bounded(client.call(ECHO, vec![0; (1 << 20) + 1])).await;
+    assert!(matches!(r, Err(RpcError::PayloadTooLarge { .. })), "{r:?}");
+    let mut req = (2u64 << 20).to_le_bytes().to_vec();
+    req.push(0);
+    let r = bounded(client.call(SIZED, req)).await;
+    assert!(
+        matches!(r, Err(RpcError::PayloadTooLarge { .. })),
+        "a response above the limit: {r:?}"
+    );
+}
+
+/// Futures dropped at random points, mid-rendezvous included, under load: every request the
+/// server reads must be intact (a reused or freed lent buffer would show as corrupt content),
+/// every completed call must carry its own answer, and the connection must stay healthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_drops_never_expose_a_reused_buffer() {
+    let (client, probe) = start(config()).await;
+    let mut tasks = Vec::new();
+    for caller in 0..16u64 {
+        let c = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = caller.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
+            let (mut done, mut dropped) = (0, 0);
+            for i in 0..150u64 {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let seed = caller << 32 | i;
+                let len = if rng % 2 == 0 {
+                    64 + (rng % 1000) as usize
+                } else {
+                    THRESHOLD + (rng % (300 << 10)) as usize
+                };
+                let call = c.call(CHECK, tagged(len, seed));
+                let wait = Duration::from_micros(rng % 20_000);
+                match tokio::time::timeout(wait, call).await {
+                    Ok(r) => {
+                        assert_eq!(r.expect("call"), seed.to_le_bytes());
+                        done += 1;
+                    }
+                    Err(_) => dropped += 1,
+                }
+            }
+            (done, dropped)
+        }));
+    }
+    let (mut done, mut dropped) = (0, 0);
+    for t in tasks {
+        let (d, x) = bounded(t).await.expect("caller");
+        done += d;
+        dropped += x;
+    }
+    println!("{done} calls completed, {dropped} dropped mid-flight");
+    assert!(dropped > 0, "the test dropped no call: make the waits shorter");
+    assert!(done > 0, "the test completed no call: make the waits longer");
+    assert_eq!(
+        probe.corrupt.load(Ordering::SeqCst),
+        0,
+        "a request was read from a reused or freed buffer"
+    );
+    assert_eq!(
+        client.call(CHECK, tagged(THRESHOLD * 4, 42)).await.expect("healthy"),
+        42u64.to_le_bytes()
+    );
+}
+
+// ---- peer death ----
+
+const CHILD_ENV: &str = "RDMA_RPC_E2E_CHILD";
+
+/// Not a test: the server process of `a_dead_server_fails_every_pending_call`.
+#[test]
+#[ignore = "helper process for a_dead_server_fails_every_pending_call"]
+fn child_server() {
+    if std::env::var(CHILD_ENV).is_err() {
+        return;
+    }
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let server = Server::builder(config())
+            .handler(SLOW, |_| async {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Ok(Vec::new())
+            })
+            .handler(ECHO, |r| async move { Ok(r) })
+            .bind(&device(), SocketAddr::new(test_ip(), 0))
+            .expect("bind");
+        println!("LISTEN {}", server.local_addr().expect("addr"));
+        let _ = server.serve().await;
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_server_fails_every_pending_call() {
+    use tokio::io::AsyncBufReadExt;
+    let mut child = tokio::process::Command::new(std::env::current_exe().expect("exe"))
+        .args([
+            "--ignored",
+            "--exact",
+            "child_server",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, "1")
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let addr: SocketAddr = loop {
+        let line = bounded(lines.next_line()).await.expect("read").expect("a line");
+        if let Some(at) = line.find("LISTEN ") {
+            break line[at + 7..].trim().parse().expect("addr");
+        }
+    };
+    let client = Client::connect(&device(), addr, config()).await.expect("connect");
+    assert_eq!(client.call(ECHO, b"hi".to_vec()).await.expect("echo"), b"hi");
+    let pending: Vec<_> = (0..8)
+        .map(|i| {
+            let c = client.clone();
+            tokio::spawn(async move { c.call(SLOW, vec![i; if i % 2 == 0 { 10 } else { THRESHOLD * 2 }]).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    child.start_kill().expect("kill");
+    let t0 = Instant::now();
+    for p in pending {
+        let r = bounded(p).await.expect("task");
+        assert!(matches!(r, Err(RpcError::ConnectionLost(_))), "{r:?}");
+    }
+    println!("all pending calls failed {:?} after the kill", t0.elapsed());
+    assert!(matches!(
+        client.call(ECHO, vec![]).await,
+        Err(RpcError::ConnectionLost(_))
+    ));
+    let _ = child.wait().await;
+}

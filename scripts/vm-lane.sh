@@ -1,0 +1,9 @@
+#!/bin/sh
+# Runs inside the soft-RoCE VM (busybox sh): each test binary given, one after the other, on
+# provider verbs against rxe0. Exits non-zero if any failed.
+rc=0
+for b in "$@"; do
+    echo "=== running $b on verbs (rxe0)"
+    "./$b" --test-threads=1 || rc=1
+done
+exit $rc
