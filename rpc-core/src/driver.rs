@@ -59,6 +59,8 @@ pub(crate) struct Conn {
     backlog: VecDeque<Transmit>,
     scratch: Vec<Completion>,
     lost: Option<String>,
+    /// A software provider whose completions come from threads of this process.
+    software: bool,
 }
 
 impl Conn {
@@ -97,6 +99,7 @@ impl Conn {
             backlog: VecDeque::new(),
             scratch: Vec::with_capacity(64),
             lost: None,
+            software: pd.device().provider() == "tcp",
         })
     }
 
@@ -398,7 +401,9 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
         }
         let spin = match mode {
             CompletionMode::Spin => true,
-            CompletionMode::Adaptive { spin } => last_active.elapsed() < spin,
+            // On the tcp provider completions come from the engine's threads on the same cores:
+            // spinning would only take their CPU away, so adaptive waits at once.
+            CompletionMode::Adaptive { spin } => !conn.software && last_active.elapsed() < spin,
             _ => false,
         };
         if spin {

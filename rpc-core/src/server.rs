@@ -161,15 +161,36 @@ impl ServerRole {
         if self.running.remove(&call).is_none() {
             return; // aborted meanwhile: the session already answered
         }
-        let result = match result {
-            Ok(bytes) if conn.session.is_rendezvous(bytes.len()) => match conn.stash.lend(&bytes) {
-                Ok((desc, buf)) => Ok(Payload::Lent { desc, buf }),
-                Err(e) => Err(e),
-            },
-            Ok(bytes) => Ok(Payload::Eager(bytes)),
+        answer(conn, call, result);
+    }
+}
+
+/// Hands a handler's result to the session: large responses are staged in a registered buffer.
+fn answer(conn: &mut Conn, call: u32, result: Result<Vec<u8>, RpcError>) {
+    let result = match result {
+        Ok(bytes) if conn.session.is_rendezvous(bytes.len()) => match conn.stash.lend(&bytes) {
+            Ok((desc, buf)) => Ok(Payload::Lent { desc, buf }),
             Err(e) => Err(e),
-        };
-        conn.session.respond(call, result);
+        },
+        Ok(bytes) => Ok(Payload::Eager(bytes)),
+        Err(e) => Err(e),
+    };
+    conn.session.respond(call, result);
+}
+
+/// Polls a future, turning a panic inside it into an `Err` with the panic's payload.
+struct CatchUnwind(BoxFuture);
+
+impl Future for CatchUnwind {
+    type Output = Result<Result<Vec<u8>, RpcError>, Box<dyn std::any::Any + Send>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let fut = self.0.as_mut();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fut.poll(cx))) {
+            Ok(std::task::Poll::Ready(r)) => std::task::Poll::Ready(Ok(r)),
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Err(p) => std::task::Poll::Ready(Err(p)),
+        }
     }
 }
 
@@ -203,17 +224,31 @@ impl Role for ServerRole {
                     return;
                 };
                 let span = tracing::debug_span!("rpc.serve", method, call, len = payload.len(), ?budget);
-                let task = tokio::spawn(h(payload).instrument(span));
-                self.running.insert(call, task.abort_handle());
+                let mut fut = CatchUnwind(h(payload));
+                // A handler that finishes on its first poll (most do) is answered right here, with
+                // no task and no thread hop; the others continue in a task of their own.
+                let first = {
+                    let _enter = span.enter();
+                    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+                    Pin::new(&mut fut).poll(&mut cx)
+                };
+                if let std::task::Poll::Ready(r) = first {
+                    let result = r.unwrap_or_else(|p| Err(RpcError::HandlerPanic(panic_message(p))));
+                    answer(conn, call, result);
+                    return;
+                }
                 let tx = self.tx.clone();
-                tokio::spawn(async move {
-                    let result = match task.await {
-                        Ok(r) => r,
-                        Err(e) if e.is_panic() => Err(RpcError::HandlerPanic(panic_message(e.into_panic()))),
-                        Err(_) => return, // aborted: cancelled or past its deadline
-                    };
-                    let _ = tx.send((call, result));
-                });
+                // Aborting the task (cancel, deadline) drops the handler and sends nothing.
+                let task = tokio::spawn(
+                    async move {
+                        let result = fut
+                            .await
+                            .unwrap_or_else(|p| Err(RpcError::HandlerPanic(panic_message(p))));
+                        let _ = tx.send((call, result));
+                    }
+                    .instrument(span),
+                );
+                self.running.insert(call, task.abort_handle());
             }
             Event::Abort { call } => {
                 if let Some(h) = self.running.remove(&call) {

@@ -10,6 +10,7 @@
 
 mod cm;
 mod engine;
+mod sender;
 mod wire;
 
 use std::collections::{HashMap, VecDeque};

@@ -4,7 +4,7 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use socket2::{SockRef, TcpKeepalive};
 
@@ -70,27 +70,21 @@ impl Listener {
 /// Longest wait for the other side's half of a handshake.
 const HANDSHAKE: Duration = Duration::from_secs(10);
 
+/// Waits up to `t` for a connection: SO_RCVTIMEO bounds a blocking accept on Linux, so no
+/// polling loop burns CPU while the listener is idle.
 fn accept_within(l: &TcpListener, t: Duration) -> Result<(TcpStream, SocketAddr)> {
-    let deadline = Instant::now() + t;
-    l.set_nonblocking(true)
-        .map_err(|e| Error::io("polling the listener", e))?;
-    let res = loop {
-        match l.accept() {
-            Ok(x) => break Ok(x),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    break Err(Error::Timeout("waiting for a connection"));
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            Err(e) => break Err(Error::io("accepting a connection", e)),
+    let sock = SockRef::from(l);
+    sock.set_read_timeout(Some(t.max(Duration::from_millis(1))))
+        .map_err(|e| Error::io("setting the accept timeout", e))?;
+    let res = l.accept();
+    let _ = sock.set_read_timeout(None);
+    match res {
+        Ok(x) => Ok(x),
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            Err(Error::Timeout("waiting for a connection"))
         }
-    };
-    let _ = l.set_nonblocking(false);
-    let (s, a) = res?;
-    s.set_nonblocking(false)
-        .map_err(|e| Error::io("configuring the socket", e))?;
-    Ok((s, a))
+        Err(e) => Err(Error::io("accepting a connection", e)),
+    }
 }
 
 /// The last step of connection set-up, taken once the new QP has its receives posted.

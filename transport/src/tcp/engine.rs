@@ -1,20 +1,20 @@
 //! The progress engine of one software queue pair: requester, responder and completer.
 //!
-//! Lock order: the writer lock (`out`) before `state` before a region's memory. The reader thread
-//! never takes `out` and never blocks on the socket's send side (its responses go through the
-//! writer thread), so two engines can never wait on each other.
+//! Lock order: `post` before `state` before a region's memory before the sender's lock. Nothing
+//! blocks on the socket's send side except the writer thread (see [`Sender`]), so the reader
+//! thread always drains and two engines can never wait on each other.
 
 use std::collections::VecDeque;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
+use super::sender::Sender;
 use super::wire::{AtomicOp, Encoder, Frame, MAX_BODY};
 use super::Cq;
 use crate::cq::RawWc;
@@ -58,20 +58,15 @@ struct State {
     stall_gen: u64,
 }
 
-enum Out {
-    Frame(Vec<u8>),
-    /// Send what is queued, then close the sending side.
-    Close,
-}
-
 struct Engine {
     qp_num: u32,
     pd: Arc<PdShared>,
     send_cq: Arc<Cq>,
     recv_cq: Arc<Cq>,
     socket: TcpStream,
-    out: Mutex<TcpStream>,
-    resp: Mutex<Option<Sender<Out>>>,
+    /// Serialises posts, so frames leave in the order requests enter `outstanding`.
+    post: Mutex<()>,
+    out: Sender,
     state: Mutex<State>,
     error: AtomicBool,
     destroyed: AtomicBool,
@@ -93,15 +88,14 @@ impl Qp {
     ) -> Result<Self, Error> {
         let dup = |s: &TcpStream| s.try_clone().map_err(|e| Error::io("cloning the QP socket", e));
         let (reader, writer) = (dup(&socket)?, dup(&socket)?);
-        let (tx, rx) = crossbeam_channel::unbounded();
         let engine = Arc::new(Engine {
             qp_num,
             pd,
             send_cq,
             recv_cq,
-            out: Mutex::new(writer),
+            post: Mutex::new(()),
+            out: Sender::new(writer),
             socket,
-            resp: Mutex::new(Some(tx)),
             state: Mutex::new(State::default()),
             error: AtomicBool::new(false),
             destroyed: AtomicBool::new(false),
@@ -118,7 +112,7 @@ impl Qp {
                 format!("rdma-tcp-rx-{qp_num:x}"),
                 Box::new(move || e1.run_reader(reader)),
             )?,
-            spawn(format!("rdma-tcp-tx-{qp_num:x}"), Box::new(move || e2.run_writer(rx)))?,
+            spawn(format!("rdma-tcp-tx-{qp_num:x}"), Box::new(move || e2.out.run_writer()))?,
         ];
         Ok(Self { engine, threads })
     }
@@ -129,7 +123,7 @@ impl Qp {
 
     pub(crate) fn post_send(&self, descs: &[SendDesc<'_>]) -> Result<(), (usize, Error)> {
         let e = &self.engine;
-        let mut out = e.out.lock();
+        let _serial = e.post.lock();
         for d in descs {
             let local = d.local.as_ref().map(|l| View {
                 region: l.region.clone(),
@@ -161,7 +155,7 @@ impl Qp {
                 st.outstanding.push_back(pending);
             }
             let frame = request_frame(d);
-            if out.write_all(&frame).is_err() {
+            if e.out.send(&frame).is_err() {
                 // The reader sees the broken connection too and fails what is outstanding.
                 let _ = e.socket.shutdown(Shutdown::Both);
             }
@@ -196,7 +190,7 @@ impl Qp {
     pub(crate) fn destroy(&mut self) {
         self.engine.destroyed.store(true, Ordering::Release);
         let _ = self.engine.socket.shutdown(Shutdown::Both);
-        self.engine.resp.lock().take();
+        self.engine.out.close();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -257,38 +251,8 @@ impl Engine {
         let _ = self.socket.shutdown(Shutdown::Both);
     }
 
-    fn run_writer(self: Arc<Self>, rx: Receiver<Out>) {
-        let mut batch = Vec::new();
-        while let Ok(first) = rx.recv() {
-            let mut close = false;
-            let mut next = Some(first);
-            while let Some(msg) = next.take() {
-                match msg {
-                    Out::Frame(f) => batch.extend_from_slice(&f),
-                    Out::Close => close = true,
-                }
-                if batch.len() < 1 << 16 && !close {
-                    next = rx.try_recv().ok();
-                }
-            }
-            if !batch.is_empty() {
-                let ok = self.out.lock().write_all(&batch).is_ok();
-                batch.clear();
-                if !ok {
-                    break;
-                }
-            }
-            if close {
-                let _ = self.socket.shutdown(Shutdown::Write);
-                break;
-            }
-        }
-    }
-
     fn respond(&self, frame: Encoder) {
-        if let Some(tx) = self.resp.lock().as_ref() {
-            let _ = tx.send(Out::Frame(frame.finish()));
-        }
+        let _ = self.out.send(&frame.finish());
     }
 
     fn push_send(&self, p: &Pending, status: WcStatus, byte_len: u32) {
@@ -340,10 +304,8 @@ impl Engine {
             self.push_recv(r.seq, FLUSH, WcOpcode::Recv, 0, None);
         }
         st.stalled.clear();
-        if let Some(tx) = self.resp.lock().as_ref() {
-            let _ = tx.send(Out::Frame(Encoder::fatal().finish()));
-            let _ = tx.send(Out::Close);
-        }
+        let _ = self.out.send(&Encoder::fatal().finish());
+        self.out.close_after_flush();
     }
 
     fn handle(self: &Arc<Self>, frame: Frame) {

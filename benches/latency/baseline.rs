@@ -1,0 +1,90 @@
+//! Baselines measured in the same run: a tokio TCP echo with TCP_NODELAY, and tarpc (bincode,
+//! payload as `serde_bytes`), both on loopback.
+
+use std::net::SocketAddr;
+
+use futures::prelude::*;
+use tarpc::server::{BaseChannel, Channel};
+use tarpc::tokio_serde::formats::Bincode;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::sampler::{self, Plan, Samples};
+
+pub async fn tcp_echo(size: usize, plan: Plan) -> Samples {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.expect("accept");
+        s.set_nodelay(true).expect("nodelay");
+        let mut buf = Vec::new();
+        loop {
+            let mut len = [0u8; 4];
+            if s.read_exact(&mut len).await.is_err() {
+                return;
+            }
+            let n = u32::from_le_bytes(len) as usize;
+            buf.resize(4 + n, 0);
+            buf[..4].copy_from_slice(&len);
+            if s.read_exact(&mut buf[4..]).await.is_err() || s.write_all(&buf).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut c = TcpStream::connect(addr).await.expect("connect");
+    c.set_nodelay(true).expect("nodelay");
+    let mut msg = (size as u32).to_le_bytes().to_vec();
+    msg.extend(std::iter::repeat_n(0xa5u8, size));
+    let mut back = vec![0u8; 4 + size];
+    sampler::run(plan, async || {
+        c.write_all(&msg).await.expect("write");
+        c.read_exact(&mut back).await.expect("read");
+        None
+    })
+    .await
+}
+
+#[tarpc::service]
+pub trait Echo {
+    async fn echo(data: serde_bytes::ByteBuf) -> serde_bytes::ByteBuf;
+}
+
+#[derive(Clone)]
+struct EchoServer;
+
+impl Echo for EchoServer {
+    async fn echo(self, _: tarpc::context::Context, data: serde_bytes::ByteBuf) -> serde_bytes::ByteBuf {
+        data
+    }
+}
+
+pub async fn tarpc_echo(size: usize, plan: Plan) -> Samples {
+    let mut incoming = tarpc::serde_transport::tcp::listen("127.0.0.1:0", Bincode::default)
+        .await
+        .expect("tarpc listen");
+    incoming.config_mut().max_frame_length(usize::MAX);
+    let addr: SocketAddr = incoming.local_addr();
+    tokio::spawn(async move {
+        if let Some(Ok(t)) = incoming.next().await {
+            BaseChannel::with_defaults(t)
+                .execute(EchoServer.serve())
+                .for_each(|f| async move {
+                    tokio::spawn(f);
+                })
+                .await;
+        }
+    });
+    let mut connect = tarpc::serde_transport::tcp::connect(addr, Bincode::default);
+    connect.config_mut().max_frame_length(usize::MAX);
+    let transport = connect.await.expect("tarpc connect");
+    let client = EchoClient::new(tarpc::client::Config::default(), transport).spawn();
+    let payload = serde_bytes::ByteBuf::from(vec![0xa5u8; size]);
+    sampler::run(plan, async || {
+        let mut ctx = tarpc::context::current();
+        ctx.deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
+        let r = client.echo(ctx, payload.clone()).await.expect("tarpc echo");
+        assert_eq!(r.len(), size);
+        None
+    })
+    .await
+}

@@ -1,0 +1,211 @@
+//! Latency by message size, the way perftest prints it: RPCs (automatic threshold, forced
+//! eager, forced rendezvous), raw provider operations, and TCP and tarpc baselines, measured in
+//! one run on one machine.
+//!
+//!     cargo bench --bench latency -- [--provider tcp] [--sizes 64,4096] [--modes rpc,tcp] \
+//!         [--iters N] [--seconds 60] [--json out.json] [--plot out.svg]
+
+mod baseline;
+mod plot;
+mod raw;
+mod report;
+mod rpc;
+mod sampler;
+mod stats;
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use rdma_rpc::core::CompletionMode;
+use rdma_rpc::transport::Device;
+
+use sampler::Plan;
+use stats::{Convention, Row};
+
+const ALL_MODES: &[&str] = &[
+    "rpc",
+    "rpc-eager",
+    "rpc-rendezvous",
+    "send",
+    "write",
+    "read",
+    "atomic",
+    "tcp",
+    "tarpc",
+];
+
+#[derive(Parser, Debug)]
+#[command(about = "Latency by message size: rdma-rpc RPCs, raw verbs and baselines, perftest's columns")]
+struct Args {
+    /// Provider spec: tcp, verbs, verbs:<device> (default: RDMA_RPC_PROVIDER, else tcp).
+    #[arg(long)]
+    provider: Option<String>,
+    /// Comma-separated sizes in bytes (default: powers of two from 2 B to 8 MiB).
+    #[arg(long, value_delimiter = ',')]
+    sizes: Option<Vec<usize>>,
+    /// Comma-separated modes.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "rpc,rpc-eager,rpc-rendezvous,send,write,read,atomic,tcp,tarpc"
+    )]
+    modes: Vec<String>,
+    /// Fixed iterations per size (default: as many as fit the time budget).
+    #[arg(long)]
+    iters: Option<usize>,
+    /// Time budget for the whole sweep, in seconds, spread over its rows.
+    #[arg(long, default_value_t = 60.0)]
+    seconds: f64,
+    /// IP to listen on (loopback for tcp; the rxe netdev's address for verbs).
+    #[arg(long, default_value = "127.0.0.1")]
+    ip: IpAddr,
+    /// Completion mode of the RPC driver: spin, event, adaptive.
+    #[arg(long, default_value = "adaptive")]
+    completion: String,
+    /// Write the rows as JSON here.
+    #[arg(long)]
+    json: Option<String>,
+    /// Draw latency against size (SVG) here.
+    #[arg(long)]
+    plot: Option<String>,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    if let Some(p) = &args.provider {
+        std::env::set_var(rdma_rpc::transport::PROVIDER_ENV, p);
+    }
+    let dev = Device::open_default()?;
+    let sizes = args
+        .sizes
+        .clone()
+        .unwrap_or_else(|| (1..=23).map(|i| 1usize << i).collect());
+    for m in &args.modes {
+        if !ALL_MODES.contains(&m.as_str()) {
+            return Err(format!("unknown mode {m}: use {}", ALL_MODES.join(",")).into());
+        }
+    }
+    let completion = match args.completion.as_str() {
+        "spin" => CompletionMode::Spin,
+        "event" => CompletionMode::Event,
+        "adaptive" => CompletionMode::default(),
+        other => return Err(format!("unknown completion mode {other}").into()),
+    };
+    let rows_planned: usize = args
+        .modes
+        .iter()
+        .map(|m| if m == "atomic" { 1 } else { sizes.len() })
+        .sum::<usize>()
+        .max(1);
+    let plan = Plan {
+        iters: args.iters,
+        per_row: Duration::from_secs_f64(args.seconds / rows_planned as f64),
+        min_iters: 20,
+        max_iters: 100_000,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let bar = ProgressBar::new(rows_planned as u64);
+    bar.set_style(ProgressStyle::with_template(
+        "{bar:40} {pos}/{len} rows  {msg}  [{elapsed_precise}]",
+    )?);
+    let mut rows: Vec<Row> = Vec::new();
+    println!(
+        "rdma-rpc latency sweep: provider {} (device {}), {} sizes, modes {}, {}",
+        dev.provider(),
+        dev.name(),
+        sizes.len(),
+        args.modes.join(","),
+        chrono_free_date()
+    );
+    for mode in &args.modes {
+        let mode_sizes: Vec<usize> = if mode == "atomic" { vec![8] } else { sizes.clone() };
+        for &size in &mode_sizes {
+            bar.set_message(format!("{mode} {size} B"));
+            let (conv, moved, s) = rt.block_on(measure(&dev, args.ip, mode, size, plan, completion));
+            rows.push(stats::row(mode, conv, size, moved, &s.times, s.cpu));
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    for mode in &args.modes {
+        let r: Vec<&Row> = rows.iter().filter(|r| &r.mode == mode).collect();
+        report::table(mode, &r);
+    }
+    report::summary(&rows, dev.provider());
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?)?;
+        println!("rows written to {path}");
+    }
+    if let Some(path) = &args.plot {
+        plot::draw(
+            path,
+            &rows,
+            &format!("rdma-rpc latency by size, provider {}", dev.provider()),
+        )?;
+        println!("plot written to {path}");
+    }
+    Ok(())
+}
+
+async fn measure(
+    dev: &Device,
+    ip: IpAddr,
+    mode: &str,
+    size: usize,
+    plan: Plan,
+    completion: CompletionMode,
+) -> (Convention, usize, sampler::Samples) {
+    match mode {
+        "rpc" | "rpc-eager" | "rpc-rendezvous" => {
+            let (client, serving) = rpc::connect(dev, ip, rpc::config(mode, size, completion)).await;
+            let s = rpc::measure(&client, size, plan).await;
+            serving.abort();
+            (Convention::Rtt, 2 * size, s)
+        }
+        "send" => {
+            let (c, s) = raw::pair(dev, ip);
+            (Convention::HalfRtt, size, raw::send(c, s, size, plan).await)
+        }
+        "write" => {
+            let (c, s) = raw::pair(dev, ip);
+            (Convention::HalfRtt, size, raw::write(c, s, size, plan).await)
+        }
+        "read" => {
+            let (c, s) = raw::pair(dev, ip);
+            (Convention::Rtt, size, raw::read(c, s, size, plan).await)
+        }
+        "atomic" => {
+            let (c, s) = raw::pair(dev, ip);
+            (Convention::Rtt, 8, raw::atomic(c, s, plan).await)
+        }
+        "tcp" => (Convention::Rtt, 2 * size, baseline::tcp_echo(size, plan).await),
+        _ => (Convention::Rtt, 2 * size, baseline::tarpc_echo(size, plan).await),
+    }
+}
+
+/// Today's date (UTC) from the system clock, without a date crate.
+fn chrono_free_date() -> String {
+    let days = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() / 86_400)
+        .unwrap_or(0) as i64;
+    // civil-from-days (Howard Hinnant's algorithm)
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}

@@ -1,0 +1,264 @@
+//! Raw provider operations, measured as perftest does: Send/Recv and Write ping-pong (RTT/2),
+//! Read and fetch-and-add (full round trip).
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdma_rpc::transport::*;
+
+use crate::sampler::{self, Plan, Samples};
+
+const RING: u64 = 16;
+
+pub struct Side {
+    pub pd: ProtectionDomain,
+    pub cq: CompletionQueue,
+    pub qp: QueuePair,
+}
+
+/// Two connected QPs in this process, each with its own PD and CQ.
+pub fn pair(dev: &Device, ip: IpAddr) -> (Side, Side) {
+    let mk = || (dev.alloc_pd().expect("pd"), dev.create_cq(1024).expect("cq"));
+    let ((spd, scq), (cpd, ccq)) = (mk(), mk());
+    let listener = Listener::bind(dev, SocketAddr::new(ip, 0)).expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let caps = QpCaps {
+        max_send_wr: 256,
+        max_recv_wr: 256,
+        max_inline_data: dev.caps().max_inline_data.min(64),
+    };
+    let sopts = QpOptions::new(&spd, &scq).caps(caps);
+    let server = std::thread::spawn(move || listener.accept(None).expect("accept").accept(&sopts, b"").expect("qp"));
+    let (cqp, _) = connect(
+        addr,
+        &QpOptions::new(&cpd, &ccq).caps(caps),
+        b"",
+        Duration::from_secs(30),
+    )
+    .expect("connect");
+    let sqp = server.join().expect("server");
+    (
+        Side {
+            pd: cpd,
+            cq: ccq,
+            qp: cqp,
+        },
+        Side {
+            pd: spd,
+            cq: scq,
+            qp: sqp,
+        },
+    )
+}
+
+/// Next completion: a short spin, then a wait on the completion channel.
+async fn next(cq: &CompletionQueue) -> Completion {
+    let mut out = Vec::with_capacity(1);
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_micros(20) {
+        if cq.poll(&mut out, 1).expect("poll") > 0 {
+            return out.pop().expect("one");
+        }
+        tokio::task::yield_now().await;
+    }
+    cq.wait(&mut out, 1).await.expect("wait");
+    out.pop().expect("one")
+}
+
+fn ok(c: Completion) -> Completion {
+    assert!(c.status.is_success(), "{c:?}");
+    c
+}
+
+fn inline(size: usize, qp: &QueuePair, wr: SendWr) -> SendWr {
+    if size <= qp.caps().max_inline_data as usize {
+        wr.inline()
+    } else {
+        wr
+    }
+}
+
+/// Send/Recv ping-pong; reports half the round trip.
+pub async fn send(client: Side, server: Side, size: usize, plan: Plan) -> Samples {
+    let len = size.max(1);
+    for s in [&client, &server] {
+        for i in 0..RING {
+            s.qp.post_recv(RecvWr::new(
+                i,
+                s.pd.register(len, AccessFlags::LOCAL_WRITE).expect("reg"),
+            ))
+            .map_err(|e| e.error)
+            .expect("recv");
+        }
+    }
+    let server = Arc::new(server);
+    let srv = server.clone();
+    let echo = tokio::spawn(async move {
+        // Send completions may come back after the next request: keep a few send buffers.
+        let pool = BufferPool::new(&srv.pd, len, RING as usize, AccessFlags::NONE).expect("pool");
+        let mut owed = 0usize;
+        loop {
+            let c = next(&srv.cq).await;
+            if !c.status.is_success() {
+                return;
+            }
+            if c.opcode == WcOpcode::Recv {
+                owed += 1;
+                let wr = RecvWr::new(c.wr_id, c.buf.expect("buf"));
+                srv.qp.post_recv(wr).map_err(|e| e.error).expect("recv");
+            } else {
+                drop(c); // the send buffer goes back to the pool
+            }
+            while owed > 0 {
+                let Some(buf) = pool.take() else { break };
+                let wr = inline(size, &srv.qp, SendWr::send(0, buf).len(size));
+                srv.qp.post_send(wr).map_err(|e| e.error).expect("send");
+                owed -= 1;
+            }
+        }
+    });
+    let mut buf = Some(client.pd.register(len, AccessFlags::NONE).expect("reg"));
+    let samples = sampler::run(plan, async || {
+        let t = Instant::now();
+        let wr = inline(
+            size,
+            &client.qp,
+            SendWr::send(0, buf.take().expect("send buffer")).len(size),
+        );
+        client.qp.post_send(wr).map_err(|e| e.error).expect("send");
+        let mut got = false;
+        while buf.is_none() || !got {
+            let c = ok(next(&client.cq).await);
+            match c.opcode {
+                WcOpcode::Recv => {
+                    got = true;
+                    let wr = RecvWr::new(c.wr_id, c.buf.expect("buf"));
+                    client.qp.post_recv(wr).map_err(|e| e.error).expect("recv");
+                }
+                _ => buf = c.buf,
+            }
+        }
+        Some(t.elapsed() / 2)
+    })
+    .await;
+    echo.abort();
+    samples
+}
+
+/// RDMA Read of `size` bytes; full round trip.
+pub async fn read(client: Side, server: Side, size: usize, plan: Plan) -> Samples {
+    let len = size.max(1);
+    let target = server
+        .pd
+        .register(len, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)
+        .expect("reg");
+    let remote = target.remote().at(0);
+    let mut local = Some(client.pd.register(len, AccessFlags::LOCAL_WRITE).expect("reg"));
+    let r = sampler::run(plan, async || {
+        let wr = SendWr::new(0, SendOp::Read { remote })
+            .buf(local.take().expect("buffer"))
+            .len(size);
+        client.qp.post_send(wr).map_err(|e| e.error).expect("read");
+        local = ok(next(&client.cq).await).buf;
+        None
+    })
+    .await;
+    drop((server, target));
+    r
+}
+
+/// Fetch-and-add on an 8-byte word; full round trip.
+pub async fn atomic(client: Side, server: Side, plan: Plan) -> Samples {
+    let word = server
+        .pd
+        .register(8, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_ATOMIC)
+        .expect("reg");
+    let remote = word.remote().at(0);
+    let mut local = Some(client.pd.register(8, AccessFlags::LOCAL_WRITE).expect("reg"));
+    let r = sampler::run(plan, async || {
+        let wr = SendWr::new(0, SendOp::FetchAdd { remote, add: 1 }).buf(local.take().expect("buffer"));
+        client.qp.post_send(wr).map_err(|e| e.error).expect("faa");
+        local = ok(next(&client.cq).await).buf;
+        None
+    })
+    .await;
+    drop((server, word));
+    r
+}
+
+/// Write ping-pong as ib_write_lat: each side writes the other's buffer and polls its own last
+/// byte for the round's tag; reports half the round trip.
+pub async fn write(client: Side, server: Side, size: usize, plan: Plan) -> Samples {
+    let len = size.max(1);
+    let acc = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+    let (cdst, sdst) = (
+        client.pd.register(len, acc).expect("reg"),
+        server.pd.register(len, acc).expect("reg"),
+    );
+    let (to_server, to_client) = (sdst.remote().at(0), cdst.remote().at(0));
+    let server = Arc::new((server, sdst));
+    let srv = server.clone();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let echo = tokio::spawn(async move {
+        let (s, mine) = (&srv.0, &srv.1);
+        let mut src = Some(s.pd.register(len, AccessFlags::NONE).expect("reg"));
+        let mut expect: u8 = 1;
+        while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+            if mine.bytes()[len - 1] != expect {
+                tokio::task::yield_now().await;
+                continue;
+            }
+            let mut b = src.take().expect("src");
+            b.bytes_mut()[len - 1] = expect;
+            let wr = inline(
+                size,
+                &s.qp,
+                SendWr::new(
+                    0,
+                    SendOp::Write {
+                        remote: to_client,
+                        imm: None,
+                    },
+                )
+                .buf(b)
+                .len(len),
+            );
+            s.qp.post_send(wr).map_err(|e| e.error).expect("write");
+            src = ok(next(&s.cq).await).buf;
+            expect = expect.wrapping_add(1).max(1);
+        }
+    });
+    let mut src = Some(client.pd.register(len, AccessFlags::NONE).expect("reg"));
+    let mut tag = 1u8;
+    let r = sampler::run(plan, async || {
+        let t = Instant::now();
+        let mut b = src.take().expect("src");
+        b.bytes_mut()[len - 1] = tag;
+        let wr = SendWr::new(
+            0,
+            SendOp::Write {
+                remote: to_server,
+                imm: None,
+            },
+        )
+        .buf(b)
+        .len(len);
+        client
+            .qp
+            .post_send(inline(size, &client.qp, wr))
+            .map_err(|e| e.error)
+            .expect("write");
+        src = ok(next(&client.cq).await).buf;
+        while cdst.bytes()[len - 1] != tag {
+            tokio::task::yield_now().await;
+        }
+        tag = tag.wrapping_add(1).max(1);
+        Some(t.elapsed() / 2)
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = echo.await;
+    r
+}

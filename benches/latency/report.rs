@@ -1,0 +1,135 @@
+//! Printing: one perftest-style table per mode, the crossover, and the summary ratios.
+
+use crate::stats::Row;
+
+pub fn table(mode: &str, rows: &[&Row]) {
+    let Some(first) = rows.first() else { return };
+    println!();
+    println!("---------------------------------------------------------------------------------------");
+    println!(" mode {mode}   latency convention: {}", first.convention.label());
+    println!("---------------------------------------------------------------------------------------");
+    println!(
+        " {:>9} {:>11} {:>11} {:>11} {:>15} {:>11} {:>13} {:>18} {:>20} {:>10} {:>11}",
+        "#bytes",
+        "#iterations",
+        "t_min[usec]",
+        "t_max[usec]",
+        "t_typical[usec]",
+        "t_avg[usec]",
+        "t_stdev[usec]",
+        "99% percentile[usec]",
+        "99.9% percentile[usec]",
+        "MB/s",
+        "CPU[usec/op]"
+    );
+    for r in rows {
+        println!(
+            " {:>9} {:>11} {:>11.2} {:>11.2} {:>15.2} {:>11.2} {:>13.2} {:>18.2} {:>20.2} {:>10.1} {:>11.2}",
+            r.bytes,
+            r.iterations,
+            r.t_min,
+            r.t_max,
+            r.t_typical,
+            r.t_avg,
+            r.t_stdev,
+            r.p99,
+            r.p999,
+            r.mb_per_s,
+            r.cpu_us_per_op
+        );
+    }
+}
+
+fn find<'a>(rows: &'a [Row], mode: &str, bytes: usize) -> Option<&'a Row> {
+    rows.iter().find(|r| r.mode == mode && r.bytes == bytes)
+}
+
+/// The smallest size from which rendezvous beats eager at every larger size measured, and the
+/// threshold that follows (the largest size where eager still wins).
+pub fn crossover(rows: &[Row]) -> Option<(Option<usize>, usize)> {
+    let mut sizes: Vec<usize> = rows.iter().filter(|r| r.mode == "rpc-eager").map(|r| r.bytes).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let pairs: Vec<(usize, f64, f64)> = sizes
+        .iter()
+        .filter_map(|&b| {
+            Some((
+                b,
+                find(rows, "rpc-eager", b)?.t_typical,
+                find(rows, "rpc-rendezvous", b)?.t_typical,
+            ))
+        })
+        .collect();
+    if pairs.is_empty() {
+        return None;
+    }
+    let cross = (0..pairs.len()).find(|&i| pairs[i..].iter().all(|&(_, e, r)| r < e));
+    let threshold = match cross {
+        Some(0) => 0,
+        Some(i) => pairs[i - 1].0,
+        None => pairs[pairs.len() - 1].0,
+    };
+    Some((cross.map(|i| pairs[i].0), threshold))
+}
+
+pub fn summary(rows: &[Row], provider: &str) {
+    println!();
+    println!("=== summary (ratios of medians measured in this run; provider {provider})");
+    if let Some((cross, threshold)) = crossover(rows) {
+        match cross {
+            Some(c) => {
+                println!("rendezvous beats eager from {c} bytes on; recommended eager_threshold: {threshold} bytes")
+            }
+            None => {
+                println!("eager won at every size measured; recommended eager_threshold: {threshold} bytes or more")
+            }
+        }
+    }
+    if let (Some(rpc), Some(tcp)) = (find(rows, "rpc", 64), find(rows, "tcp", 64)) {
+        let r = rpc.t_typical / tcp.t_typical;
+        println!(
+            "RPC 64 B p50 {:.2} us / tokio TCP echo p50 {:.2} us = {r:.2}x (target <= 1.3x on tcp): {}",
+            rpc.t_typical,
+            tcp.t_typical,
+            verdict(r <= 1.3)
+        );
+    }
+    let mut worst_layer: Option<(usize, f64)> = None;
+    for r in rows.iter().filter(|r| r.mode == "rpc" && r.bytes <= 4096) {
+        if let Some(raw) = find(rows, "send", r.bytes) {
+            let ratio = r.t_typical / (2.0 * raw.t_typical);
+            if worst_layer.is_none_or(|(_, w)| ratio > w) {
+                worst_layer = Some((r.bytes, ratio));
+            }
+        }
+    }
+    if let Some((b, w)) = worst_layer {
+        println!(
+            "RPC p50 / raw send-recv round trip p50 (2 x RTT/2), sizes <= 4 KiB: worst {w:.2}x at {b} B (target <= 1.5x): {}",
+            verdict(w <= 1.5)
+        );
+    }
+    let mut worst_tarpc: Option<(usize, f64)> = None;
+    for r in rows.iter().filter(|r| r.mode == "rpc") {
+        if let Some(t) = find(rows, "tarpc", r.bytes) {
+            let ratio = r.t_typical / t.t_typical;
+            if worst_tarpc.is_none_or(|(_, w)| ratio > w) {
+                worst_tarpc = Some((r.bytes, ratio));
+            }
+        }
+    }
+    if let Some((b, w)) = worst_tarpc {
+        println!(
+            "RPC p50 / tarpc p50, every size: worst {w:.2}x at {b} B (target <= 1.0x, never behind): {}",
+            verdict(w <= 1.0)
+        );
+    }
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok {
+        "met"
+    } else {
+        "NOT met"
+    }
+}

@@ -1,0 +1,58 @@
+//! RPC modes: the byte-level client and server of rdma-rpc on a provider (echo, full round trip).
+
+use std::net::SocketAddr;
+
+use rdma_rpc::core::{Client, CompletionMode, Config, Server};
+use rdma_rpc::transport::Device;
+
+use crate::sampler::{self, Plan, Samples};
+
+pub const ECHO: u32 = 1;
+
+/// Eager threshold and ring for each RPC mode at a given size.
+pub fn config(mode: &str, size: usize, completion: CompletionMode) -> Config {
+    let base = Config {
+        mode: completion,
+        ..Config::default()
+    };
+    match mode {
+        // Everything inside Sends: the slots must hold the whole payload; fewer of them when big.
+        "rpc-eager" => Config {
+            eager_threshold: size.max(1),
+            ring: ((64 << 20) / size.max(1)).clamp(4, 64) as u32,
+            ..base
+        },
+        // Everything above 0 bytes by rendezvous.
+        "rpc-rendezvous" => Config {
+            eager_threshold: 0,
+            ..base
+        },
+        _ => base,
+    }
+}
+
+/// A server and a client connected to it; abort the handle to stop the server's accept loop.
+pub async fn connect(dev: &Device, ip: std::net::IpAddr, cfg: Config) -> (Client, tokio::task::JoinHandle<()>) {
+    let server = Server::builder(cfg.clone())
+        .handler(ECHO, |req| async move { Ok(req) })
+        .bind(dev, SocketAddr::new(ip, 0))
+        .expect("bind the benchmark server");
+    let addr = server.local_addr().expect("server address");
+    let serving = tokio::spawn(async move {
+        let _ = server.serve().await;
+    });
+    let client = Client::connect(dev, addr, cfg)
+        .await
+        .expect("connect the benchmark client");
+    (client, serving)
+}
+
+pub async fn measure(client: &Client, size: usize, plan: Plan) -> Samples {
+    let payload = vec![0xa5u8; size];
+    sampler::run(plan, async || {
+        let r = client.call(ECHO, payload.clone()).await.expect("echo call");
+        assert_eq!(r.len(), size);
+        None
+    })
+    .await
+}

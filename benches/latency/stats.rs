@@ -1,0 +1,75 @@
+//! One row of the report: perftest's columns plus throughput and CPU per operation.
+
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+/// How a row's latency is counted, as perftest does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Convention {
+    /// Full round trip (RPCs, Read, atomics, baselines).
+    Rtt,
+    /// Half a ping-pong round trip (Send and Write latency, as ib_send_lat / ib_write_lat).
+    HalfRtt,
+}
+
+impl Convention {
+    pub fn label(self) -> &'static str {
+        match self {
+            Convention::Rtt => "RTT",
+            Convention::HalfRtt => "RTT/2",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub mode: String,
+    pub convention: Convention,
+    pub bytes: usize,
+    pub iterations: usize,
+    pub t_min: f64,
+    pub t_max: f64,
+    pub t_typical: f64,
+    pub t_avg: f64,
+    pub t_stdev: f64,
+    pub p99: f64,
+    pub p999: f64,
+    /// Payload bytes moved per operation (both directions) over the mean time.
+    pub mb_per_s: f64,
+    /// Process CPU time (user + sys) per operation.
+    pub cpu_us_per_op: f64,
+}
+
+/// Builds a row from per-operation samples (already halved for RTT/2 rows).
+pub fn row(mode: &str, convention: Convention, bytes: usize, moved: usize, samples: &[Duration], cpu: Duration) -> Row {
+    let mut h = Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3).expect("histogram bounds");
+    let ns: Vec<u64> = samples.iter().map(|d| (d.as_nanos() as u64).max(1)).collect();
+    for &v in &ns {
+        let _ = h.record(v);
+    }
+    let n = ns.len().max(1) as f64;
+    let avg = ns.iter().map(|&v| v as f64).sum::<f64>() / n;
+    let var = ns.iter().map(|&v| (v as f64 - avg).powi(2)).sum::<f64>() / n;
+    let us = |v: f64| v / 1000.0;
+    Row {
+        mode: mode.to_owned(),
+        convention,
+        bytes,
+        iterations: ns.len(),
+        t_min: us(ns.iter().copied().min().unwrap_or(0) as f64),
+        t_max: us(ns.iter().copied().max().unwrap_or(0) as f64),
+        t_typical: us(h.value_at_quantile(0.5) as f64),
+        t_avg: us(avg),
+        t_stdev: us(var.sqrt()),
+        p99: us(h.value_at_quantile(0.99) as f64),
+        p999: us(h.value_at_quantile(0.999) as f64),
+        mb_per_s: if avg > 0.0 {
+            moved as f64 / (avg / 1e9) / 1e6
+        } else {
+            0.0
+        },
+        cpu_us_per_op: cpu.as_secs_f64() * 1e6 / n,
+    }
+}

@@ -1,0 +1,107 @@
+//! The sending side of a software QP's connection, shared by posters and the responder.
+//!
+//! `send` never blocks on the socket: a frame goes out at once with a non-blocking send when
+//! nothing is queued, and otherwise joins a backlog that the writer thread flushes with blocking
+//! writes, outside the lock. So the reader thread (the responder) can answer without ever
+//! waiting on the peer, and two engines can never wait on each other, while the common case
+//! costs one syscall and no thread hop.
+
+use std::io::{self, Write};
+use std::net::{Shutdown, TcpStream};
+
+use parking_lot::{Condvar, Mutex};
+use socket2::SockRef;
+
+#[derive(Default)]
+struct State {
+    backlog: Vec<u8>,
+    /// The writer thread is writing a taken backlog: new frames must queue behind it.
+    flushing: bool,
+    /// Close the sending side once the backlog is out.
+    close_after: bool,
+    closed: bool,
+}
+
+pub(crate) struct Sender {
+    sock: TcpStream,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Sender {
+    pub(crate) fn new(sock: TcpStream) -> Self {
+        Self {
+            sock,
+            state: Mutex::new(State::default()),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Sends or queues one whole frame. Fails only once the connection is closed.
+    pub(crate) fn send(&self, frame: &[u8]) -> Result<(), ()> {
+        let mut st = self.state.lock();
+        if st.closed || st.close_after {
+            return Err(());
+        }
+        let mut rest = frame;
+        if st.backlog.is_empty() && !st.flushing {
+            let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
+            match SockRef::from(&self.sock).send_with_flags(frame, flags) {
+                Ok(n) => rest = &frame[n..],
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    st.closed = true;
+                    return Err(());
+                }
+            }
+        }
+        if !rest.is_empty() {
+            st.backlog.extend_from_slice(rest);
+            self.cv.notify_one();
+        }
+        Ok(())
+    }
+
+    /// Lets what is queued go out, then closes the sending side.
+    pub(crate) fn close_after_flush(&self) {
+        let mut st = self.state.lock();
+        st.close_after = true;
+        self.cv.notify_one();
+    }
+
+    /// Stops at once; the writer thread exits.
+    pub(crate) fn close(&self) {
+        let mut st = self.state.lock();
+        st.closed = true;
+        self.cv.notify_one();
+    }
+
+    /// The writer thread: flushes the backlog with blocking writes, without holding the lock.
+    pub(crate) fn run_writer(&self) {
+        let mut st = self.state.lock();
+        loop {
+            if st.closed {
+                return;
+            }
+            if st.backlog.is_empty() {
+                st.flushing = false;
+                if st.close_after {
+                    let _ = self.sock.shutdown(Shutdown::Write);
+                    st.closed = true;
+                    return;
+                }
+                self.cv.wait(&mut st);
+                continue;
+            }
+            let batch = std::mem::take(&mut st.backlog);
+            st.flushing = true;
+            drop(st);
+            let ok = (&self.sock).write_all(&batch).is_ok();
+            st = self.state.lock();
+            if !ok {
+                st.closed = true;
+                return;
+            }
+        }
+    }
+}
