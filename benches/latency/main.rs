@@ -6,6 +6,7 @@
 //!         [--iters N] [--seconds 60] [--json out.json] [--plot out.svg]
 
 mod baseline;
+mod perftest;
 mod plot;
 mod raw;
 mod report;
@@ -70,6 +71,9 @@ struct Args {
     /// Draw latency against size (SVG) here.
     #[arg(long)]
     plot: Option<String>,
+    /// perftest reports to compare with, e.g. send=send.txt,write=write.txt,read=read.txt.
+    #[arg(long, value_delimiter = ',')]
+    perftest: Vec<String>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -140,6 +144,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         report::table(mode, &r);
     }
     report::summary(&rows, dev.provider());
+    if !args.perftest.is_empty() {
+        let files: Vec<(String, String)> = args
+            .perftest
+            .iter()
+            .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())))
+            .collect();
+        perftest::compare(&rows, &files);
+    }
+    for p in [&args.json, &args.plot].into_iter().flatten() {
+        if let Some(dir) = std::path::Path::new(p).parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&rows)?)?;
         println!("rows written to {path}");

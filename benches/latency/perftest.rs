@@ -1,0 +1,68 @@
+//! Comparison with perftest's own report (ib_send_lat, ib_write_lat, ib_read_lat) from the same
+//! machine and boot: the ratio of our medians to its t_typical, row by row.
+
+use std::collections::HashMap;
+
+use crate::stats::Row;
+
+/// Parses perftest's latency table: rows of numbers under the `#bytes` header; returns
+/// t_typical (the 5th column) by size.
+pub fn parse(text: &str) -> HashMap<usize, f64> {
+    let mut out = HashMap::new();
+    for line in text.lines() {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        if cols.len() < 5 {
+            continue;
+        }
+        let (Ok(bytes), Ok(typical)) = (cols[0].parse::<usize>(), cols[4].parse::<f64>()) else { continue };
+        if cols[1].parse::<usize>().is_ok() {
+            out.insert(bytes, typical);
+        }
+    }
+    out
+}
+
+/// Prints ratios: our raw op / perftest's same op (both in perftest's convention), and our RPC
+/// round trip / perftest's send round trip (2 × RTT/2).
+pub fn compare(rows: &[Row], files: &[(String, String)]) {
+    println!();
+    println!("=== comparison with perftest in the same run (ratios of medians)");
+    let mut send = HashMap::new();
+    for (op, path) in files {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) => {
+                println!("{op}: cannot read {path}: {e}");
+                continue;
+            }
+        };
+        let pt = parse(&text);
+        if op == "send" {
+            send = pt.clone();
+        }
+        let mut sizes: Vec<_> = pt.keys().copied().collect();
+        sizes.sort_unstable();
+        for b in sizes {
+            let theirs = pt[&b];
+            match rows.iter().find(|r| r.mode == *op && r.bytes == b) {
+                Some(r) => println!(
+                    "{op:>5} {b:>8} B: ours {:.2} us / ib_{op}_lat {theirs:.2} us = {:.2}x",
+                    r.t_typical,
+                    r.t_typical / theirs
+                ),
+                None => println!("{op:>5} {b:>8} B: ib_{op}_lat {theirs:.2} us (no row of ours)"),
+            }
+        }
+    }
+    for r in rows.iter().filter(|r| r.mode == "rpc") {
+        if let Some(t) = send.get(&r.bytes) {
+            println!(
+                "  rpc {:>8} B: RPC round trip {:.2} us / ib_send_lat round trip {:.2} us = {:.2}x",
+                r.bytes,
+                r.t_typical,
+                2.0 * t,
+                r.t_typical / (2.0 * t)
+            );
+        }
+    }
+}

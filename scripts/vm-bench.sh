@@ -1,0 +1,20 @@
+#!/bin/sh
+# Runs inside the soft-RoCE VM (busybox sh): perftest's ib_send_lat, ib_write_lat and
+# ib_read_lat on rxe0 (loopback, GID index 1 = the IPv4 RoCE v2 GID), then a short sweep of the
+# latency harness on provider verbs in the same boot, which prints its ratios to perftest.
+#   vm-bench.sh LATENCY_BINARY SIZES ITERS
+bin=$1 sizes=${2:-64,4096} iters=${3:-200}
+mkdir -p /tmp/pt
+for t in send write read; do
+    for s in $(echo "$sizes" | tr ',' ' '); do
+        ib_${t}_lat -d rxe0 -x 1 -F -s "$s" -n "$iters" >/dev/null 2>&1 &
+        srv=$!
+        sleep 1
+        ib_${t}_lat -d rxe0 -x 1 -F -s "$s" -n "$iters" 10.10.0.1 >> /tmp/pt/$t.txt 2>&1
+        wait $srv
+    done
+    echo "=== perftest ib_${t}_lat"
+    cat /tmp/pt/$t.txt
+done
+"./$bin" --provider verbs --ip 10.10.0.1 --sizes "$sizes" --modes rpc,send,write,read --iters "$iters" \
+    --perftest send=/tmp/pt/send.txt,write=/tmp/pt/write.txt,read=/tmp/pt/read.txt
