@@ -50,6 +50,17 @@ else
     ((verbs_pass > 0)) || { echo "the VM lane ran no test"; fail=1; }
 fi
 
+step "benchmark lane: a short sweep on verbs (rxe0) beside perftest, same boot (a report, not a test)"
+bench_bin=$(cargo bench --bench latency --no-run --message-format=json 2>/dev/null |
+      sed -n 's/.*"executable":"\([^"]*\/latency-[^"]*\)".*/\1/p' | tail -1)
+if [[ -z $bench_bin ]]; then
+    echo "could not build the latency harness"; fail=1
+else
+    scripts/rxe-vm.sh -f "$bench_bin" scripts/vm-bench.sh "$(basename "$bench_bin")" 64,4096 200 2>&1 |
+        tee "$LOG/bench.log" | sed -n '/=== summary/,$p'
+    [[ ${PIPESTATUS[0]} == 0 ]] || { echo "the benchmark lane failed:"; tail -30 "$LOG/bench.log"; fail=1; }
+fi
+
 step "summary"
 printf 'provider tcp:   conformance %d passed, %d failed; whole workspace %d passed, %d failed\n' \
     "$tcpc_pass" "$tcpc_fail" "$tcp_pass" "$tcp_fail"

@@ -14,7 +14,9 @@ pub fn parse(text: &str) -> HashMap<usize, f64> {
         if cols.len() < 5 {
             continue;
         }
-        let (Ok(bytes), Ok(typical)) = (cols[0].parse::<usize>(), cols[4].parse::<f64>()) else { continue };
+        let (Ok(bytes), Ok(typical)) = (cols[0].parse::<usize>(), cols[4].parse::<f64>()) else {
+            continue;
+        };
         if cols[1].parse::<usize>().is_ok() {
             out.insert(bytes, typical);
         }
