@@ -168,15 +168,9 @@ impl Conn {
             }
             SEND => {} // the send buffer returns to its pool as `c` drops
             READ => {
-                let Some(job) = self.reads.get_mut(&id) else { return };
-                if let Some(buf) = c.buf {
-                    job.parts.push(buf);
-                }
-                job.remaining -= 1;
-                if job.remaining > 0 {
+                let Some(job) = Job::piece_done(&mut self.reads, id, c.buf) else {
                     return;
-                }
-                let Some(job) = self.reads.remove(&id) else { return };
+                };
                 let (local, len, token) = (job.buf, job.len, job.token);
                 match job.join() {
                     Some(mr) => self.stash.put_back(local, mr),
@@ -188,15 +182,9 @@ impl Conn {
                 }
             }
             WRITE => {
-                let Some(job) = self.writes.get_mut(&id) else { return };
-                if let Some(buf) = c.buf {
-                    job.parts.push(buf);
-                }
-                job.remaining -= 1;
-                if job.remaining > 0 {
+                let Some(job) = Job::piece_done(&mut self.writes, id, c.buf) else {
                     return;
-                }
-                let Some(job) = self.writes.remove(&id) else { return };
+                };
                 match job.join() {
                     Some(mr) => self.stash.put_back(id, mr),
                     None => return self.lose("a write buffer came back in pieces that do not join".into()),
@@ -357,6 +345,21 @@ struct Job {
 }
 
 impl Job {
+    /// Records one finished piece of job `id`; returns the job once all its pieces are back.
+    fn piece_done<K: std::hash::Hash + Eq + Copy>(
+        jobs: &mut HashMap<K, Job>,
+        id: K,
+        buf: Option<MemoryRegion>,
+    ) -> Option<Job> {
+        let job = jobs.get_mut(&id)?;
+        job.parts.extend(buf);
+        job.remaining -= 1;
+        if job.remaining > 0 {
+            return None;
+        }
+        jobs.remove(&id)
+    }
+
     /// Joins the pieces back into the one buffer they were split from.
     fn join(mut self) -> Option<MemoryRegion> {
         self.parts.sort_by_key(MemoryRegion::addr);

@@ -204,22 +204,7 @@ impl Qp {
         // SAFETY: the QP is live; the list and its SGEs live until the call returns, and the
         // memory the SGEs name stays registered until completion (the tracker owns it).
         let rc = unsafe { ibv_post_send(self.inner.qp(), base, &mut bad) };
-        if rc == 0 {
-            return Ok(());
-        }
-        let at = if bad.is_null() {
-            0
-        } else {
-            // SAFETY: on failure bad points into `wrs`, the same allocation as base.
-            unsafe { bad.offset_from(base) }.max(0) as usize
-        };
-        Err((
-            at,
-            Error::Verbs {
-                call: "ibv_post_send",
-                source: io::Error::from_raw_os_error(rc.abs()),
-            },
-        ))
+        post_result("ibv_post_send", rc, bad, base)
     }
 
     pub(crate) fn post_recv(&self, descs: &[RecvDesc<'_>]) -> Result<(), (usize, Error)> {
@@ -254,22 +239,7 @@ impl Qp {
         let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: as for post_send.
         let rc = unsafe { ibv_post_recv(self.inner.qp(), base, &mut bad) };
-        if rc == 0 {
-            return Ok(());
-        }
-        let at = if bad.is_null() {
-            0
-        } else {
-            // SAFETY: on failure bad points into `wrs`, the same allocation as base.
-            unsafe { bad.offset_from(base) }.max(0) as usize
-        };
-        Err((
-            at,
-            Error::Verbs {
-                call: "ibv_post_recv",
-                source: io::Error::from_raw_os_error(rc.abs()),
-            },
-        ))
+        post_result("ibv_post_recv", rc, bad, base)
     }
 
     /// Disconnects, stops the event thread and destroys QP, id and channel, in that order.
@@ -300,6 +270,22 @@ impl Qp {
             libc::close(self.wake[1]);
         }
     }
+}
+
+/// Maps a post's return code to the index of the first request not posted and the error.
+fn post_result<T>(call: &'static str, rc: i32, bad: *mut T, base: *mut T) -> Result<(), (usize, Error)> {
+    if rc == 0 {
+        return Ok(());
+    }
+    let at = if bad.is_null() {
+        0
+    } else {
+        // SAFETY: on failure the provider sets bad to a request of the list that starts at base,
+        // which is one allocation (a Vec not reallocated during the post).
+        unsafe { bad.offset_from(base) }.max(0) as usize
+    };
+    let source = io::Error::from_raw_os_error(rc.abs());
+    Err((at, Error::Verbs { call, source }))
 }
 
 /// Reads the connection's rdma_cm events until woken: a DISCONNECTED (the peer disconnected,
