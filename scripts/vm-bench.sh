@@ -2,8 +2,8 @@
 # Runs inside the soft-RoCE VM (busybox sh): perftest's ib_send_lat, ib_write_lat and
 # ib_read_lat on rxe0 (loopback, GID index 1 = the IPv4 RoCE v2 GID), then a short sweep of the
 # latency harness on provider verbs in the same boot, which prints its ratios to perftest.
-#   vm-bench.sh LATENCY_BINARY SIZES ITERS
-bin=$1 sizes=${2:-64,4096} iters=${3:-200}
+#   vm-bench.sh LATENCY_BINARY [SIZES] [ITERS] [COMPLETION MODE of the RPC driver, default spin]
+bin=$1 sizes=${2:-64,4096} iters=${3:-200} completion=${4:-spin}
 mkdir -p /tmp/pt
 for t in send write read; do
     for s in $(echo "$sizes" | tr ',' ' '); do
@@ -17,4 +17,5 @@ for t in send write read; do
     cat /tmp/pt/$t.txt
 done
 "./$bin" --provider verbs --ip 10.10.0.1 --sizes "$sizes" --modes rpc,send,write,read --iters "$iters" \
+    --raw-spin-us 1000000 --completion "${completion:-spin}" \
     --perftest send=/tmp/pt/send.txt,write=/tmp/pt/write.txt,read=/tmp/pt/read.txt

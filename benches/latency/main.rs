@@ -65,6 +65,10 @@ struct Args {
     /// Completion mode of the RPC driver: spin, event, adaptive.
     #[arg(long, default_value = "adaptive")]
     completion: String,
+    /// Raw modes: microseconds to poll the CQ before waiting on its completion channel
+    /// (perftest always polls; on the tcp provider polling steals the engine's CPU).
+    #[arg(long, default_value_t = 20)]
+    raw_spin_us: u64,
     /// Write the rows as JSON here.
     #[arg(long)]
     json: Option<String>,
@@ -85,6 +89,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         std::env::set_var(rdma_rpc::transport::PROVIDER_ENV, p);
     }
     let dev = Device::open_default()?;
+    raw::SPIN_US.store(args.raw_spin_us, std::sync::atomic::Ordering::Relaxed);
     let sizes = args
         .sizes
         .clone()

@@ -52,11 +52,16 @@ pub fn pair(dev: &Device, ip: IpAddr) -> (Side, Side) {
     )
 }
 
-/// Next completion: a short spin, then a wait on the completion channel.
+/// How long raw modes poll the CQ before waiting on the completion channel (`--raw-spin-us`).
+/// perftest only polls: give a large value to compare with it.
+pub static SPIN_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(20);
+
+/// Next completion: polling for the spin budget, then a wait on the completion channel.
 async fn next(cq: &CompletionQueue) -> Completion {
     let mut out = Vec::with_capacity(1);
     let t = Instant::now();
-    while t.elapsed() < Duration::from_micros(20) {
+    let budget = Duration::from_micros(SPIN_US.load(std::sync::atomic::Ordering::Relaxed));
+    while t.elapsed() < budget {
         if cq.poll(&mut out, 1).expect("poll") > 0 {
             return out.pop().expect("one");
         }
