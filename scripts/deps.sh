@@ -8,7 +8,8 @@ command -v pkg-config >/dev/null || need+=(pkg-config)
 pkg-config --exists libibverbs 2>/dev/null || need+=(libibverbs-dev)
 pkg-config --exists librdmacm 2>/dev/null || need+=(librdmacm-dev)
 compgen -G "/usr/lib/x86_64-linux-gnu/libibverbs/*-rdmav*.so" >/dev/null || need+=(ibverbs-providers)
-compgen -G "/usr/lib/llvm-14/lib/libclang*.so*" >/dev/null || compgen -G "/usr/lib/x86_64-linux-gnu/libclang-*.so*" >/dev/null || need+=(libclang1-14)
+# (libclang-cpp, which other packages bring, is not libclang: match libclang.so / libclang-<N>.so only)
+compgen -G "/usr/lib/llvm-14/lib/libclang.so*" >/dev/null || compgen -G "/usr/lib/x86_64-linux-gnu/libclang-[0-9]*.so*" >/dev/null || need+=(libclang1-14)
 [[ -d /usr/lib/llvm-14/lib/clang ]] || need+=(libclang-common-14-dev)
 if ((${#need[@]})); then
     echo "deps: installing ${need[*]}" >&2

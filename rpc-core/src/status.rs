@@ -81,6 +81,10 @@ pub enum RpcError {
     /// The peer broke the protocol.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// The call's arguments could not be encoded (a `Serialize` impl failed, or a sequence of
+    /// unknown length); nothing was sent.
+    #[error("could not encode the call: {0}")]
+    Encode(String),
     /// The transport failed (registration, posting).
     #[error("transport error: {0}")]
     Transport(String),

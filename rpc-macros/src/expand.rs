@@ -1,0 +1,261 @@
+//! Code generation from a checked [`Service`]: the trait with `Send` futures, the client, the
+//! server dispatcher. Generated code names only absolute paths (`::core`, `::std`, the facade
+//! crate), so it compiles under `#![no_implicit_prelude]`; its own locals are `mixed_site`, so
+//! argument names never clash with them.
+
+use proc_macro2::{Span, TokenStream};
+use quote::{format_ident, quote};
+use syn::Ident;
+
+use crate::model::{Method, Service};
+
+/// The whole expansion.
+pub(crate) fn expand(s: &Service) -> TokenStream {
+    let tr = trait_def(s);
+    let client = client(s);
+    let server = server(s);
+    quote! { #tr #client #server }
+}
+
+fn local(name: &str) -> Ident {
+    Ident::new(name, Span::mixed_site())
+}
+
+fn qualname(s: &Service, m: &Method) -> String {
+    format!("{}.{}", s.item.ident, m.name)
+}
+
+fn trait_def(s: &Service) -> TokenStream {
+    let item = &s.item;
+    let (attrs, vis, ident, colon, supertraits) = (
+        &item.attrs,
+        &item.vis,
+        &item.ident,
+        &item.colon_token,
+        &item.supertraits,
+    );
+    let methods = s.methods.iter().map(|m| {
+        let (attrs, name, ret) = (&m.attrs, &m.name, &m.ret);
+        let args = m.args.iter().map(|a| {
+            let (n, t) = (&a.name, &a.ty);
+            quote!(#n: #t)
+        });
+        quote! {
+            #(#attrs)*
+            fn #name(&self, #(#args),*) -> impl ::core::future::Future<Output = #ret> + ::core::marker::Send;
+        }
+    });
+    quote! {
+        #(#attrs)*
+        #vis trait #ident #colon #supertraits {
+            #(#methods)*
+        }
+    }
+}
+
+fn client(s: &Service) -> TokenStream {
+    let krate = &s.krate;
+    let vis = &s.item.vis;
+    let tr = &s.item.ident;
+    let client = format_ident!("{}Client", tr);
+    let doc = format!(
+        "The client of [`{tr}`]: the trait's methods as remote calls, each returning \
+         `Result<T, RpcError>`. Cheap to clone; clones share one connection."
+    );
+    let (inner, options) = (local("inner"), local("options"));
+    let (payload, response) = (local("payload"), local("response"));
+    let ids = s.methods.iter().map(|m| {
+        let (n, id) = (m.name.to_string(), m.id);
+        quote!((#n, #id))
+    });
+    let methods = s.methods.iter().map(|m| {
+        let (attrs, name, ret, id) = (&m.attrs, &m.name, &m.ret, m.id);
+        let q = qualname(s, m);
+        let params = m.args.iter().map(|a| {
+            let (n, t) = (&a.name, &a.ty);
+            quote!(#n: #t)
+        });
+        let plain = m.args.iter().filter(|a| !a.bulk).map(|a| &a.name);
+        let encode = match m.args.iter().find(|a| a.bulk) {
+            Some(b) => {
+                let b = &b.name;
+                quote!(#krate::__private::encode_args_bulk(#b, &(#(&#plain,)*), #q)?)
+            }
+            None => quote!(#krate::__private::encode_args(&(#(&#plain,)*), #q)?),
+        };
+        let decode = if m.ret_bulk {
+            quote!(::core::result::Result::Ok(::core::convert::From::from(#response)))
+        } else {
+            quote!(#krate::__private::decode_ret::<#ret>(&#response, #q))
+        };
+        quote! {
+            #(#attrs)*
+            pub async fn #name(&self, #(#params),*) -> ::core::result::Result<#ret, #krate::RpcError> {
+                let #payload = #encode;
+                let #response = self.#inner
+                    .call_with(#id, #payload, ::core::clone::Clone::clone(&self.#options))
+                    .await?;
+                #decode
+            }
+        }
+    });
+    quote! {
+        #[doc = #doc]
+        #[derive(::core::clone::Clone)]
+        #vis struct #client {
+            #inner: #krate::Client,
+            #options: #krate::CallOptions,
+        }
+
+        impl #client {
+            /// Each method's name and its id on the wire.
+            pub const METHOD_IDS: &'static [(&'static str, u32)] = &[#(#ids),*];
+
+            /// A typed client over an existing connection.
+            pub fn new(inner: #krate::Client) -> Self {
+                Self { #inner: inner, #options: ::core::default::Default::default() }
+            }
+
+            /// Connects to a server at `addr` on `device` (see `Client::connect`).
+            ///
+            /// # Errors
+            /// As `Client::connect`: the transport's, or a peer that is not an rdma-rpc server.
+            pub async fn connect(
+                device: &#krate::transport::Device,
+                addr: ::std::net::SocketAddr,
+                config: #krate::Config,
+            ) -> ::core::result::Result<Self, #krate::RpcError> {
+                ::core::result::Result::Ok(Self::new(#krate::Client::connect(device, addr, config).await?))
+            }
+
+            /// A client on the same connection whose calls all use `options` (deadline,
+            /// response-size hint).
+            pub fn with_options(&self, options: #krate::CallOptions) -> Self {
+                Self { #inner: ::core::clone::Clone::clone(&self.#inner), #options: options }
+            }
+
+            /// The options every call of this client uses.
+            pub fn options(&self) -> &#krate::CallOptions {
+                &self.#options
+            }
+
+            /// The byte-level client underneath.
+            pub fn inner(&self) -> &#krate::Client {
+                &self.#inner
+            }
+
+            #(#methods)*
+        }
+    }
+}
+
+fn server(s: &Service) -> TokenStream {
+    let krate = &s.krate;
+    let vis = &s.item.vis;
+    let tr = &s.item.ident;
+    let server = format_ident!("{}Server", tr);
+    let doc = format!(
+        "Serves any implementation of [`{tr}`]: registers one handler per method on a \
+         `ServerBuilder`, or binds a `Server` directly."
+    );
+    let (service, request, ret, builder) = (local("service"), local("request"), local("ret"), local("builder"));
+    let (bulk_local, args_local) = (local("bulk"), local("args"));
+    let handlers = s.methods.iter().map(|m| {
+        let (name, id) = (&m.name, m.id);
+        let q = qualname(s, m);
+        let plain_types = m.args.iter().filter(|a| !a.bulk).map(|a| &a.ty);
+        // The handler's arguments in declaration order: the bulk value, or the next field of
+        // the decoded tuple (so the user's argument names never meet generated ones).
+        let mut field = 0;
+        let call_args: Vec<TokenStream> = m
+            .args
+            .iter()
+            .map(|a| {
+                if a.bulk {
+                    quote!(#bulk_local)
+                } else {
+                    let f = syn::Index::from(field);
+                    field += 1;
+                    quote!(#args_local.#f)
+                }
+            })
+            .collect();
+        let decode = if m.args.iter().any(|a| a.bulk) {
+            quote! {
+                let (#bulk_local, #args_local): (_, (#(#plain_types,)*)) =
+                    #krate::__private::decode_args_bulk(#request, #q)?;
+            }
+        } else {
+            quote! {
+                let #args_local: (#(#plain_types,)*) = #krate::__private::decode_args(&#request, #q)?;
+            }
+        };
+        let encode = if m.ret_bulk {
+            quote!(::core::result::Result::Ok(::core::convert::From::from(#ret)))
+        } else {
+            quote!(#krate::__private::encode_ret(&#ret, #q))
+        };
+        quote! {
+            let #builder = {
+                let #service = ::core::clone::Clone::clone(&self.#service);
+                #builder.handler(#id, move |#request: ::std::vec::Vec<u8>| {
+                    let #service = ::core::clone::Clone::clone(&#service);
+                    async move {
+                        #decode
+                        let #ret = <S as #tr>::#name(&*#service, #(#call_args),*).await;
+                        #encode
+                    }
+                })
+            };
+        }
+    });
+    quote! {
+        #[doc = #doc]
+        #vis struct #server<S> {
+            #service: ::std::sync::Arc<S>,
+        }
+
+        impl<S> ::core::clone::Clone for #server<S> {
+            fn clone(&self) -> Self {
+                Self { #service: ::core::clone::Clone::clone(&self.#service) }
+            }
+        }
+
+        impl<S> #server<S>
+        where
+            S: #tr + ::core::marker::Send + ::core::marker::Sync + 'static,
+        {
+            /// Serves `service`.
+            pub fn new(service: S) -> Self {
+                Self { #service: ::std::sync::Arc::new(service) }
+            }
+
+            /// Serves a service value shared with other code.
+            pub fn from_arc(service: ::std::sync::Arc<S>) -> Self {
+                Self { #service: service }
+            }
+
+            /// Adds one handler per method to `builder` (other services may share it: ids are
+            /// derived from the trait's name too).
+            pub fn register(&self, builder: #krate::ServerBuilder) -> #krate::ServerBuilder {
+                let #builder = builder;
+                #(#handlers)*
+                #builder
+            }
+
+            /// Binds a server for this service alone on `addr` (port 0 picks one); run it with
+            /// `Server::serve`.
+            ///
+            /// # Errors
+            /// As `ServerBuilder::bind`: the address cannot be bound.
+            pub fn bind(
+                &self,
+                device: &#krate::transport::Device,
+                addr: ::std::net::SocketAddr,
+                config: #krate::Config,
+            ) -> ::core::result::Result<#krate::Server, #krate::RpcError> {
+                self.register(#krate::Server::builder(config)).bind(device, addr)
+            }
+        }
+    }
+}

@@ -1,0 +1,6 @@
+#[rdma_rpc_macros::service]
+struct Echo {
+    prefix: String,
+}
+
+fn main() {}
