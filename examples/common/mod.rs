@@ -66,7 +66,15 @@ impl Peer {
         let theirs = req.private_data().to_vec();
         let opts = QpOptions::new(&pd, &cq).caps(caps(listener.device(), depth));
         let qp = tokio::task::spawn_blocking(move || req.accept_with_recvs(&opts, &private, recvs)).await??;
-        Ok((Peer { pd, cq, qp, ready: VecDeque::new() }, theirs))
+        Ok((
+            Peer {
+                pd,
+                cq,
+                qp,
+                ready: VecDeque::new(),
+            },
+            theirs,
+        ))
     }
 
     /// Connects to `addr` with `pd`/`cq`, posting `recvs` first. Returns the peer and the
@@ -84,7 +92,15 @@ impl Peer {
         let (qp, theirs) =
             tokio::task::spawn_blocking(move || transport::connect_with_recvs(addr, &opts, &private, SETUP, recvs))
                 .await??;
-        Ok((Peer { pd, cq, qp, ready: VecDeque::new() }, theirs))
+        Ok((
+            Peer {
+                pd,
+                cq,
+                qp,
+                ready: VecDeque::new(),
+            },
+            theirs,
+        ))
     }
 
     /// Posts a send-queue work request.
@@ -140,7 +156,8 @@ impl Peer {
 
     fn take_ready(&mut self) -> Result<Completion> {
         let c = self.ready.pop_front().ok_or("no completion")?;
-        Ok(c.ok().map_err(|e| format!("work request {} failed: {:?}", e.completion.wr_id, e.completion.status))?)
+        Ok(c.ok()
+            .map_err(|e| format!("work request {} failed: {:?}", e.completion.wr_id, e.completion.status))?)
     }
 }
 
@@ -166,7 +183,9 @@ pub fn p50_p99(samples: &mut [Duration]) -> (f64, f64) {
 
 /// FNV-1a 64 over `bytes`, continuing from `h` (start with [`FNV64`]).
 pub fn fnv64(h: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(h, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3))
+    bytes
+        .iter()
+        .fold(h, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3))
 }
 
 /// FNV-1a 64's offset basis.

@@ -82,7 +82,8 @@ pub async fn run(
         buf.write_at(0, &applied.to_le_bytes())?;
         peer.post(SendWr::send(applied, buf).len(8))?;
         if flags & END != 0 {
-            peer.next_where(|c| c.opcode == WcOpcode::Send && c.wr_id == applied).await?;
+            peer.next_where(|c| c.opcode == WcOpcode::Send && c.wr_id == applied)
+                .await?;
             break;
         }
     }

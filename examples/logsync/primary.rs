@@ -7,7 +7,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use rdma_rpc::transport::{AccessFlags, BufferPool, Completion, Device, RecvWr, RemoteRegion, SendOp, SendWr, WcOpcode};
+use rdma_rpc::transport::{
+    AccessFlags, BufferPool, Completion, Device, RecvWr, RemoteRegion, SendOp, SendWr, WcOpcode,
+};
 use rdma_rpc::{Bulk, Config};
 
 use crate::common::{self, fnv64, p50_p99, Peer, FNV64};
@@ -168,9 +170,20 @@ pub async fn run(
     );
     let (w50, w99) = p50_p99(&mut times);
     let (r50, r99) = p50_p99(&mut rpc_times);
-    println!("{:<28} {:>8} {:>10} {:>10}", "append (records 16..4111 B)", "#appends", "p50[usec]", "p99[usec]");
-    println!("{:<28} {:>8} {w50:>10.2} {w99:>10.2}", "RDMA Write-with-imm", times.len());
-    println!("{:<28} {:>8} {r50:>10.2} {r99:>10.2}", "RPC (LogSink::append)", rpc_times.len());
+    println!(
+        "{:<28} {:>8} {:>10} {:>10}",
+        "append (records 16..4111 B)", "#appends", "p50[usec]", "p99[usec]"
+    );
+    println!(
+        "{:<28} {:>8} {w50:>10.2} {w99:>10.2}",
+        "RDMA Write-with-imm",
+        times.len()
+    );
+    println!(
+        "{:<28} {:>8} {r50:>10.2} {r99:>10.2}",
+        "RPC (LogSink::append)",
+        rpc_times.len()
+    );
     Ok(())
 }
 

@@ -1,0 +1,260 @@
+//! Runs the examples as separate processes (server and clients) on the provider named by
+//! `RDMA_RPC_PROVIDER` (default `tcp`), and checks what they report and write.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdout, Command, Output, Stdio};
+
+/// The example binary next to this test's. Under cargo (`CARGO` is set) the examples are
+/// built first, once, so that a test never runs a stale binary.
+fn example(name: &str) -> PathBuf {
+    static BUILD: std::sync::Once = std::sync::Once::new();
+    BUILD.call_once(|| {
+        if let Ok(cargo) = std::env::var("CARGO") {
+            let ok = Command::new(cargo)
+                .args(["build", "--quiet", "--examples"])
+                .status()
+                .expect("run cargo build --examples")
+                .success();
+            assert!(ok, "cargo build --examples failed");
+        }
+    });
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+    let path = dir.join("examples").join(name);
+    assert!(path.exists(), "{} is missing: build the examples", path.display());
+    path
+}
+
+struct Kill(Child);
+
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn ip() -> String {
+    std::env::var("RDMA_RPC_TEST_IP").unwrap_or_else(|_| "127.0.0.1".into())
+}
+
+/// A server process, killed when dropped, and the rest of its output.
+struct Server {
+    child: Kill,
+    out: BufReader<ChildStdout>,
+}
+
+impl Server {
+    /// Waits for it to exit by itself; its remaining output, checked for success.
+    fn finish(mut self, name: &str) -> String {
+        let mut rest = String::new();
+        self.out.read_to_string(&mut rest).expect("read output");
+        let status = self.child.0.wait().expect("wait");
+        assert!(status.success(), "{name} failed: {rest}");
+        rest
+    }
+}
+
+/// Starts a server process (`args` include `--listen <ip>:0`) and returns it with the address
+/// it printed.
+fn start(name: &str, args: &[&str]) -> (Server, String) {
+    let mut child = Kill(
+        Command::new(example(name))
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {name}: {e}")),
+    );
+    let mut out = BufReader::new(child.0.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("read the server's first line");
+    let addr = line
+        .strip_prefix("listening on ")
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("unexpected first line from {name}: {line:?}"))
+        .to_string();
+    (Server { child, out }, addr)
+}
+
+/// Runs a process to the end; panics with its output unless it succeeded. Returns stdout.
+fn run(name: &str, args: &[&str]) -> String {
+    finish(name, Command::new(example(name)).args(args).output().expect("run"))
+}
+
+fn finish(name: &str, out: Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{name} failed: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+fn line_with<'a>(out: &'a str, needle: &str) -> &'a str {
+    out.lines()
+        .find(|l| l.contains(needle))
+        .unwrap_or_else(|| panic!("no line with {needle:?} in:\n{out}"))
+}
+
+fn tmp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("rdma-rpc-{}-{name}", std::process::id()))
+}
+
+#[test]
+fn echo_server_and_client_run_as_two_processes() {
+    let (_server, addr) = start("echo", &["--listen", &format!("{}:0", ip())]);
+    let stdout = run(
+        "echo",
+        &["--connect", &addr, "--sizes", "1,64,70000,1048576", "--iters", "20"],
+    );
+    assert!(
+        stdout.contains("hello, echo client; 80 echoes verified byte for byte"),
+        "{stdout}"
+    );
+    for size in ["1", "64", "70000", "1048576"] {
+        assert!(
+            stdout.lines().any(|l| l.split_whitespace().next() == Some(size)),
+            "no row for {size}: {stdout}"
+        );
+    }
+}
+
+/// Runs a backup and a primary; returns both outputs after checking that the logs they wrote
+/// are the same bytes and that their digests agree.
+fn logsync(backup_args: &[&str], primary_args: &[&str], tag: &str) -> (String, String) {
+    let (b_log, p_log) = (tmp(&format!("{tag}-backup.log")), tmp(&format!("{tag}-primary.log")));
+    let listen = format!("{}:0", ip());
+    let mut args = vec!["backup", "--listen", &listen, "--out", b_log.to_str().expect("utf-8")];
+    args.extend_from_slice(backup_args);
+    let (backup, addr) = start("logsync", &args);
+    let mut args = vec!["primary", "--connect", &addr, "--out", p_log.to_str().expect("utf-8")];
+    args.extend_from_slice(primary_args);
+    let primary = run("logsync", &args);
+    let backup = backup.finish("logsync backup");
+    let (b, p) = (
+        std::fs::read(&b_log).expect("backup log"),
+        std::fs::read(&p_log).expect("primary log"),
+    );
+    let _ = (std::fs::remove_file(&b_log), std::fs::remove_file(&p_log));
+    assert!(!p.is_empty());
+    assert!(
+        b == p,
+        "the backup's log ({} bytes) differs from the primary's ({} bytes)",
+        b.len(),
+        p.len()
+    );
+    let digest = |l: &str| l.rsplit(' ').next().map(str::to_owned);
+    assert_eq!(
+        digest(line_with(&backup, "log digest")),
+        digest(line_with(&primary, "log digest")),
+        "{backup}\n{primary}"
+    );
+    (primary, backup)
+}
+
+#[test]
+fn logsync_replicates_mebibytes_byte_exact_and_in_order() {
+    let (primary, _) = logsync(&[], &["--mib", "4", "--rpc-appends", "100"], "fast");
+    assert!(line_with(&primary, "appended").contains("bytes"), "{primary}");
+    line_with(&primary, "RDMA Write-with-imm");
+    line_with(&primary, "RPC (LogSink::append)");
+}
+
+#[test]
+fn logsync_primary_waits_for_a_slow_backup_and_overwrites_nothing() {
+    let (primary, _) = logsync(
+        &["--ring", "16384", "--apply-delay-us", "200"],
+        &["--mib", "1", "--rpc-appends", "10"],
+        "slow",
+    );
+    let stalls = primary
+        .split(" waits for credits")
+        .next()
+        .and_then(|s| s.rsplit(' ').next())
+        .and_then(|n| n.parse::<u64>().ok())
+        .expect("the number of waits");
+    assert!(
+        stalls > 0,
+        "a 16 KiB ring and a slow backup must make the primary wait: {primary}"
+    );
+}
+
+#[test]
+fn kv_one_sided_gets_never_return_torn_stale_or_reordered_values() {
+    // A wide torn window makes half-written slots common; the readers must catch every one.
+    let (_server, addr) = start(
+        "kv",
+        &["server", "--listen", &format!("{}:0", ip()), "--torn-window-us", "100"],
+    );
+    let bench = run(
+        "kv",
+        &["client", "--connect", &addr, "bench", "--keys", "200", "--gets", "300"],
+    );
+    line_with(&bench, "one-sided (2 RDMA Reads)");
+    let check = run(
+        "kv",
+        &["client", "--connect", &addr, "check", "--seconds", "2", "--deletes"],
+    );
+    let line = line_with(&check, "check passed");
+    let torn: u64 = line
+        .split(" torn copies caught")
+        .next()
+        .and_then(|s| s.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .expect("torn count");
+    assert!(
+        torn > 0,
+        "no torn copy was ever seen, so the detection went untested: {line}"
+    );
+}
+
+#[test]
+fn lock_clients_in_separate_processes_lose_no_update_and_share_no_ticket() {
+    let (_server, addr) = start("lock", &["server", "--listen", &format!("{}:0", ip())]);
+    let (clients, each) = (3u64, 200u64);
+    let files: Vec<PathBuf> = (1..=clients).map(|i| tmp(&format!("tickets-{i}"))).collect();
+    let procs: Vec<Child> = (1..=clients)
+        .map(|i| {
+            Command::new(example("lock"))
+                .args([
+                    "client",
+                    "--connect",
+                    &addr,
+                    "--id",
+                    &i.to_string(),
+                    "--increments",
+                    &each.to_string(),
+                ])
+                .arg("--tickets-out")
+                .arg(&files[i as usize - 1])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start a client")
+        })
+        .collect();
+    for p in procs {
+        let out = finish("lock client", p.wait_with_output().expect("wait"));
+        line_with(&out, "acquire (CAS+backoff)");
+    }
+    let report = run("lock", &["report", "--connect", &addr]);
+    assert_eq!(
+        report.trim(),
+        format!("lock 0 counter {0} sequencer {0}", clients * each),
+        "lost updates or tickets"
+    );
+    let mut tickets: Vec<u64> = files
+        .iter()
+        .flat_map(|f| {
+            let t = std::fs::read_to_string(f).expect("tickets");
+            let _ = std::fs::remove_file(f);
+            t.lines()
+                .map(|l| l.parse::<u64>().expect("a ticket"))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    tickets.sort_unstable();
+    assert_eq!(tickets, (0..clients * each).collect::<Vec<_>>(), "every ticket once");
+}
