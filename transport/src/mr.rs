@@ -47,6 +47,8 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
+        let registered = &self.pd.device.inner.registered;
+        registered.fetch_sub(self.len as u64, std::sync::atomic::Ordering::Relaxed);
         #[allow(irrefutable_let_patterns)]
         if let PdImpl::Tcp(pd) = &self.pd.imp {
             pd.deregister(self.rkey, self.lkey);
@@ -118,6 +120,10 @@ impl MemoryRegion {
                 })
             }
         };
+        pd.device()
+            .inner
+            .registered
+            .fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
         Ok(MemoryRegion {
             region,
             off: 0,

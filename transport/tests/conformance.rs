@@ -896,3 +896,23 @@ async fn a_killed_peer_turns_into_errors() {
     assert_eq!(pool.available(), pool.capacity());
     let _ = child.wait().await;
 }
+
+#[tokio::test]
+async fn registered_bytes_count_until_the_last_piece_is_gone() {
+    let (c, s) = pair();
+    let dev = c.pd.device().clone();
+    s.recv(1, 1 << 16); // (both sides share `dev`: the peer's receive buffer counts before `base`)
+    let base = dev.registered_bytes();
+    let mut mr = c.reg(1 << 16, AccessFlags::LOCAL_WRITE);
+    assert_eq!(dev.registered_bytes(), base + (1 << 16));
+    let tail = mr.split_off(4096).expect("split");
+    drop(mr);
+    assert_eq!(dev.registered_bytes(), base + (1 << 16), "a piece still names the registration");
+    // In flight, the work request holds the piece; its completion gives it back.
+    c.post(SendWr::send(2, tail).len(100));
+    let wc = c.one().await;
+    ok(&wc);
+    assert_eq!(dev.registered_bytes(), base + (1 << 16));
+    drop(wc);
+    assert_eq!(dev.registered_bytes(), base, "every byte comes back once the last piece is dropped");
+}
