@@ -25,6 +25,9 @@ cargo clippy --workspace --all-targets -- -D warnings || fail=1
 cargo clippy --workspace --all-targets --no-default-features -- -D warnings || fail=1
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet || fail=1
 
+step "fuzz: every libFuzzer target for 20 s from the committed corpus (nightly; see scripts/fuzz.sh)"
+scripts/fuzz.sh 20 || fail=1
+
 step "all tests on provider tcp"
 RDMA_RPC_PROVIDER=tcp cargo test --workspace 2>&1 | tee "$LOG/tcp.log"
 [[ ${PIPESTATUS[0]} == 0 ]] || fail=1

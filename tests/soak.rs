@@ -86,7 +86,10 @@ async fn soak_many_connections_across_the_threshold_nothing_lost_nothing_leaked(
     let secs = env("RDMA_RPC_SOAK_SECS", 6);
     let conns = env("RDMA_RPC_SOAK_CONNS", 8) as usize;
     let per_conn = env("RDMA_RPC_SOAK_INFLIGHT", 8) as usize;
-    let (sdev, cdev) = (Device::open_default().expect("device"), Device::open_default().expect("device"));
+    let (sdev, cdev) = (
+        Device::open_default().expect("device"),
+        Device::open_default().expect("device"),
+    );
     let handled = Arc::new(AtomicU64::new(0));
     let h = handled.clone();
     let server = Server::builder(Config::default())

@@ -74,18 +74,23 @@ pub struct CallOptions {
     pub response_hint: Option<usize>,
 }
 
-/// What each side tells the other in the connection's private data.
+/// The handshake: what each side tells the other in the connection's private data
+/// (`"RRPC" | version | ring: u32 | eager threshold: u32 | max payload: u64`, little endian).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Hello {
-    pub(crate) ring: u32,
-    pub(crate) eager_threshold: u32,
-    pub(crate) max_payload: u64,
+pub struct Hello {
+    /// Receive ring depth of the sender (2..=4096).
+    pub ring: u32,
+    /// Largest eager message of the sender.
+    pub eager_threshold: u32,
+    /// Largest payload the sender accepts.
+    pub max_payload: u64,
 }
 
 const MAGIC: &[u8; 4] = b"RRPC";
 
 impl Hello {
-    pub(crate) fn from_config(c: &Config) -> Self {
+    /// What a side with `c` says.
+    pub fn from_config(c: &Config) -> Self {
         Self {
             ring: c.ring,
             eager_threshold: c.eager_threshold.min(u32::MAX as usize) as u32,
@@ -93,7 +98,8 @@ impl Hello {
         }
     }
 
-    pub(crate) fn encode(&self) -> Vec<u8> {
+    /// The private-data bytes.
+    pub fn encode(&self) -> Vec<u8> {
         let mut v = MAGIC.to_vec();
         v.push(crate::proto::VERSION);
         v.extend_from_slice(&self.ring.to_le_bytes());
@@ -102,7 +108,9 @@ impl Hello {
         v
     }
 
-    pub(crate) fn decode(b: &[u8]) -> Option<Self> {
+    /// Parses a peer's private data: `None` for anything that is not a handshake of this
+    /// version with a ring of 2..=4096 (extra bytes after the 21 are ignored).
+    pub fn decode(b: &[u8]) -> Option<Self> {
         if b.len() < 21 || &b[..4] != MAGIC || b[4] != crate::proto::VERSION {
             return None;
         }

@@ -15,6 +15,7 @@ mod credits;
 mod header;
 mod session;
 
+pub use crate::config::Hello;
 pub use credits::Credits;
 pub use header::{
     decode_desc, encode_desc, Header, Kind, DESC_LEN, FLAG_LANDING, FLAG_RENDEZVOUS, HEADER_LEN, VERSION,

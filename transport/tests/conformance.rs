@@ -907,12 +907,20 @@ async fn registered_bytes_count_until_the_last_piece_is_gone() {
     assert_eq!(dev.registered_bytes(), base + (1 << 16));
     let tail = mr.split_off(4096).expect("split");
     drop(mr);
-    assert_eq!(dev.registered_bytes(), base + (1 << 16), "a piece still names the registration");
+    assert_eq!(
+        dev.registered_bytes(),
+        base + (1 << 16),
+        "a piece still names the registration"
+    );
     // In flight, the work request holds the piece; its completion gives it back.
     c.post(SendWr::send(2, tail).len(100));
     let wc = c.one().await;
     ok(&wc);
     assert_eq!(dev.registered_bytes(), base + (1 << 16));
     drop(wc);
-    assert_eq!(dev.registered_bytes(), base, "every byte comes back once the last piece is dropped");
+    assert_eq!(
+        dev.registered_bytes(),
+        base,
+        "every byte comes back once the last piece is dropped"
+    );
 }

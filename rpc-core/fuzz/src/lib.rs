@@ -1,0 +1,138 @@
+//! The fuzz targets' bodies, shared by the libFuzzer binaries (`fuzz_targets/`, nightly,
+//! `cargo fuzz run <target>` in `rpc-core/`) and by the stable replay test
+//! (`tests/fuzz_corpus.rs` at the workspace root), which runs every committed corpus file and
+//! random inputs through the same functions on every `cargo test`.
+//!
+//! Each function takes arbitrary bytes; a panic is a bug.
+
+use std::time::{Duration, Instant};
+
+use rdma_rpc::__private::{decode_args, decode_args_bulk, decode_ret};
+use rdma_rpc_core::proto::{decode_desc, encode_desc, Event, Header, Hello, Payload, Session, SessionConfig, Transmit};
+use rdma_rpc_core::transport::RemoteRegion;
+use serde::Deserialize;
+
+/// The frame decoder: a header, then a rendezvous descriptor in its body; what decodes
+/// re-encodes to the same bytes.
+pub fn frame(msg: &[u8]) {
+    if let Ok((h, body)) = Header::decode(msg) {
+        let mut again = Vec::new();
+        h.encode(&mut again);
+        assert_eq!(&again[..], &msg[..again.len()], "header round trip");
+        if let Ok((d, rest)) = decode_desc(body) {
+            let mut out = Vec::new();
+            encode_desc(&d, &mut out);
+            assert_eq!(&out[..], &body[..body.len() - rest.len()], "descriptor round trip");
+        }
+    }
+}
+
+/// The connection handshake (private data): what decodes re-encodes to its prefix.
+pub fn hello(data: &[u8]) {
+    if let Some(h) = Hello::decode(data) {
+        assert!((2..=4096).contains(&h.ring));
+        let enc = h.encode();
+        assert_eq!(&enc[..], &data[..enc.len()]);
+    }
+}
+
+#[derive(Deserialize, Debug)]
+#[allow(dead_code)]
+struct Item {
+    name: String,
+    tags: Vec<u32>,
+    blob: rdma_rpc::Bulk,
+    nested: Option<Box<Item>>,
+}
+
+#[derive(Deserialize, Debug)]
+#[allow(dead_code)]
+enum AppError {
+    Missing(String),
+    Code { code: i64, why: Option<String> },
+}
+
+/// The typed request path of `#[service]` handlers and clients: postcard arguments, a bulk
+/// argument split off its trailer, results. Errors, never panics; no allocation beyond what
+/// the input justifies (libFuzzer's `-malloc_limit_mb` watches).
+pub fn request(data: &[u8]) {
+    let _ = decode_args::<(String, u64, Vec<u32>, Option<(i8, bool)>)>(data, "F.a");
+    let _ = decode_args::<(Item, f64, char)>(data, "F.b");
+    let _ = decode_args::<(std::collections::BTreeMap<String, Vec<u8>>,)>(data, "F.c");
+    let _ = decode_args_bulk::<(String, u32)>(data.to_vec(), "F.d");
+    let _ = decode_ret::<Result<Vec<Item>, AppError>>(data, "F.e");
+}
+
+const MAX: u64 = 1 << 20;
+const RING: u32 = 8;
+
+/// A session fed a hostile peer: after calls of its own (eager, lent, with a landing buffer)
+/// and while serving, it receives arbitrary messages, Writes-with-immediate and timeouts, as
+/// records `[op, len, bytes...]`. It never panics, never holds more credits than the peer's
+/// ring, and never asks for a Read beyond the maximum payload.
+pub fn session(data: &[u8]) {
+    let cfg = SessionConfig {
+        ring: RING,
+        eager_max: 256,
+        max_payload: MAX,
+    };
+    let mut s = Session::new(cfg);
+    let t0 = Instant::now();
+    let region = |len| RemoteRegion {
+        addr: 0x1000,
+        len,
+        rkey: 7,
+    };
+    let _ = s.start_call(1, Payload::Eager(vec![1; 10]), None, None, t0);
+    let lent = Payload::Lent {
+        desc: region(5000),
+        buf: 1,
+    };
+    let _ = s.start_call(2, lent, None, Some(Duration::from_millis(5)), t0);
+    let _ = s.start_call(3, Payload::Eager(vec![]), Some((region(9000), 2)), None, t0);
+    drain(&mut s);
+    let mut rest = data;
+    let mut now = t0;
+    while let [op, len, tail @ ..] = rest {
+        let n = (*len as usize).min(tail.len());
+        let (chunk, after) = tail.split_at(n);
+        rest = after;
+        match op % 4 {
+            0 | 1 => {
+                let _ = s.handle_message(chunk, now);
+            }
+            2 => {
+                let imm = chunk.iter().fold(0u32, |a, b| a.rotate_left(8) ^ u32::from(*b));
+                let _ = s.handle_write_imm(imm, n * 100);
+            }
+            _ => {
+                now += Duration::from_millis(u64::from(*len) % 8);
+                s.handle_timeout(now);
+            }
+        }
+        drain(&mut s);
+        if s.is_lost() {
+            break;
+        }
+    }
+    s.handle_connection_lost("fuzz end");
+    drain(&mut s);
+}
+
+fn drain(s: &mut Session) {
+    while let Some(t) = s.poll_transmit() {
+        if let Transmit::Read { remote, .. } = t {
+            assert!(remote.len <= MAX, "a read beyond the maximum payload");
+        }
+    }
+    assert!(s.credits().available() <= RING, "credits beyond the peer's ring");
+    let mut respond = Vec::new();
+    while let Some(e) = s.poll_event() {
+        if let Event::Request { call, .. } = e {
+            respond.push(call);
+        }
+    }
+    for call in respond {
+        s.respond(call, Ok(Payload::Eager(vec![3; 4])));
+    }
+}
