@@ -29,7 +29,8 @@ step "fuzz: every libFuzzer target for 20 s from the committed corpus (nightly; 
 scripts/fuzz.sh 20 || fail=1
 
 step "all tests on provider tcp"
-RDMA_RPC_PROVIDER=tcp cargo test --workspace 2>&1 | tee "$LOG/tcp.log"
+# RDMA_RPC_REQUIRE_NETNS: the fault tests must build their namespaces here, not skip.
+RDMA_RPC_PROVIDER=tcp RDMA_RPC_REQUIRE_NETNS=1 cargo test --workspace 2>&1 | tee "$LOG/tcp.log"
 [[ ${PIPESTATUS[0]} == 0 ]] || fail=1
 read -r tcp_pass tcp_fail < <(count "$LOG/tcp.log")
 grep -A200 'Running tests/conformance.rs' "$LOG/tcp.log" | grep -m1 '^test result:' > "$LOG/tcp-conf.log"

@@ -95,8 +95,9 @@ impl Listener {
     /// Waits for the next connection request (up to `timeout`, or forever with `None`).
     ///
     /// # Errors
-    /// [`Error::Timeout`]; socket or rdma_cm errors; [`Error::Protocol`] for a peer that is not
-    /// rdma-rpc.
+    /// [`Error::Timeout`]; socket or rdma_cm errors. A peer whose handshake fails (not rdma-rpc,
+    /// another version, silent for 10 s) is dropped without holding up other connections, and
+    /// `accept` goes on waiting.
     pub fn accept(&self, timeout: Option<Duration>) -> Result<ConnectRequest> {
         match &self.imp {
             ListenerImpl::Tcp(l) => {

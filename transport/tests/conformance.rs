@@ -924,3 +924,26 @@ async fn registered_bytes_count_until_the_last_piece_is_gone() {
         "every byte comes back once the last piece is dropped"
     );
 }
+
+#[tokio::test]
+async fn a_silent_client_does_not_hold_up_other_connections() {
+    let dev = device();
+    let listener = Listener::bind(&dev, SocketAddr::new(test_ip(), 0)).expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    // A plain TCP connection that never says anything (on verbs nothing listens on TCP there,
+    // so this is refused, and the rest of the test still holds).
+    let _silent = std::net::TcpStream::connect(addr);
+    let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(16).expect("cq"));
+    let opts = QpOptions::new(&pd, &cq);
+    let client = std::thread::spawn(move || connect(addr, &opts, b"late", WAIT));
+    let started = Instant::now();
+    let req = listener
+        .accept(Some(Duration::from_secs(5)))
+        .expect("the real client's request");
+    assert_eq!(req.private_data(), b"late");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let (spd, scq) = (dev.alloc_pd().expect("pd"), dev.create_cq(16).expect("cq"));
+    let _qp = req.accept(&QpOptions::new(&spd, &scq), b"ok").expect("accept");
+    let (_cqp, data) = client.join().expect("client").expect("connect");
+    assert_eq!(data, b"ok");
+}

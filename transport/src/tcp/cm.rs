@@ -1,10 +1,14 @@
 //! Connection management for the tcp provider: a listener and `connect()` with private data,
 //! shaped like rdma_cm's listen / connect / accept / reject.
 
+use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
 
 use socket2::{SockRef, TcpKeepalive};
 
@@ -17,9 +21,28 @@ const MAGIC: &[u8; 8] = b"RDRPCTCP";
 const VERSION: u16 = 1;
 
 /// A listening socket for incoming queue-pair connections.
+///
+/// An acceptor thread takes TCP connections as they come and reads each one's handshake on a
+/// thread of its own (bounded by [`HANDSHAKE`]); [`Listener::accept`] hands out the requests
+/// whose handshake is complete. So a slow or silent client never holds up the others, and
+/// `accept`'s timeout only bounds the wait for a request.
 pub(crate) struct Listener {
-    inner: TcpListener,
+    addr: SocketAddr,
+    socket: Arc<TcpListener>,
+    ready: Arc<Ready>,
 }
+
+/// Requests whose handshake is complete, oldest first.
+#[derive(Default)]
+struct Ready {
+    queue: Mutex<VecDeque<Request>>,
+    cv: Condvar,
+    closed: AtomicBool,
+    handshakes: AtomicUsize,
+}
+
+/// Handshakes read at once; connections beyond are closed at once (a connect flood).
+const MAX_HANDSHAKES: usize = 256;
 
 /// A connection request waiting to be accepted or rejected.
 pub(crate) struct Request {
@@ -30,62 +53,109 @@ pub(crate) struct Request {
 
 impl Listener {
     pub(crate) fn bind(addr: SocketAddr) -> Result<Self> {
-        let inner = TcpListener::bind(addr).map_err(|e| Error::io("binding the listener", e))?;
-        Ok(Self { inner })
+        let socket = Arc::new(TcpListener::bind(addr).map_err(|e| Error::io("binding the listener", e))?);
+        let addr = socket
+            .local_addr()
+            .map_err(|e| Error::io("reading the listener address", e))?;
+        let ready = Arc::new(Ready::default());
+        let (sock, r) = (socket.clone(), ready.clone());
+        std::thread::Builder::new()
+            .name("rdma-rpc-tcp-accept".into())
+            .spawn(move || acceptor(&sock, &r))
+            .map_err(|e| Error::io("starting the acceptor thread", e))?;
+        Ok(Self { addr, socket, ready })
     }
 
     pub(crate) fn local_addr(&self) -> Result<SocketAddr> {
-        self.inner
-            .local_addr()
-            .map_err(|e| Error::io("reading the listener address", e))
+        Ok(self.addr)
     }
 
     pub(crate) fn accept(&self, timeout: Option<Duration>) -> Result<Request> {
-        let (stream, peer) = match timeout {
-            None => self
-                .inner
-                .accept()
-                .map_err(|e| Error::io("accepting a connection", e))?,
-            Some(t) => accept_within(&self.inner, t)?,
-        };
-        stream
-            .set_read_timeout(Some(timeout.unwrap_or(HANDSHAKE)))
-            .map_err(|e| Error::io("setting a handshake timeout", e))?;
-        let hello = read_msg(&mut &stream)?;
-        let mut r = hello.as_slice();
-        let version = take::<2>(&mut r).map(u16::from_le_bytes)?;
-        if version != VERSION {
-            return Err(Error::Protocol(format!(
-                "peer speaks version {version}, we speak {VERSION}"
-            )));
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut queue = self.ready.queue.lock();
+        loop {
+            if let Some(r) = queue.pop_front() {
+                return Ok(r);
+            }
+            match deadline {
+                None => self.ready.cv.wait(&mut queue),
+                Some(d) => {
+                    if self.ready.cv.wait_until(&mut queue, d).timed_out() && queue.is_empty() {
+                        return Err(Error::Timeout("waiting for a connection"));
+                    }
+                }
+            }
         }
-        Ok(Request {
-            stream,
-            private_data: r.to_vec(),
-            peer,
-        })
     }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.ready.closed.store(true, Ordering::Release);
+        // Wakes the acceptor's blocking accept (it returns EINVAL on a shut-down listener).
+        let _ = SockRef::from(&*self.socket).shutdown(std::net::Shutdown::Both);
+    }
+}
+
+fn acceptor(socket: &TcpListener, ready: &Arc<Ready>) {
+    loop {
+        let accepted = socket.accept();
+        if ready.closed.load(Ordering::Acquire) {
+            return;
+        }
+        let (stream, peer) = match accepted {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(%e, "tcp provider: accept failed");
+                std::thread::sleep(Duration::from_millis(50)); // e.g. out of descriptors
+                continue;
+            }
+        };
+        if ready.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+            ready.handshakes.fetch_sub(1, Ordering::AcqRel);
+            continue; // dropped: closed
+        }
+        let r = ready.clone();
+        let spawned = std::thread::Builder::new()
+            .name("rdma-rpc-tcp-handshake".into())
+            .spawn(move || {
+                match handshake(stream, peer) {
+                    Ok(req) if !r.closed.load(Ordering::Acquire) => {
+                        r.queue.lock().push_back(req);
+                        r.cv.notify_one();
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::debug!(%e, %peer, "tcp provider: handshake failed"),
+                }
+                r.handshakes.fetch_sub(1, Ordering::AcqRel);
+            });
+        if spawned.is_err() {
+            ready.handshakes.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+fn handshake(stream: TcpStream, peer: SocketAddr) -> Result<Request> {
+    stream
+        .set_read_timeout(Some(HANDSHAKE))
+        .map_err(|e| Error::io("setting a handshake timeout", e))?;
+    let hello = read_msg(&mut &stream)?;
+    let mut r = hello.as_slice();
+    let version = take::<2>(&mut r).map(u16::from_le_bytes)?;
+    if version != VERSION {
+        return Err(Error::Protocol(format!(
+            "peer speaks version {version}, we speak {VERSION}"
+        )));
+    }
+    Ok(Request {
+        stream,
+        private_data: r.to_vec(),
+        peer,
+    })
 }
 
 /// Longest wait for the other side's half of a handshake.
 const HANDSHAKE: Duration = Duration::from_secs(10);
-
-/// Waits up to `t` for a connection: SO_RCVTIMEO bounds a blocking accept on Linux, so no
-/// polling loop burns CPU while the listener is idle.
-fn accept_within(l: &TcpListener, t: Duration) -> Result<(TcpStream, SocketAddr)> {
-    let sock = SockRef::from(l);
-    sock.set_read_timeout(Some(t.max(Duration::from_millis(1))))
-        .map_err(|e| Error::io("setting the accept timeout", e))?;
-    let res = l.accept();
-    let _ = sock.set_read_timeout(None);
-    match res {
-        Ok(x) => Ok(x),
-        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-            Err(Error::Timeout("waiting for a connection"))
-        }
-        Err(e) => Err(Error::io("accepting a connection", e)),
-    }
-}
 
 /// The last step of connection set-up, taken once the new QP has its receives posted.
 pub(crate) enum Pending {
