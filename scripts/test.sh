@@ -36,26 +36,26 @@ read -r tcp_pass tcp_fail < <(count "$LOG/tcp.log")
 grep -A200 'Running tests/conformance.rs' "$LOG/tcp.log" | grep -m1 '^test result:' > "$LOG/tcp-conf.log"
 read -r tcpc_pass tcpc_fail < <(count "$LOG/tcp-conf.log")
 
-step "conformance, RPC end-to-end, #[service] and examples suites on provider verbs (rxe0, soft-RoCE in a qemu VM)"
-# One boot runs the four test binaries (scripts/vm-lane.sh inside the guest); the examples'
+step "conformance, RPC end-to-end, isolation, #[service] and examples suites on provider verbs (rxe0, soft-RoCE in a qemu VM)"
+# One boot runs every test binary below (scripts/vm-lane.sh inside the guest); the examples'
 # binaries go to /examples, where tests/examples.rs looks for them (next to its own directory).
 cargo build --quiet --examples || fail=1
-bins=$(cargo test -p rdma-rpc-transport -p rdma-rpc-core -p rdma-rpc --test conformance --test e2e --test service \
-      --test examples --no-run --message-format=json 2>/dev/null |
-      sed -n 's/.*"executable":"\([^"]*\/\(conformance\|e2e\|service\|examples\)-[^"]*\)".*/\1/p' | sort -u)
-conf_bin=$(grep '/conformance-' <<<"$bins" | tail -1)
-e2e_bin=$(grep '/e2e-' <<<"$bins" | tail -1)
-svc_bin=$(grep '/service-' <<<"$bins" | tail -1)
-ex_bin=$(grep '/examples-' <<<"$bins" | tail -1)
-ex_files=()
-for e in echo logsync kv lock; do ex_files+=(-f "target/debug/examples/$e:/examples/$e"); done
-if [[ -z $conf_bin || -z $e2e_bin || -z $svc_bin || -z $ex_bin ]]; then
-    echo "could not build the test binaries for the VM lane"; fail=1; verbs_pass=0; verbs_fail=1; vconf_pass=0
+vm_tests=(conformance e2e isolation service examples)
+bins=$(cargo test -p rdma-rpc-transport -p rdma-rpc-core -p rdma-rpc "${vm_tests[@]/#/--test=}" \
+      --no-run --message-format=json 2>/dev/null |
+      sed -n 's/.*"executable":"\([^"]*\/deps\/[a-z0-9_]*-[0-9a-f]*\)".*/\1/p' | sort -u)
+vm_files=() vm_names=()
+for t in "${vm_tests[@]}"; do
+    b=$(grep "/$t-" <<<"$bins" | tail -1)
+    [[ -n $b ]] || { echo "could not build the test binary $t for the VM lane"; fail=1; continue; }
+    vm_files+=(-f "$b"); vm_names+=("$(basename "$b")")
+done
+for e in echo logsync kv lock; do vm_files+=(-f "target/debug/examples/$e:/examples/$e"); done
+if ((${#vm_names[@]} != ${#vm_tests[@]})); then
+    verbs_pass=0; verbs_fail=1; vconf_pass=0
 else
-    scripts/rxe-vm.sh -e RDMA_RPC_PROVIDER=verbs -e RDMA_RPC_TEST_IP=10.10.0.1 \
-        -f "$conf_bin" -f "$e2e_bin" -f "$svc_bin" -f "$ex_bin" "${ex_files[@]}" \
-        scripts/vm-lane.sh "$(basename "$conf_bin")" "$(basename "$e2e_bin")" "$(basename "$svc_bin")" \
-        "$(basename "$ex_bin")" 2>&1 | tee "$LOG/verbs.log"
+    scripts/rxe-vm.sh -e RDMA_RPC_PROVIDER=verbs -e RDMA_RPC_TEST_IP=10.10.0.1 "${vm_files[@]}" \
+        scripts/vm-lane.sh "${vm_names[@]}" 2>&1 | tee "$LOG/verbs.log"
     [[ ${PIPESTATUS[0]} == 0 ]] || fail=1
     read -r verbs_pass verbs_fail < <(count "$LOG/verbs.log")
     grep -A400 '=== running conformance' "$LOG/verbs.log" | grep -m1 '^test result:' > "$LOG/verbs-conf.log"
@@ -77,7 +77,7 @@ fi
 step "summary"
 printf 'provider tcp:   conformance %d passed, %d failed; whole workspace %d passed, %d failed\n' \
     "$tcpc_pass" "$tcpc_fail" "$tcp_pass" "$tcp_fail"
-printf 'provider verbs: conformance %d passed, %d failed; with the RPC end-to-end, #[service] and examples suites %d passed, %d failed (rxe0, soft-RoCE in qemu)\n' \
+printf 'provider verbs: conformance %d passed, %d failed; with the RPC end-to-end, isolation, #[service] and examples suites %d passed, %d failed (rxe0, soft-RoCE in qemu)\n' \
     "$vconf_pass" "${vconf_fail:-0}" "$verbs_pass" "$verbs_fail"
 ((tcpc_pass == vconf_pass)) || { echo "the providers passed different numbers of conformance cases"; fail=1; }
 echo "$((tcp_pass + verbs_pass)) passed, $((tcp_fail + verbs_fail)) failed"

@@ -86,7 +86,9 @@ mod codec;
 
 pub use bulk::Bulk;
 pub use rdma_rpc_core as core;
-pub use rdma_rpc_core::{CallOptions, Client, CompletionMode, Config, RpcError, Server, ServerBuilder, Status};
+pub use rdma_rpc_core::{
+    CallOptions, Client, CompletionMode, Config, Isolation, RpcError, Server, ServerBuilder, Status,
+};
 pub use rdma_rpc_macros::service;
 pub use rdma_rpc_transport as transport;
 

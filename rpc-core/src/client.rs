@@ -80,7 +80,7 @@ impl Client {
         .map_err(tr)?;
         let theirs = Hello::decode(&reply).ok_or_else(|| RpcError::Protocol("not an rdma-rpc server".into()))?;
         let session = Session::new(agree(&mine, &theirs));
-        let conn = Conn::new(session, &pd, qp, cq, slot)?;
+        let conn = Conn::new(session, &pd, qp, cq, slot, config.isolation)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let lost = Arc::new(parking_lot::Mutex::new(None));
         let role = ClientRole {

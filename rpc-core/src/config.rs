@@ -25,6 +25,25 @@ impl Default for CompletionMode {
     }
 }
 
+/// How long a peer can reach the buffers this side lends it for rendezvous.
+///
+/// Every connection has its own protection domain, so in both modes an rkey of one connection
+/// is worthless on every other. The modes differ within a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Isolation {
+    /// Rendezvous buffers are pooled per connection and reused: a peer that kept an old
+    /// descriptor can still reach that buffer (its own connection's, possibly holding a later
+    /// transfer of the same connection). No registration on the hot path once warm.
+    #[default]
+    Connection,
+    /// Each rendezvous transfer gets its own registration, deregistered when the transfer ends:
+    /// a descriptor is worthless once its transfer is over (the peer gets a remote access error).
+    /// Costs a registration per large transfer, on both providers; memory windows would do it
+    /// without re-registering and are not used yet.
+    Transfer,
+}
+
 /// Settings of a [`Client`](crate::Client) or [`Server`](crate::Server). Both ends exchange
 /// theirs when connecting and use the smaller threshold and payload limit.
 ///
@@ -46,6 +65,8 @@ pub struct Config {
     pub mode: CompletionMode,
     /// Limit for connection set-up.
     pub connect_timeout: Duration,
+    /// How long a peer can reach lent buffers.
+    pub isolation: Isolation,
 }
 
 /// The default eager/rendezvous switch point. See the README for how it was chosen and how to
@@ -60,6 +81,7 @@ impl Default for Config {
             max_payload: 256 << 20,
             mode: CompletionMode::default(),
             connect_timeout: Duration::from_secs(10),
+            isolation: Isolation::Connection,
         }
     }
 }

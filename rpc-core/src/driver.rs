@@ -79,6 +79,7 @@ impl Conn {
         qp: QueuePair,
         cq: CompletionQueue,
         slot: usize,
+        isolation: crate::Isolation,
     ) -> Result<Self, RpcError> {
         let ring = session.config().ring as usize;
         let send_pool = BufferPool::new(pd, slot, ring + 8, rdma_rpc_transport::AccessFlags::LOCAL_WRITE)
@@ -87,7 +88,7 @@ impl Conn {
         let chunk = qp.pd().device().caps().max_msg_size.clamp(4096, 1 << 30) as usize;
         Ok(Self {
             session,
-            stash: Stash::new(pd),
+            stash: Stash::new(pd, isolation),
             qp,
             cq,
             send_pool,

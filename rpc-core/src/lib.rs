@@ -13,7 +13,7 @@ mod stash;
 mod status;
 
 pub use client::Client;
-pub use config::{CallOptions, CompletionMode, Config, DEFAULT_EAGER_THRESHOLD};
+pub use config::{CallOptions, CompletionMode, Config, Isolation, DEFAULT_EAGER_THRESHOLD};
 pub use rdma_rpc_transport as transport;
 pub use server::{Server, ServerBuilder};
 pub use status::{RpcError, Status};

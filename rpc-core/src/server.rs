@@ -133,7 +133,7 @@ async fn serve_connection(
         .await
         .map_err(|e| RpcError::Transport(format!("accept task: {e}")))?
         .map_err(tr)?;
-    let conn = Conn::new(Session::new(agree(&mine, &theirs)), &pd, qp, cq, slot)?;
+    let conn = Conn::new(Session::new(agree(&mine, &theirs)), &pd, qp, cq, slot, config.isolation)?;
     let (tx, rx) = mpsc::unbounded_channel();
     let role = ServerRole {
         handlers,

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use rdma_rpc_transport::{AccessFlags, MemoryRegion, ProtectionDomain, RemoteRegion};
 
 use crate::proto::{BufId, LANDING_PREFIX};
-use crate::RpcError;
+use crate::{Isolation, RpcError};
 
 /// The buffers of one connection: free ones by size class, and those the session holds (lent to
 /// the peer, or being read into) by id.
@@ -16,6 +16,7 @@ pub(crate) struct Stash {
     held: HashMap<BufId, MemoryRegion>,
     next: BufId,
     registered: usize,
+    isolation: Isolation,
 }
 
 const MIN_CLASS: usize = 4096;
@@ -27,13 +28,14 @@ fn class(len: usize) -> usize {
 }
 
 impl Stash {
-    pub(crate) fn new(pd: &ProtectionDomain) -> Self {
+    pub(crate) fn new(pd: &ProtectionDomain, isolation: Isolation) -> Self {
         Self {
             pd: pd.clone(),
             free: HashMap::new(),
             held: HashMap::new(),
             next: 1,
             registered: 0,
+            isolation,
         }
     }
 
@@ -115,9 +117,11 @@ impl Stash {
         }
     }
 
+    /// A buffer no peer can reach through the session any more: kept for reuse, or (with
+    /// [`Isolation::Transfer`], or beyond [`KEEP`]) deregistered, so that its rkey dies.
     pub(crate) fn recycle(&mut self, mr: MemoryRegion) {
         let list = self.free.entry(mr.len()).or_default();
-        if list.len() < KEEP {
+        if self.isolation == Isolation::Connection && list.len() < KEEP {
             list.push(mr);
         } else {
             self.registered -= mr.len();

@@ -1,0 +1,288 @@
+//! Isolation: what a connected peer can reach of a server's memory. The attacker here is a raw
+//! client (the sans-IO session over a transport QP, so it sees every descriptor the server lends
+//! it) that forges RDMA Reads and Writes: at another connection's lent buffer, at its own buffer
+//! after the transfer ended, past the end of a buffer, at random rkeys. Each must fail with a
+//! remote access error and move no byte. Runs on the provider named by `RDMA_RPC_PROVIDER`
+//! (tcp; verbs on rxe0 in the VM lane).
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use rdma_rpc_core::proto::{Event, Hello, Payload, Reply, Session, SessionConfig, Token, Transmit};
+use rdma_rpc_core::transport::{
+    self, AccessFlags, BufferPool, Completion, CompletionQueue, Device, MemoryRegion, QpOptions, QueuePair, RecvWr,
+    RemoteAddr, RemoteRegion, SendOp, SendWr, WcStatus,
+};
+use rdma_rpc_core::{Config, Isolation, RpcError, Server};
+
+const BIG: u32 = 1;
+const ECHO: u32 = 2;
+const RESPONSE: usize = 64 * 1024;
+const WAIT: Duration = Duration::from_secs(20);
+const RECV: u64 = 1 << 60;
+const SEND: u64 = 2 << 60;
+const READ: u64 = 3 << 60;
+
+fn device() -> Device {
+    Device::open_default().expect("open the provider named by RDMA_RPC_PROVIDER")
+}
+
+fn test_ip() -> IpAddr {
+    std::env::var("RDMA_RPC_TEST_IP")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(IpAddr::from([127, 0, 0, 1]))
+}
+
+fn response(tag: u8) -> Vec<u8> {
+    (0..RESPONSE).map(|i| (i as u8).wrapping_mul(13) ^ tag).collect()
+}
+
+async fn server(isolation: Isolation) -> SocketAddr {
+    let config = Config {
+        isolation,
+        ..Config::default()
+    };
+    let server = Server::builder(config)
+        .handler(BIG, |req: Vec<u8>| async move {
+            Ok(response(req.first().copied().unwrap_or(0)))
+        })
+        .handler(ECHO, |req| async move { Ok::<_, RpcError>(req) })
+        .bind(&device(), SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    addr
+}
+
+/// A client that speaks the protocol by hand and keeps what a well-behaved one would not.
+struct Raw {
+    session: Session,
+    qp: QueuePair,
+    cq: CompletionQueue,
+    pd: transport::ProtectionDomain,
+    sends: BufferPool,
+    /// Read requests the session asked for, not yet run: the server's lent descriptors.
+    reads: Vec<(Token, RemoteRegion)>,
+}
+
+impl Raw {
+    async fn connect(dev: &Device, addr: SocketAddr) -> Raw {
+        let config = Config::default();
+        let mine = Hello::from_config(&config);
+        let slot = SessionConfig {
+            ring: config.ring,
+            eager_max: config.eager_threshold,
+            max_payload: config.max_payload,
+        }
+        .slot_size();
+        let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(1024).expect("cq"));
+        let ring = BufferPool::new(&pd, slot, config.ring as usize, AccessFlags::LOCAL_WRITE).expect("ring");
+        let recvs = (0..config.ring as u64)
+            .map(|i| RecvWr::new(RECV | i, ring.take().expect("slot")))
+            .collect();
+        let opts = QpOptions::new(&pd, &cq);
+        let (qp, reply) = tokio::task::spawn_blocking(move || {
+            transport::connect_with_recvs(addr, &opts, &mine.encode(), WAIT, recvs)
+        })
+        .await
+        .expect("task")
+        .expect("connect");
+        let theirs = Hello::decode(&reply).expect("an rdma-rpc server");
+        let session = Session::new(SessionConfig {
+            ring: theirs.ring,
+            eager_max: config.eager_threshold.min(theirs.eager_threshold as usize),
+            max_payload: config.max_payload.min(theirs.max_payload),
+        });
+        let sends = BufferPool::new(&pd, slot, 128, AccessFlags::LOCAL_WRITE).expect("sends");
+        Raw {
+            session,
+            qp,
+            cq,
+            pd,
+            sends,
+            reads: Vec::new(),
+        }
+    }
+
+    fn flush(&mut self) {
+        while let Some(t) = self.session.poll_transmit() {
+            match t {
+                Transmit::Send(bytes) => {
+                    let mut buf = self.sends.take().expect("a send buffer");
+                    buf.bytes_mut()[..bytes.len()].copy_from_slice(&bytes);
+                    self.qp
+                        .post_send(SendWr::send(SEND, buf).len(bytes.len()))
+                        .map_err(|e| e.error)
+                        .expect("post send");
+                }
+                Transmit::Read { token, remote } => self.reads.push((token, remote)),
+                other => panic!("unexpected transmit {other:?}"),
+            }
+        }
+    }
+
+    async fn completions(&mut self) -> Vec<Completion> {
+        let mut out = Vec::new();
+        tokio::time::timeout(WAIT, self.cq.wait(&mut out, 32))
+            .await
+            .expect("a completion in time")
+            .expect("cq");
+        out
+    }
+
+    /// Runs until the session has something for us: the call's result or a lent descriptor.
+    async fn pump(&mut self) -> Option<Result<Reply, RpcError>> {
+        loop {
+            self.flush();
+            if !self.reads.is_empty() {
+                return None;
+            }
+            for c in self.completions().await {
+                assert_eq!(c.status, WcStatus::Success, "{c:?}");
+                if c.wr_id & RECV == RECV && c.wr_id & READ != READ {
+                    let buf = c.buf.expect("recv buffer");
+                    let len = c.byte_len as usize;
+                    self.session
+                        .handle_message(&buf.bytes()[..len], Instant::now())
+                        .expect("a valid message");
+                    self.qp
+                        .post_recv(RecvWr::new(c.wr_id, buf))
+                        .map_err(|e| e.error)
+                        .expect("repost");
+                }
+            }
+            if let Some(Event::CallDone { result, .. }) = self.session.poll_event() {
+                return Some(result);
+            }
+        }
+    }
+
+    /// Starts a call that makes the server lend us a 64 KiB response, and returns the lent
+    /// descriptor without reading it.
+    async fn lent_response(&mut self, tag: u8) -> (Token, RemoteRegion) {
+        self.session
+            .start_call(BIG, Payload::Eager(vec![tag]), None, None, Instant::now())
+            .expect("start");
+        assert!(self.pump().await.is_none(), "a 64 KiB response comes by rendezvous");
+        let (token, remote) = self.reads.pop().expect("a lent descriptor");
+        assert_eq!(remote.len, RESPONSE as u64);
+        (token, remote)
+    }
+
+    /// An RDMA Read (or Write) on this QP; the completion status and the local buffer after.
+    async fn one_sided(&mut self, remote: RemoteAddr, len: usize, write: bool) -> (WcStatus, MemoryRegion) {
+        let mut buf = self.pd.register(len, AccessFlags::LOCAL_WRITE).expect("register");
+        let op = if write {
+            buf.bytes_mut().fill(0xee);
+            SendOp::Write { remote, imm: None }
+        } else {
+            SendOp::Read { remote }
+        };
+        self.qp
+            .post_send(SendWr::new(READ, op).buf(buf).len(len))
+            .map_err(|e| e.error)
+            .expect("post");
+        loop {
+            for c in self.completions().await {
+                if c.wr_id == READ {
+                    return (c.status, c.buf.expect("buffer back"));
+                }
+            }
+        }
+    }
+
+    /// Reads a lent response properly and completes the call with it.
+    async fn finish(&mut self, token: Token, remote: RemoteRegion) -> Vec<u8> {
+        let (status, buf) = self.one_sided(remote.at(0), remote.len as usize, false).await;
+        assert_eq!(status, WcStatus::Success);
+        let bytes = buf.bytes()[..remote.len as usize].to_vec();
+        self.session.handle_read_done(token, Ok(bytes), Instant::now());
+        match self.pump().await {
+            Some(Ok(Reply::Bytes(b))) => b,
+            other => panic!("call did not finish: {other:?}"),
+        }
+    }
+
+    /// A whole small call: when it returns, the server has handled everything sent before it.
+    async fn echo(&mut self) {
+        self.session
+            .start_call(ECHO, Payload::Eager(b"sync".to_vec()), None, None, Instant::now())
+            .expect("start");
+        assert!(matches!(self.pump().await, Some(Ok(Reply::Bytes(b))) if b == b"sync"));
+    }
+}
+
+fn denied(status: WcStatus, buf: &MemoryRegion, what: &str) {
+    assert!(
+        matches!(status, WcStatus::RemAccessErr | WcStatus::RemInvReqErr),
+        "{what}: expected a remote access error, got {status:?}"
+    );
+    assert!(
+        buf.bytes().iter().all(|&b| b == 0),
+        "{what}: bytes reached the attacker's buffer"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_connections_lent_buffer_is_out_of_reach() {
+    let addr = server(Isolation::Connection).await;
+    let dev = device();
+    let mut victim = Raw::connect(&dev, addr).await;
+    let (token, lent) = victim.lent_response(1).await;
+
+    // The attacker knows the victim's descriptor exactly (as if it had leaked).
+    let mut attacker = Raw::connect(&dev, addr).await;
+    let (status, buf) = attacker.one_sided(lent.at(0), 4096, false).await;
+    denied(status, &buf, "read of another connection's lent buffer");
+    let mut writer = Raw::connect(&dev, addr).await;
+    let (status, _) = writer.one_sided(lent.at(0), 4096, true).await;
+    assert!(
+        matches!(status, WcStatus::RemAccessErr | WcStatus::RemInvReqErr),
+        "write into another connection's lent buffer: {status:?}"
+    );
+    // The victim's response is intact.
+    assert_eq!(victim.finish(token, lent).await, response(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_bounds_and_random_keys_are_refused() {
+    let addr = server(Isolation::Connection).await;
+    let dev = device();
+    // Past the end of our own lent buffer: the registration's bounds, not the descriptor's,
+    // are what a NIC checks, so go past the registration (a power-of-two size class).
+    let mut peer = Raw::connect(&dev, addr).await;
+    let (_, lent) = peer.lent_response(2).await;
+    let beyond = RemoteAddr {
+        addr: lent.addr + (RESPONSE as u64) * 4,
+        rkey: lent.rkey,
+    };
+    let (status, buf) = peer.one_sided(beyond, 64, false).await;
+    denied(status, &buf, "read past the registration");
+    // Random rkeys and addresses, each on a fresh connection (an error ends a QP).
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for _ in 0..4 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let mut p = Raw::connect(&dev, addr).await;
+        let forged = RemoteAddr {
+            addr: x & 0x0000_7fff_ffff_f000,
+            rkey: (x >> 32) as u32,
+        };
+        let (status, buf) = p.one_sided(forged, 256, false).await;
+        denied(status, &buf, &format!("read at random {forged:?}"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_per_transfer_isolation_a_finished_transfers_buffer_is_out_of_reach() {
+    let addr = server(Isolation::Transfer).await;
+    let dev = device();
+    let mut peer = Raw::connect(&dev, addr).await;
+    let (token, lent) = peer.lent_response(3).await;
+    assert_eq!(peer.finish(token, lent).await, response(3));
+    peer.echo().await; // the server has handled our ReadDone and released the buffer
+    let (status, buf) = peer.one_sided(lent.at(0), RESPONSE, false).await;
+    denied(status, &buf, "read of a released rendezvous buffer");
+}
