@@ -53,6 +53,7 @@ pub struct Listener {
 
 enum ListenerImpl {
     Tcp(crate::tcp::Listener),
+    Shm(crate::shm::cm::Listener),
     #[cfg(feature = "verbs")]
     Verbs(crate::verbs::Listener),
 }
@@ -66,6 +67,7 @@ impl Listener {
     pub fn bind(device: &Device, addr: SocketAddr) -> Result<Self> {
         let imp = match &device.inner.imp {
             DeviceImpl::Tcp => ListenerImpl::Tcp(crate::tcp::Listener::bind(addr)?),
+            DeviceImpl::Shm => ListenerImpl::Shm(crate::shm::cm::Listener::bind(addr)?),
             #[cfg(feature = "verbs")]
             DeviceImpl::Verbs(ctx) => ListenerImpl::Verbs(crate::verbs::Listener::bind(ctx, addr)?),
         };
@@ -82,6 +84,7 @@ impl Listener {
     pub fn local_addr(&self) -> Result<SocketAddr> {
         match &self.imp {
             ListenerImpl::Tcp(l) => l.local_addr(),
+            ListenerImpl::Shm(l) => Ok(l.local_addr()),
             #[cfg(feature = "verbs")]
             ListenerImpl::Verbs(l) => l.local_addr(),
         }
@@ -108,6 +111,14 @@ impl Listener {
                     imp: RequestImpl::Tcp(r),
                 })
             }
+            ListenerImpl::Shm(l) => {
+                let r = l.accept(timeout)?;
+                Ok(ConnectRequest {
+                    private_data: r.private_data.clone(),
+                    peer: None,
+                    imp: RequestImpl::Shm(r),
+                })
+            }
             #[cfg(feature = "verbs")]
             ListenerImpl::Verbs(l) => {
                 let r = l.accept(timeout)?;
@@ -130,6 +141,7 @@ pub struct ConnectRequest {
 
 enum RequestImpl {
     Tcp(crate::tcp::Request),
+    Shm(crate::shm::cm::Request),
     #[cfg(feature = "verbs")]
     Verbs(crate::verbs::Request),
 }
@@ -166,6 +178,11 @@ impl ConnectRequest {
                 let (qp, num, p) = r.accept(opts)?;
                 (QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), Pending::Tcp(p))
             }
+            RequestImpl::Shm(r) => {
+                let (link, peer, p) = r.accept(crate::shm::side(opts)?)?;
+                let (qp, num) = crate::shm::start(link, peer, opts)?;
+                (QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), Pending::Shm(p))
+            }
             #[cfg(feature = "verbs")]
             RequestImpl::Verbs(r) => {
                 let (qp, num, p) = r.accept(opts)?;
@@ -181,6 +198,7 @@ impl ConnectRequest {
     pub fn reject(self) {
         match self.imp {
             RequestImpl::Tcp(r) => r.reject(),
+            RequestImpl::Shm(r) => r.reject(),
             #[cfg(feature = "verbs")]
             RequestImpl::Verbs(r) => r.reject(),
         }
@@ -190,6 +208,7 @@ impl ConnectRequest {
 /// The last step of set-up, once the new QP has its first receives.
 enum Pending {
     Tcp(crate::tcp::Pending),
+    Shm(crate::shm::cm::Pending),
     #[cfg(feature = "verbs")]
     Verbs(crate::verbs::Pending),
 }
@@ -198,6 +217,7 @@ impl Pending {
     fn finish(self, private_data: &[u8]) -> Result<Vec<u8>> {
         match self {
             Pending::Tcp(p) => p.finish(private_data),
+            Pending::Shm(p) => p.finish(private_data),
             #[cfg(feature = "verbs")]
             Pending::Verbs(p) => p.finish(private_data),
         }
@@ -236,6 +256,20 @@ pub fn connect_with_recvs(
         DeviceImpl::Tcp => {
             let (qp, num, p) = crate::tcp::connect(addr, opts, private_data, timeout)?;
             (QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), Pending::Tcp(p))
+        }
+        DeviceImpl::Shm => {
+            let addr = addr
+                .to_socket_addrs()
+                .map_err(|e| Error::io("resolving the address", e))?
+                .next()
+                .ok_or_else(|| Error::InvalidArgument("address resolves to nothing".into()))?;
+            let side = crate::shm::side(opts)?;
+            let (link, peer, data) = crate::shm::cm::connect(addr, side, private_data, timeout)?;
+            let (qp, num) = crate::shm::start(link, peer, opts)?;
+            (
+                QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()),
+                Pending::Shm(crate::shm::cm::Pending::Done(data)),
+            )
         }
         #[cfg(feature = "verbs")]
         DeviceImpl::Verbs(ctx) => {

@@ -15,6 +15,8 @@ pub const PROVIDER_ENV: &str = "RDMA_RPC_PROVIDER";
 pub enum ProviderSpec {
     /// Software reliable connections over TCP: any two hosts, no RDMA card.
     Tcp,
+    /// Software RDMA through shared memory: processes on one host.
+    Shm,
     /// Real ibverbs + rdma_cm; `None` picks the first device.
     Verbs(Option<String>),
 }
@@ -24,6 +26,7 @@ impl FromStr for ProviderSpec {
     fn from_str(s: &str) -> Result<Self> {
         match s.trim() {
             "tcp" => Ok(ProviderSpec::Tcp),
+            "shm" => Ok(ProviderSpec::Shm),
             "verbs" => Ok(ProviderSpec::Verbs(None)),
             other => match other.strip_prefix("verbs:") {
                 Some(dev) if !dev.is_empty() => Ok(ProviderSpec::Verbs(Some(dev.to_owned()))),
@@ -37,6 +40,7 @@ impl fmt::Display for ProviderSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ProviderSpec::Tcp => f.write_str("tcp"),
+            ProviderSpec::Shm => f.write_str("shm"),
             ProviderSpec::Verbs(None) => f.write_str("verbs"),
             ProviderSpec::Verbs(Some(d)) => write!(f, "verbs:{d}"),
         }
@@ -98,6 +102,7 @@ pub(crate) struct DeviceShared {
 
 pub(crate) enum DeviceImpl {
     Tcp,
+    Shm,
     #[cfg(feature = "verbs")]
     Verbs(crate::verbs::Context),
 }
@@ -133,6 +138,13 @@ impl Device {
                 imp: DeviceImpl::Tcp,
                 registered: Default::default(),
             },
+            ProviderSpec::Shm => DeviceShared {
+                spec: spec.clone(),
+                name: "shm".to_owned(),
+                caps: crate::shm::caps(),
+                imp: DeviceImpl::Shm,
+                registered: Default::default(),
+            },
             #[cfg(feature = "verbs")]
             ProviderSpec::Verbs(name) => {
                 let ctx = crate::verbs::Context::open(name.as_deref())?;
@@ -156,6 +168,7 @@ impl Device {
     pub fn provider(&self) -> &'static str {
         match self.inner.spec {
             ProviderSpec::Tcp => "tcp",
+            ProviderSpec::Shm => "shm",
             ProviderSpec::Verbs(_) => "verbs",
         }
     }

@@ -59,6 +59,7 @@ mod mr;
 mod pd;
 mod pool;
 mod qp;
+mod shm;
 mod tcp;
 #[cfg(feature = "verbs")]
 mod verbs;

@@ -19,7 +19,7 @@ pub(crate) struct Region {
     pub(crate) imp: RegionImpl,
     /// The bytes. Local users and the software providers' progress engines go through this lock;
     /// a real NIC reaches the same memory by DMA, as it does in every verbs program.
-    pub(crate) mem: Mutex<Box<[u64]>>,
+    pub(crate) mem: Mutex<Mem>,
     pub(crate) pd: Arc<PdShared>,
     pub(crate) addr: u64,
     pub(crate) len: usize,
@@ -28,10 +28,70 @@ pub(crate) struct Region {
     pub(crate) access: AccessFlags,
 }
 
+/// The bytes of a registration: on the heap (tcp, verbs), or in a shm arena that peers map.
+pub(crate) enum Mem {
+    Heap(Box<[u64]>),
+    Shared(crate::shm::Slice),
+}
+
+impl Deref for Mem {
+    type Target = [u64];
+    fn deref(&self) -> &[u64] {
+        match self {
+            Mem::Heap(b) => b,
+            Mem::Shared(s) => s.words(),
+        }
+    }
+}
+
+impl DerefMut for Mem {
+    fn deref_mut(&mut self) -> &mut [u64] {
+        match self {
+            Mem::Heap(b) => b,
+            Mem::Shared(s) => s.words_mut(),
+        }
+    }
+}
+
+/// An atomic read-modify-write on an 8-byte word (CAS or FAA).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Rmw {
+    CompareSwap { compare: u64, swap: u64 },
+    FetchAdd { add: u64 },
+}
+
+impl Rmw {
+    /// Applies it to `word` atomically; returns the old value.
+    pub(crate) fn apply(self, word: &std::sync::atomic::AtomicU64) -> u64 {
+        use std::sync::atomic::Ordering::SeqCst;
+        match self {
+            Rmw::CompareSwap { compare, swap } => word
+                .compare_exchange(compare, swap, SeqCst, SeqCst)
+                .unwrap_or_else(|v| v),
+            Rmw::FetchAdd { add } => word.fetch_add(add, SeqCst),
+        }
+    }
+
+    fn apply_plain(self, old: u64) -> u64 {
+        match self {
+            Rmw::CompareSwap { compare, swap } => {
+                if old == compare {
+                    swap
+                } else {
+                    old
+                }
+            }
+            Rmw::FetchAdd { add } => old.wrapping_add(add),
+        }
+    }
+}
+
 /// The provider's registration; kept only to be dropped (deregistered) at the right moment.
 #[allow(dead_code)]
 pub(crate) enum RegionImpl {
     Tcp,
+    /// Published in the PD's arena table under this rkey: withdrawn on drop.
+    Shm(Arc<crate::shm::Arena>, u32),
     #[cfg(feature = "verbs")]
     Verbs(crate::verbs::Mr),
 }
@@ -40,8 +100,26 @@ impl Region {
     /// Locks the bytes `[off, off + len)` of the region.
     pub(crate) fn lock_range(&self, off: usize, len: usize) -> MappedMutexGuard<'_, [u8]> {
         MutexGuard::map(self.mem.lock(), |words| {
-            &mut bytemuck::cast_slice_mut::<u64, u8>(words)[off..off + len]
+            &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words[..])[off..off + len]
         })
+    }
+}
+
+impl Region {
+    /// A target's atomic on the 8-byte word at byte offset `off` (8-aligned); the old value.
+    /// Shared memory (shm) uses an atomic instruction, since peers run atomics on it directly;
+    /// heap memory is only reached through this lock.
+    pub(crate) fn atomic(&self, off: usize, op: Rmw) -> u64 {
+        let mut mem = self.mem.lock();
+        match &mut *mem {
+            Mem::Shared(s) => op.apply(s.atomic_word(off / 8)),
+            Mem::Heap(words) => {
+                let old = words[off / 8];
+                // Stored in native byte order, as the NIC does.
+                words[off / 8] = op.apply_plain(old);
+                old
+            }
+        }
     }
 }
 
@@ -49,9 +127,14 @@ impl Drop for Region {
     fn drop(&mut self) {
         let registered = &self.pd.device.inner.registered;
         registered.fetch_sub(self.len as u64, std::sync::atomic::Ordering::Relaxed);
-        #[allow(irrefutable_let_patterns)]
-        if let PdImpl::Tcp(pd) = &self.pd.imp {
-            pd.deregister(self.rkey, self.lkey);
+        match &self.pd.imp {
+            PdImpl::Tcp(pd) => pd.deregister(self.rkey, self.lkey),
+            PdImpl::Shm(pd) => pd.keys.deregister(self.rkey, self.lkey),
+            #[cfg(feature = "verbs")]
+            PdImpl::Verbs(_) => {}
+        }
+        if let RegionImpl::Shm(arena, rkey) = &self.imp {
+            arena.withdraw(*rkey);
         }
     }
 }
@@ -87,10 +170,29 @@ impl MemoryRegion {
                 "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE too (as in ibv_reg_mr)".into(),
             ));
         }
-        let mut mem: Box<[u64]> = vec![0u64; len.div_ceil(8)].into_boxed_slice();
-        let addr = mem.as_mut_ptr() as u64;
+        let heap = || vec![0u64; len.div_ceil(8)].into_boxed_slice();
         let region = match &pd.inner.imp {
+            PdImpl::Shm(spd) => {
+                let mut slice = crate::shm::Slice::alloc(&spd.arena, len)?;
+                let addr = slice.words_mut().as_mut_ptr() as u64;
+                let (lkey, rkey) = spd.fresh_keys();
+                spd.publish(rkey, access, addr, slice.off(), len as u64)?;
+                let region = Arc::new(Region {
+                    pd: pd.inner.clone(),
+                    addr,
+                    len,
+                    lkey,
+                    rkey,
+                    access,
+                    mem: Mutex::new(Mem::Shared(slice)),
+                    imp: RegionImpl::Shm(spd.arena.clone(), rkey),
+                });
+                spd.keys.register(&region);
+                region
+            }
             PdImpl::Tcp(tpd) => {
+                let mut mem: Box<[u64]> = heap();
+                let addr = mem.as_mut_ptr() as u64;
                 let (lkey, rkey) = tpd.fresh_keys();
                 let region = Arc::new(Region {
                     pd: pd.inner.clone(),
@@ -99,7 +201,7 @@ impl MemoryRegion {
                     lkey,
                     rkey,
                     access,
-                    mem: Mutex::new(mem),
+                    mem: Mutex::new(Mem::Heap(mem)),
                     imp: RegionImpl::Tcp,
                 });
                 tpd.register(&region);
@@ -107,6 +209,8 @@ impl MemoryRegion {
             }
             #[cfg(feature = "verbs")]
             PdImpl::Verbs(vpd) => {
+                let mut mem: Box<[u64]> = heap();
+                let addr = mem.as_mut_ptr() as u64;
                 let mr = vpd.register(mem.as_mut_ptr().cast::<u8>(), len, access)?;
                 Arc::new(Region {
                     pd: pd.inner.clone(),
@@ -115,7 +219,7 @@ impl MemoryRegion {
                     lkey: mr.lkey(),
                     rkey: mr.rkey(),
                     access,
-                    mem: Mutex::new(mem),
+                    mem: Mutex::new(Mem::Heap(mem)),
                     imp: RegionImpl::Verbs(mr),
                 })
             }

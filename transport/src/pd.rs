@@ -20,6 +20,7 @@ pub(crate) struct PdShared {
 
 pub(crate) enum PdImpl {
     Tcp(crate::tcp::Pd),
+    Shm(crate::shm::Pd),
     #[cfg(feature = "verbs")]
     Verbs(crate::verbs::Pd),
 }
@@ -30,6 +31,7 @@ impl ProtectionDomain {
     pub(crate) fn new(device: &Device) -> Result<Self> {
         let imp = match &device.inner.imp {
             crate::device::DeviceImpl::Tcp => PdImpl::Tcp(crate::tcp::Pd::new()),
+            crate::device::DeviceImpl::Shm => PdImpl::Shm(crate::shm::Pd::new()?),
             #[cfg(feature = "verbs")]
             crate::device::DeviceImpl::Verbs(ctx) => PdImpl::Verbs(crate::verbs::Pd::new(ctx)?),
         };

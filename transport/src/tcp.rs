@@ -10,6 +10,7 @@
 
 mod cm;
 mod engine;
+mod link;
 mod sender;
 mod wire;
 
@@ -25,6 +26,7 @@ use crate::DeviceCaps;
 
 pub(crate) use cm::{connect, Listener, Pending, Request};
 pub(crate) use engine::Qp;
+pub(crate) use link::Link;
 
 /// Largest message: 1 GiB.
 const MAX_MSG: u64 = 1 << 30;

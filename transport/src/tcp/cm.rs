@@ -247,11 +247,12 @@ fn start(stream: TcpStream, opts: &QpOptions, qp_num: u32) -> Result<(Qp, u32)> 
         _ => Err(Error::InvalidArgument("a tcp QP needs tcp CQs".into())),
     };
     let qp = Qp::start(
-        stream,
+        Arc::new(super::link::TcpLink(stream)),
         qp_num,
         opts.pd.inner.clone(),
         cq(&opts.send_cq)?,
         cq(&opts.recv_cq)?,
+        None,
     )?;
     Ok((qp, qp_num))
 }

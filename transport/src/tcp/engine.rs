@@ -5,8 +5,6 @@
 //! thread always drains and two engines can never wait on each other.
 
 use std::collections::VecDeque;
-use std::io::Read;
-use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
@@ -14,11 +12,12 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use super::link::Link;
 use super::sender::Sender;
 use super::wire::{AtomicOp, Encoder, Frame, MAX_BODY};
 use super::Cq;
 use crate::cq::RawWc;
-use crate::mr::Region;
+use crate::mr::{Region, Rmw};
 use crate::pd::PdShared;
 use crate::qp::{RecvDesc, SendDesc, FLUSH};
 use crate::{AccessFlags, Error, SendOp, WcOpcode, WcStatus};
@@ -39,6 +38,8 @@ struct Pending {
     opcode: WcOpcode,
     signaled: bool,
     local: Option<View>,
+    /// Executed already by this side (shm one-sided): its result, reported in order.
+    done: Option<Result<u32, WcStatus>>,
 }
 
 struct PostedRecv {
@@ -63,13 +64,15 @@ struct Engine {
     pd: Arc<PdShared>,
     send_cq: Arc<Cq>,
     recv_cq: Arc<Cq>,
-    socket: TcpStream,
+    link: Arc<dyn Link>,
     /// Serialises posts, so frames leave in the order requests enter `outstanding`.
     post: Mutex<()>,
     out: Sender,
     state: Mutex<State>,
     error: AtomicBool,
     destroyed: AtomicBool,
+    /// shm: the peer's memory, for one-sided operations run here without the peer's CPU.
+    direct: Option<Arc<crate::shm::PeerArena>>,
 }
 
 /// A software RC queue pair over one TCP connection.
@@ -80,25 +83,25 @@ pub(crate) struct Qp {
 
 impl Qp {
     pub(crate) fn start(
-        socket: TcpStream,
+        link: Arc<dyn Link>,
         qp_num: u32,
         pd: Arc<PdShared>,
         send_cq: Arc<Cq>,
         recv_cq: Arc<Cq>,
+        direct: Option<Arc<crate::shm::PeerArena>>,
     ) -> Result<Self, Error> {
-        let dup = |s: &TcpStream| s.try_clone().map_err(|e| Error::io("cloning the QP socket", e));
-        let (reader, writer) = (dup(&socket)?, dup(&socket)?);
         let engine = Arc::new(Engine {
             qp_num,
             pd,
             send_cq,
             recv_cq,
             post: Mutex::new(()),
-            out: Sender::new(writer),
-            socket,
+            out: Sender::new(link.clone()),
+            link,
             state: Mutex::new(State::default()),
             error: AtomicBool::new(false),
             destroyed: AtomicBool::new(false),
+            direct,
         });
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
@@ -108,10 +111,7 @@ impl Qp {
         };
         let (e1, e2) = (engine.clone(), engine.clone());
         let threads = vec![
-            spawn(
-                format!("rdma-tcp-rx-{qp_num:x}"),
-                Box::new(move || e1.run_reader(reader)),
-            )?,
+            spawn(format!("rdma-tcp-rx-{qp_num:x}"), Box::new(move || e1.run_reader()))?,
             spawn(format!("rdma-tcp-tx-{qp_num:x}"), Box::new(move || e2.out.run_writer()))?,
         ];
         Ok(Self { engine, threads })
@@ -137,6 +137,7 @@ impl Qp {
                     opcode: d.op.wc_opcode(),
                     signaled: d.signaled,
                     local,
+                    done: None,
                 };
                 if st.error {
                     e.push_send(&pending, FLUSH, 0);
@@ -152,12 +153,23 @@ impl Qp {
                         continue;
                     }
                 }
+                // shm: a one-sided operation with nothing before it in flight runs here and
+                // now, on the peer's memory (with nothing before it, RC order holds).
+                if let Some(peer) = e.direct.as_ref().filter(|_| st.outstanding.is_empty()) {
+                    if let Some(result) = direct(peer, d, pending.local.as_ref()) {
+                        let mut pending = pending;
+                        pending.done = Some(result);
+                        st.outstanding.push_back(pending);
+                        e.retire(&mut st);
+                        continue;
+                    }
+                }
                 st.outstanding.push_back(pending);
             }
             let frame = request_frame(d);
             if e.out.send(&frame).is_err() {
                 // The reader sees the broken connection too and fails what is outstanding.
-                let _ = e.socket.shutdown(Shutdown::Both);
+                e.link.shutdown();
             }
         }
         Ok(())
@@ -189,7 +201,7 @@ impl Qp {
     /// once this returns. No completions are generated for what was in flight.
     pub(crate) fn destroy(&mut self) {
         self.engine.destroyed.store(true, Ordering::Release);
-        let _ = self.engine.socket.shutdown(Shutdown::Both);
+        self.engine.link.shutdown();
         self.engine.out.close();
         for t in self.threads.drain(..) {
             let _ = t.join();
@@ -216,15 +228,62 @@ fn request_frame(d: &SendDesc<'_>) -> Vec<u8> {
     }
 }
 
+/// Runs a one-sided request on the peer's memory (shm); `None` for requests the peer's engine
+/// must run (those that consume a receive).
+fn direct(peer: &crate::shm::PeerArena, d: &SendDesc<'_>, local: Option<&View>) -> Option<Result<u32, WcStatus>> {
+    let local_bytes = |len: usize| local.map(|v| v.region.lock_range(v.off, len));
+    Some(match d.op {
+        SendOp::Read { remote } => {
+            if d.len == 0 {
+                return Some(Ok(0));
+            }
+            match local_bytes(d.len) {
+                Some(mut dst) => peer.read(remote.addr, remote.rkey, &mut dst).map(|()| d.len as u32),
+                None => Err(WcStatus::LocLenErr),
+            }
+        }
+        SendOp::Write { remote, imm: None } => {
+            if d.len == 0 {
+                return Some(Ok(0));
+            }
+            match local_bytes(d.len) {
+                Some(src) => peer.write(remote.addr, remote.rkey, &src).map(|()| 0),
+                None => Err(WcStatus::LocLenErr),
+            }
+        }
+        SendOp::CompareSwap { remote, compare, swap } => {
+            atomic(peer, remote, Rmw::CompareSwap { compare, swap }, local)
+        }
+        SendOp::FetchAdd { remote, add } => atomic(peer, remote, Rmw::FetchAdd { add }, local),
+        SendOp::Send { .. } | SendOp::Write { imm: Some(_), .. } => return None,
+    })
+}
+
+fn atomic(
+    peer: &crate::shm::PeerArena,
+    remote: crate::RemoteAddr,
+    op: Rmw,
+    local: Option<&View>,
+) -> Result<u32, WcStatus> {
+    let old = peer.atomic(remote.addr, remote.rkey, op)?;
+    match local {
+        Some(v) if v.len >= 8 => {
+            v.region.lock_range(v.off, 8).copy_from_slice(&old.to_ne_bytes());
+            Ok(8)
+        }
+        _ => Err(WcStatus::LocLenErr),
+    }
+}
+
 fn needs_recv(f: &Frame) -> bool {
     matches!(f, Frame::Send { .. } | Frame::Write { imm: Some(_), .. })
 }
 
 impl Engine {
-    fn run_reader(self: Arc<Self>, mut sock: TcpStream) {
+    fn run_reader(self: Arc<Self>) {
         let mut len = [0u8; 4];
         loop {
-            if sock.read_exact(&mut len).is_err() {
+            if self.link.read_exact(&mut len).is_err() {
                 break;
             }
             let n = u32::from_le_bytes(len) as usize;
@@ -233,7 +292,7 @@ impl Engine {
                 break;
             }
             let mut body = vec![0u8; n];
-            if sock.read_exact(&mut body).is_err() {
+            if self.link.read_exact(&mut body).is_err() {
                 break;
             }
             match Frame::decode(&body) {
@@ -248,7 +307,7 @@ impl Engine {
         let mut st = self.state.lock();
         self.enter_error(&mut st, Some(WcStatus::RetryExcErr));
         drop(st);
-        let _ = self.socket.shutdown(Shutdown::Both);
+        self.link.shutdown();
     }
 
     fn respond(&self, frame: Encoder) {
@@ -344,6 +403,23 @@ impl Engine {
         }
     }
 
+    /// Reports requests this side executed itself (shm one-sided) once they reach the head:
+    /// completions stay in posting order.
+    fn retire(&self, st: &mut State) {
+        while let Some(result) = st.outstanding.front().and_then(|p| p.done) {
+            let Some(p) = st.outstanding.pop_front() else { return };
+            match result {
+                Ok(byte_len) => self.push_send(&p, WcStatus::Success, byte_len),
+                Err(status) => {
+                    self.error.store(true, Ordering::Release);
+                    self.push_send(&p, status, 0);
+                    self.enter_error(st, None);
+                    return;
+                }
+            }
+        }
+    }
+
     /// Completes the oldest outstanding request, which must be `ssn` (RC is in order).
     fn complete_head(
         &self,
@@ -367,7 +443,10 @@ impl Engine {
         }
         let result = if status.is_success() { land(&p) } else { Err(status) };
         match result {
-            Ok(byte_len) => self.push_send(&p, WcStatus::Success, byte_len),
+            Ok(byte_len) => {
+                self.push_send(&p, WcStatus::Success, byte_len);
+                self.retire(st);
+            }
             Err(status) => {
                 // The QP is in error before anyone can see the failed completion.
                 self.error.store(true, Ordering::Release);
@@ -429,10 +508,11 @@ impl Engine {
     /// The target's checks, as a NIC makes them: a registration with this rkey in this QP's PD,
     /// the access flag, and the range inside the registration.
     fn check_remote(&self, addr: u64, rkey: u32, len: usize, need: AccessFlags) -> Result<Arc<Region>, WcStatus> {
-        #[allow(irrefutable_let_patterns)]
-        let crate::pd::PdImpl::Tcp(pd) = &self.pd.imp
-        else {
-            return Err(WcStatus::GeneralErr);
+        let pd = match &self.pd.imp {
+            crate::pd::PdImpl::Tcp(pd) => pd,
+            crate::pd::PdImpl::Shm(pd) => &pd.keys,
+            #[cfg(feature = "verbs")]
+            crate::pd::PdImpl::Verbs(_) => return Err(WcStatus::GeneralErr),
         };
         let region = pd.lookup(rkey).ok_or(WcStatus::RemAccessErr)?;
         if !region.access.contains(need) {
@@ -519,24 +599,11 @@ impl Engine {
                 match self.check_remote(addr, rkey, 8, AccessFlags::REMOTE_ATOMIC) {
                     Ok(region) => {
                         let off = (addr - region.addr) as usize;
-                        let old = {
-                            let mut word = region.lock_range(off, 8);
-                            let mut cur = [0u8; 8];
-                            cur.copy_from_slice(&word);
-                            let old = u64::from_ne_bytes(cur);
-                            let new = match op {
-                                AtomicOp::CompareSwap { compare, swap } => {
-                                    if old == compare {
-                                        swap
-                                    } else {
-                                        old
-                                    }
-                                }
-                                AtomicOp::FetchAdd { add } => old.wrapping_add(add),
-                            };
-                            word.copy_from_slice(&new.to_ne_bytes());
-                            old
+                        let rmw = match op {
+                            AtomicOp::CompareSwap { compare, swap } => Rmw::CompareSwap { compare, swap },
+                            AtomicOp::FetchAdd { add } => Rmw::FetchAdd { add },
                         };
+                        let old = region.atomic(off, rmw);
                         self.respond(Encoder::atomic_resp(ssn, old));
                     }
                     Err(status) => fail(st, ssn, status),

@@ -6,11 +6,11 @@
 //! waiting on the peer, and two engines can never wait on each other, while the common case
 //! costs one syscall and no thread hop.
 
-use std::io::{self, Write};
-use std::net::{Shutdown, TcpStream};
+use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
-use socket2::SockRef;
+
+use super::link::Link;
 
 #[derive(Default)]
 struct State {
@@ -23,15 +23,15 @@ struct State {
 }
 
 pub(crate) struct Sender {
-    sock: TcpStream,
+    link: Arc<dyn Link>,
     state: Mutex<State>,
     cv: Condvar,
 }
 
 impl Sender {
-    pub(crate) fn new(sock: TcpStream) -> Self {
+    pub(crate) fn new(link: Arc<dyn Link>) -> Self {
         Self {
-            sock,
+            link,
             state: Mutex::new(State::default()),
             cv: Condvar::new(),
         }
@@ -45,10 +45,8 @@ impl Sender {
         }
         let mut rest = frame;
         if st.backlog.is_empty() && !st.flushing {
-            let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
-            match SockRef::from(&self.sock).send_with_flags(frame, flags) {
+            match self.link.try_write(frame) {
                 Ok(n) => rest = &frame[n..],
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => {
                     st.closed = true;
                     return Err(());
@@ -86,7 +84,7 @@ impl Sender {
             if st.backlog.is_empty() {
                 st.flushing = false;
                 if st.close_after {
-                    let _ = self.sock.shutdown(Shutdown::Write);
+                    self.link.shutdown_write();
                     st.closed = true;
                     return;
                 }
@@ -96,7 +94,7 @@ impl Sender {
             let batch = std::mem::take(&mut st.backlog);
             st.flushing = true;
             drop(st);
-            let ok = (&self.sock).write_all(&batch).is_ok();
+            let ok = self.link.write_all(&batch).is_ok();
             st = self.state.lock();
             if !ok {
                 st.closed = true;

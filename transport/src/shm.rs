@@ -1,0 +1,155 @@
+//! Provider `shm`: software RDMA between processes on one host, through shared memory.
+//!
+//! - **Memory.** A protection domain's registrations live in one sealed memfd (its arena),
+//!   mapped by the owner and by every peer connected to a QP of the PD. The arena's first MiB is
+//!   the region table the owner publishes (rkey, access, address, length, under a seqlock).
+//! - **One-sided operations without the target's CPU.** RDMA Read, Write (without immediate)
+//!   and the atomics are executed by the initiator itself, on its mapping of the target's arena,
+//!   after the checks a NIC makes against the published table (rkey, bounds, access flags);
+//!   atomics are real atomic instructions on the shared word.
+//! - **Two-sided operations.** Sends and Writes-with-immediate consume a receive the target
+//!   posted, so they go through the target's progress engine: the tcp provider's engine (the
+//!   same responder, RNR, error and flush semantics), carried over a pair of shared-memory byte
+//!   rings instead of a socket, with futex wake-ups.
+//! - **Set-up and death.** An abstract Unix socket named after the address carries the
+//!   handshake and the memfds (SCM_RIGHTS); it stays open, and its end (the kernel closes it
+//!   when a process dies) turns into errors with the QP flushed.
+//!
+//! Trust model: peers are processes of the same user on the same host, which could already
+//! read each other's memory (ptrace, /proc). The checks keep a buggy peer from reaching memory
+//! it was not given, and every word read from shared memory is validated so that garbage in the
+//! rings or the table gives errors, never out-of-bounds accesses; memfds are sealed so a peer
+//! cannot shrink them under us (no SIGBUS). They are not a defence against a hostile process
+//! of the same user.
+
+mod arena;
+pub(crate) mod cm;
+pub(crate) mod link;
+mod ring;
+mod sys;
+
+use std::sync::Arc;
+
+pub(crate) use arena::{Arena, PeerArena};
+
+use crate::cq::CqImpl;
+use crate::{AccessFlags, DeviceCaps, Error, QpOptions, Result};
+
+/// Starts a QP's engine over an established shm link.
+pub(crate) fn start(link: Arc<link::ShmLink>, peer: Arc<PeerArena>, opts: &QpOptions) -> Result<(crate::tcp::Qp, u32)> {
+    let cq = |c: &crate::CompletionQueue| match &c.inner.imp {
+        CqImpl::Tcp(cq) => Ok(Arc::clone(cq)),
+        #[allow(unreachable_patterns)]
+        _ => Err(Error::InvalidArgument("an shm QP needs shm CQs".into())),
+    };
+    let qp_num = crate::tcp::random_u32();
+    let qp = crate::tcp::Qp::start(
+        link,
+        qp_num,
+        opts.pd.inner.clone(),
+        cq(&opts.send_cq)?,
+        cq(&opts.recv_cq)?,
+        Some(peer),
+    )?;
+    Ok((qp, qp_num))
+}
+
+/// What this side brings to a connection, from the PD in `opts`.
+pub(crate) fn side(opts: &QpOptions) -> Result<cm::Side> {
+    match &opts.pd.inner.imp {
+        crate::pd::PdImpl::Shm(pd) => cm::Side::new(pd.arena.clone()),
+        _ => Err(Error::InvalidArgument("an shm QP needs an shm PD".into())),
+    }
+}
+
+pub(crate) fn caps() -> DeviceCaps {
+    DeviceCaps {
+        max_inline_data: 256,
+        max_msg_size: 1 << 30,
+        atomics: true,
+        max_qp_wr: 16384,
+        max_cqe: 1 << 20,
+        max_mr_size: arena::MAX_MR,
+    }
+}
+
+/// A shm protection domain: the tcp provider's key table (for the engine's two-sided path and
+/// Writes-with-immediate) and the arena that holds the memory and publishes the same keys.
+pub(crate) struct Pd {
+    pub(crate) keys: crate::tcp::Pd,
+    pub(crate) arena: Arc<Arena>,
+}
+
+impl Pd {
+    pub(crate) fn new() -> Result<Self> {
+        Ok(Self {
+            keys: crate::tcp::Pd::new(),
+            arena: Arena::new()?,
+        })
+    }
+
+    /// Fresh keys whose rkey the published table can hold.
+    pub(crate) fn fresh_keys(&self) -> (u32, u32) {
+        loop {
+            let (lkey, rkey) = self.keys.fresh_keys();
+            if Arena::usable_key(rkey) {
+                return (lkey, rkey);
+            }
+        }
+    }
+
+    pub(crate) fn publish(&self, rkey: u32, access: AccessFlags, addr: u64, off: u64, len: u64) -> Result<()> {
+        self.arena.publish(rkey, access, addr, off, len)
+    }
+}
+
+/// Registered memory in an arena: freed (its pages given back) when dropped.
+pub(crate) struct Slice {
+    arena: Arc<Arena>,
+    off: u64,
+    words: usize,
+}
+
+impl Slice {
+    pub(crate) fn alloc(arena: &Arc<Arena>, len: usize) -> Result<Slice> {
+        let off = arena.alloc(len as u64)?;
+        Ok(Slice {
+            arena: arena.clone(),
+            off,
+            words: len.div_ceil(8),
+        })
+    }
+
+    pub(crate) fn off(&self) -> u64 {
+        self.off
+    }
+
+    pub(crate) fn words(&self) -> &[u64] {
+        // SAFETY: the range is this slice's own allocation inside the arena mapping (page
+        // aligned, so aligned for u64), which lives as long as `self.arena`; peers may write
+        // it concurrently through their mappings, as a NIC writes registered memory by DMA.
+        unsafe { std::slice::from_raw_parts(self.arena.at(self.off).cast::<u64>(), self.words) }
+    }
+
+    pub(crate) fn words_mut(&mut self) -> &mut [u64] {
+        // SAFETY: as in `words`; `&mut self` makes this the only local reference.
+        unsafe { std::slice::from_raw_parts_mut(self.arena.at(self.off).cast::<u64>(), self.words) }
+    }
+}
+
+impl Slice {
+    /// Word `i` as an atomic (for the atomics peers also run on it).
+    pub(crate) fn atomic_word(&self, i: usize) -> &std::sync::atomic::AtomicU64 {
+        let i = i.min(self.words.saturating_sub(1));
+        // SAFETY: word `i` is inside this slice's allocation (clamped above; regions are at
+        // least one word), 8-byte aligned (pages), alive as long as `self`; every atomic on it
+        // goes through AtomicU64.
+        unsafe { std::sync::atomic::AtomicU64::from_ptr(self.arena.at(self.off).cast::<u64>().add(i)) }
+    }
+}
+
+impl Drop for Slice {
+    fn drop(&mut self) {
+        self.arena.free(self.off, self.words as u64 * 8);
+    }
+}

@@ -1,0 +1,294 @@
+//! Connection set-up for the shm provider, shaped like the tcp provider's: a listener on an
+//! abstract Unix socket named after the `SocketAddr` it is given (`rdma-rpc-shm:<ip>:<port>`,
+//! so the same addresses work on every provider; port 0 picks a free one), a handshake carrying
+//! the private data and, as descriptors, each side's arena and inbox ring.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use super::arena::{Arena, PeerArena};
+use super::link::ShmLink;
+use super::ring::{self, Ring};
+use super::sys::{self, Mapping};
+use crate::cm::MAX_PRIVATE_DATA;
+use crate::{Error, Result};
+
+const MAGIC: &[u8; 8] = b"RDRPCSHM";
+const VERSION: u16 = 1;
+const HANDSHAKE: Duration = Duration::from_secs(10);
+const MAX_HANDSHAKES: usize = 256;
+
+fn name(addr: SocketAddr) -> Result<UnixAddr> {
+    UnixAddr::from_abstract_name(format!("rdma-rpc-shm:{addr}")).map_err(|e| Error::io("naming the shm endpoint", e))
+}
+
+/// What one side brings to a connection.
+pub(crate) struct Side {
+    pub(crate) arena: Arc<Arena>,
+    pub(crate) inbox_fd: OwnedFd,
+    pub(crate) inbox: Arc<Mapping>,
+}
+
+impl Side {
+    pub(crate) fn new(arena: Arc<Arena>) -> Result<Side> {
+        let fd =
+            sys::sealed_memfd("rdma-rpc-shm-ring", ring::BYTES as u64).map_err(|e| Error::io("creating a ring", e))?;
+        let inbox = Arc::new(Mapping::map(&fd, ring::BYTES).map_err(|e| Error::io("mapping a ring", e))?);
+        Ok(Side {
+            arena,
+            inbox_fd: fd,
+            inbox,
+        })
+    }
+
+    fn fds(&self) -> [std::os::fd::RawFd; 2] {
+        [self.arena.fd.as_raw_fd(), self.inbox_fd.as_raw_fd()]
+    }
+
+    /// The link and the peer's arena, from the peer's descriptors. Our descriptors stay with
+    /// `self.inbox_fd` / the arena until they were sent.
+    fn join(&self, sock: UnixStream, peer_fds: Vec<OwnedFd>) -> Result<(Arc<ShmLink>, Arc<PeerArena>)> {
+        let [arena_fd, inbox_fd]: [OwnedFd; 2] = peer_fds
+            .try_into()
+            .map_err(|_| Error::Protocol("the peer sent the wrong descriptors".into()))?;
+        let peer_arena = Arc::new(PeerArena::map(&arena_fd)?);
+        let size = sys::sealed_size(&inbox_fd).map_err(|e| Error::io("checking the peer's ring", e))?;
+        if size < ring::BYTES as u64 {
+            return Err(Error::Protocol("the peer's ring is too small".into()));
+        }
+        let tx_map =
+            Arc::new(Mapping::map(&inbox_fd, ring::BYTES).map_err(|e| Error::io("mapping the peer's ring", e))?);
+        let dead = Arc::new(AtomicBool::new(false));
+        let rx = Ring::new(self.inbox.clone(), dead.clone()).ok_or_else(|| Error::Protocol("ring".into()))?;
+        let tx = Ring::new(tx_map, dead.clone()).ok_or_else(|| Error::Protocol("ring".into()))?;
+        let link = ShmLink::new(rx, tx, sock, dead).map_err(|e| Error::io("starting the shm watcher", e))?;
+        Ok((link, peer_arena))
+    }
+}
+
+fn hello(private_data: &[u8]) -> Vec<u8> {
+    let mut m = MAGIC.to_vec();
+    m.extend_from_slice(&VERSION.to_le_bytes());
+    m.extend_from_slice(private_data);
+    m
+}
+
+fn parse_hello(m: &[u8]) -> Result<Vec<u8>> {
+    if m.len() < 10 || &m[..8] != MAGIC {
+        return Err(Error::Protocol("not an rdma-rpc shm peer (bad magic)".into()));
+    }
+    let v = u16::from_le_bytes([m[8], m[9]]);
+    if v != VERSION {
+        return Err(Error::Protocol(format!(
+            "peer speaks shm version {v}, we speak {VERSION}"
+        )));
+    }
+    Ok(m[10..].to_vec())
+}
+
+/// A listening endpoint.
+pub(crate) struct Listener {
+    addr: SocketAddr,
+    socket: Arc<UnixListener>,
+    ready: Arc<Ready>,
+}
+
+#[derive(Default)]
+struct Ready {
+    queue: Mutex<VecDeque<Request>>,
+    cv: Condvar,
+    closed: AtomicBool,
+    handshakes: AtomicUsize,
+}
+
+/// A connection request whose handshake arrived.
+pub(crate) struct Request {
+    pub(crate) stream: UnixStream,
+    pub(crate) private_data: Vec<u8>,
+    pub(crate) fds: Vec<OwnedFd>,
+}
+
+impl Listener {
+    pub(crate) fn bind(addr: SocketAddr) -> Result<Listener> {
+        let mut try_addr = addr;
+        let mut attempts = 0;
+        let socket = loop {
+            if addr.port() == 0 {
+                try_addr.set_port(20_000 + (crate::tcp::random_u32() % 40_000) as u16);
+            }
+            match UnixListener::bind_addr(&name(try_addr)?) {
+                Ok(s) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && addr.port() == 0 && attempts < 64 => {
+                    attempts += 1;
+                }
+                Err(e) => return Err(Error::io("binding the shm endpoint", e)),
+            }
+        };
+        let socket = Arc::new(socket);
+        let ready = Arc::new(Ready::default());
+        let (s, r) = (socket.clone(), ready.clone());
+        std::thread::Builder::new()
+            .name("rdma-rpc-shm-accept".into())
+            .spawn(move || acceptor(&s, &r))
+            .map_err(|e| Error::io("starting the acceptor thread", e))?;
+        Ok(Listener {
+            addr: try_addr,
+            socket,
+            ready,
+        })
+    }
+
+    pub(crate) fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub(crate) fn accept(&self, timeout: Option<Duration>) -> Result<Request> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut q = self.ready.queue.lock();
+        loop {
+            if let Some(r) = q.pop_front() {
+                return Ok(r);
+            }
+            match deadline {
+                None => self.ready.cv.wait(&mut q),
+                Some(d) => {
+                    if self.ready.cv.wait_until(&mut q, d).timed_out() && q.is_empty() {
+                        return Err(Error::Timeout("waiting for a connection"));
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.ready.closed.store(true, Ordering::Release);
+        // SAFETY: shutting down a descriptor we own wakes the acceptor's blocking accept.
+        unsafe { libc::shutdown(self.socket.as_raw_fd(), libc::SHUT_RDWR) };
+    }
+}
+
+fn acceptor(socket: &UnixListener, ready: &Arc<Ready>) {
+    loop {
+        let accepted = socket.accept();
+        if ready.closed.load(Ordering::Acquire) {
+            return;
+        }
+        let Ok((stream, _)) = accepted else {
+            std::thread::sleep(Duration::from_millis(50));
+            continue;
+        };
+        if ready.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+            ready.handshakes.fetch_sub(1, Ordering::AcqRel);
+            continue;
+        }
+        let r = ready.clone();
+        let spawned = std::thread::Builder::new()
+            .name("rdma-rpc-shm-handshake".into())
+            .spawn(move || {
+                let got = stream
+                    .set_read_timeout(Some(HANDSHAKE))
+                    .map_err(|e| Error::io("handshake timeout", e))
+                    .and_then(|()| {
+                        sys::recv_with_fds(&stream, 10 + MAX_PRIVATE_DATA)
+                            .map_err(|e| Error::io("reading the handshake", e))
+                    })
+                    .and_then(|(m, fds)| Ok((parse_hello(&m)?, fds)));
+                match got {
+                    Ok((private_data, fds)) if !r.closed.load(Ordering::Acquire) => {
+                        let _ = stream.set_read_timeout(None);
+                        r.queue.lock().push_back(Request {
+                            stream,
+                            private_data,
+                            fds,
+                        });
+                        r.cv.notify_one();
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::debug!(%e, "shm provider: handshake failed"),
+                }
+                r.handshakes.fetch_sub(1, Ordering::AcqRel);
+            });
+        if spawned.is_err() {
+            ready.handshakes.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// The last step of set-up, once the new QP has its first receives.
+pub(crate) enum Pending {
+    /// Accepting: the reply (with our descriptors) to send.
+    Reply { stream: UnixStream, side: Side },
+    /// Connecting: done, with the peer's private data.
+    Done(Vec<u8>),
+}
+
+impl Pending {
+    pub(crate) fn finish(self, private_data: &[u8]) -> Result<Vec<u8>> {
+        match self {
+            Pending::Reply { stream, side } => {
+                let mut reply = vec![1u8];
+                reply.extend_from_slice(private_data);
+                sys::send_with_fds(&stream, &reply, &side.fds()).map_err(|e| Error::io("answering", e))?;
+                Ok(Vec::new())
+            }
+            Pending::Done(data) => Ok(data),
+        }
+    }
+}
+
+impl Request {
+    /// Joins the link from the peer's descriptors; the reply goes out with [`Pending::finish`].
+    pub(crate) fn accept(self, side: Side) -> Result<(Arc<ShmLink>, Arc<PeerArena>, Pending)> {
+        let reply = self
+            .stream
+            .try_clone()
+            .map_err(|e| Error::io("cloning the socket", e))?;
+        let (link, peer) = side.join(self.stream, self.fds)?;
+        Ok((link, peer, Pending::Reply { stream: reply, side }))
+    }
+
+    pub(crate) fn reject(self) {
+        let _ = sys::send_with_fds(&self.stream, &[0u8], &[]);
+    }
+}
+
+/// Connects to the endpoint named after `addr`; returns the link, the peer's arena and the
+/// peer's private data.
+pub(crate) fn connect(
+    addr: SocketAddr,
+    side: Side,
+    private_data: &[u8],
+    timeout: Duration,
+) -> Result<(Arc<ShmLink>, Arc<PeerArena>, Vec<u8>)> {
+    let stream = UnixStream::connect_addr(&name(addr)?).map_err(|e| Error::io("connecting (shm)", e))?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|e| Error::io("setting a handshake timeout", e))?;
+    sys::send_with_fds(&stream, &hello(private_data), &side.fds())
+        .map_err(|e| Error::io("sending the handshake", e))?;
+    let (reply, fds) = sys::recv_with_fds(&stream, 1 + MAX_PRIVATE_DATA).map_err(|e| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout("waiting for the handshake"),
+        _ => Error::io("reading the handshake", e),
+    })?;
+    match reply.split_first() {
+        Some((1, data)) => {
+            let data = data.to_vec();
+            let _ = stream.set_read_timeout(None);
+            let (link, peer) = side.join(stream, fds)?;
+            drop(side);
+            Ok((link, peer, data))
+        }
+        Some((0, _)) => Err(Error::Rejected),
+        _ => Err(Error::Protocol("malformed connection reply".into())),
+    }
+}

@@ -1,0 +1,85 @@
+//! A queue pair's byte link over shared memory: our inbox ring (we consume), the peer's inbox
+//! ring (we produce), and the Unix socket the connection was set up on, kept open only to learn
+//! that the peer process died (the kernel closes it then).
+
+use std::io;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use super::ring::{Ring, RingError};
+use crate::tcp::Link;
+
+pub(crate) struct ShmLink {
+    rx: Ring,
+    tx: Ring,
+    sock: UnixStream,
+    peer_dead: Arc<AtomicBool>,
+}
+
+fn io_err(e: RingError) -> io::Error {
+    match e {
+        RingError::Closed => io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the queue pair"),
+        RingError::Corrupt => io::Error::new(io::ErrorKind::InvalidData, "the peer corrupted the ring"),
+    }
+}
+
+impl ShmLink {
+    /// Starts the watcher thread that turns the socket's end into `peer_dead`.
+    pub(crate) fn new(rx: Ring, tx: Ring, sock: UnixStream, peer_dead: Arc<AtomicBool>) -> io::Result<Arc<ShmLink>> {
+        let link = Arc::new(ShmLink {
+            rx,
+            tx,
+            sock,
+            peer_dead,
+        });
+        let watch = link.sock.try_clone()?;
+        let weak = Arc::downgrade(&link);
+        std::thread::Builder::new()
+            .name("rdma-shm-watch".into())
+            .spawn(move || {
+                let mut b = [0u8; 64];
+                // Nothing is ever sent on the socket after set-up: any return means it ended.
+                loop {
+                    match io::Read::read(&mut &watch, &mut b) {
+                        Ok(0) | Err(_) => break,
+                        Ok(_) => {}
+                    }
+                }
+                if let Some(l) = weak.upgrade() {
+                    l.peer_dead.store(true, Ordering::Release);
+                    l.rx.wake_all();
+                    l.tx.wake_all();
+                }
+            })?;
+        Ok(link)
+    }
+}
+
+impl Link for ShmLink {
+    fn read_exact(&self, buf: &mut [u8]) -> io::Result<()> {
+        self.rx.read_exact(buf).map_err(io_err)
+    }
+
+    fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
+        self.tx.try_write(buf).map_err(io_err)
+    }
+
+    fn write_all(&self, buf: &[u8]) -> io::Result<()> {
+        self.tx.write_all(buf).map_err(io_err)
+    }
+
+    fn shutdown_write(&self) {
+        self.tx.close();
+    }
+
+    fn shutdown(&self) {
+        self.tx.close();
+        self.rx.abandon();
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        // Our own reader may sleep on our inbox: wake it to see the end.
+        self.peer_dead.store(true, Ordering::Release);
+        self.rx.wake_all();
+        self.tx.wake_all();
+    }
+}

@@ -1,0 +1,231 @@
+//! A one-way byte ring in shared memory: one producer process, one consumer process. It carries
+//! the frames of a queue pair (the tcp provider's wire format) in place of a socket.
+//!
+//! The consumer owns the memory (a sealed memfd) and sends it to the producer. Both sides read
+//! words the other writes, so every word read from the ring is checked: a peer that writes
+//! garbage can make the ring report a protocol error, never make us read out of bounds.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::sys::{self, Mapping};
+
+/// Data bytes of a ring (a power of two).
+pub(crate) const CAP: usize = 1 << 20;
+/// Header bytes before the data.
+const HEADER: usize = 4096;
+/// The memfd's size.
+pub(crate) const BYTES: usize = HEADER + CAP;
+/// How long a sleeper waits before it looks at the peer's liveness again.
+const NAP: Duration = Duration::from_millis(50);
+/// Busy polls before sleeping.
+const SPINS: u32 = 2000;
+
+/// The header, at the start of the memfd. Each counter has its own cache line.
+#[repr(C, align(64))]
+struct Header {
+    /// Bytes consumed (written by the consumer).
+    head: AtomicU64,
+    _p0: [u8; 56],
+    /// Bytes produced (written by the producer).
+    tail: AtomicU64,
+    _p1: [u8; 56],
+    /// Bumped by the producer when it publishes and the consumer sleeps (futex word).
+    data_seq: AtomicU32,
+    consumer_sleeping: AtomicU32,
+    _p2: [u8; 56],
+    /// Bumped by the consumer when it frees space and the producer sleeps (futex word).
+    space_seq: AtomicU32,
+    producer_sleeping: AtomicU32,
+    _p3: [u8; 56],
+    /// Set by the producer: no more bytes will come (EOF once drained).
+    closed: AtomicU32,
+    /// Set by the consumer: it is gone; producing is pointless.
+    gone: AtomicU32,
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() <= HEADER);
+
+/// One end of a ring.
+pub(crate) struct Ring {
+    map: Arc<Mapping>,
+    /// Set locally when the peer process is known dead (its socket closed): wakes and ends
+    /// every wait even though the peer never set `closed`.
+    peer_dead: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Why a ring operation ended.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum RingError {
+    /// The other side closed (or died): no more bytes.
+    Closed,
+    /// The shared counters make no sense: the peer broke the ring.
+    Corrupt,
+}
+
+impl Ring {
+    pub(crate) fn new(map: Arc<Mapping>, peer_dead: Arc<std::sync::atomic::AtomicBool>) -> Option<Ring> {
+        (map.len() >= BYTES).then_some(Ring { map, peer_dead })
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: the mapping is at least BYTES long and page aligned; Header is all atomics,
+        // valid for any bit pattern, and only ever accessed atomically.
+        unsafe { &*self.map.ptr().cast::<Header>() }
+    }
+
+    fn data(&self) -> *mut u8 {
+        // SAFETY: HEADER < BYTES <= mapping length.
+        unsafe { self.map.ptr().add(HEADER) }
+    }
+
+    fn dead(&self) -> bool {
+        self.peer_dead.load(Ordering::Acquire)
+    }
+
+    /// Wakes our own sleepers (after `peer_dead` was set).
+    pub(crate) fn wake_all(&self) {
+        let h = self.header();
+        h.data_seq.fetch_add(1, Ordering::AcqRel);
+        sys::futex_wake(&h.data_seq);
+        h.space_seq.fetch_add(1, Ordering::AcqRel);
+        sys::futex_wake(&h.space_seq);
+    }
+
+    /// Producer: no more bytes.
+    pub(crate) fn close(&self) {
+        let h = self.header();
+        h.closed.store(1, Ordering::Release);
+        h.data_seq.fetch_add(1, Ordering::AcqRel);
+        sys::futex_wake(&h.data_seq);
+    }
+
+    /// Consumer: gone.
+    pub(crate) fn abandon(&self) {
+        let h = self.header();
+        h.gone.store(1, Ordering::Release);
+        h.space_seq.fetch_add(1, Ordering::AcqRel);
+        sys::futex_wake(&h.space_seq);
+    }
+
+    /// Bytes in the ring, checked.
+    fn used(&self) -> Result<(u64, u64), RingError> {
+        let h = self.header();
+        let head = h.head.load(Ordering::Acquire);
+        let tail = h.tail.load(Ordering::Acquire);
+        let used = tail.wrapping_sub(head);
+        if used > CAP as u64 {
+            return Err(RingError::Corrupt);
+        }
+        Ok((head, used))
+    }
+
+    /// Producer: writes as much of `bytes` as fits now; returns how much.
+    pub(crate) fn try_write(&self, bytes: &[u8]) -> Result<usize, RingError> {
+        let h = self.header();
+        if h.gone.load(Ordering::Acquire) != 0 || self.dead() {
+            return Err(RingError::Closed);
+        }
+        let (head, used) = self.used()?;
+        let n = bytes.len().min(CAP - used as usize);
+        if n == 0 {
+            return Ok(0);
+        }
+        let tail = head.wrapping_add(used);
+        let at = (tail % CAP as u64) as usize;
+        let first = n.min(CAP - at);
+        // SAFETY: `at + first <= CAP` and `n - first <= CAP`: both copies stay inside the data
+        // area; the consumer does not read these bytes until `tail` moves past them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data().add(at), first);
+            std::ptr::copy_nonoverlapping(bytes.as_ptr().add(first), self.data(), n - first);
+        }
+        h.tail.store(tail.wrapping_add(n as u64), Ordering::Release);
+        if h.consumer_sleeping.load(Ordering::SeqCst) != 0 {
+            h.data_seq.fetch_add(1, Ordering::AcqRel);
+            sys::futex_wake(&h.data_seq);
+        }
+        Ok(n)
+    }
+
+    /// Producer: writes all of `bytes`, waiting for space.
+    pub(crate) fn write_all(&self, mut bytes: &[u8]) -> Result<(), RingError> {
+        while !bytes.is_empty() {
+            let n = self.try_write(bytes)?;
+            bytes = &bytes[n..];
+            if n == 0 {
+                self.wait(|r| Ok(r.used()?.1 < CAP as u64), true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Consumer: fills `buf`, waiting for bytes.
+    pub(crate) fn read_exact(&self, buf: &mut [u8]) -> Result<(), RingError> {
+        let h = self.header();
+        let mut got = 0;
+        while got < buf.len() {
+            let (head, used) = self.used()?;
+            if used == 0 {
+                if h.closed.load(Ordering::Acquire) != 0 || self.dead() {
+                    return Err(RingError::Closed);
+                }
+                self.wait(|r| Ok(r.used()?.1 > 0), false)?;
+                continue;
+            }
+            let n = (used as usize).min(buf.len() - got);
+            let at = (head % CAP as u64) as usize;
+            let first = n.min(CAP - at);
+            // SAFETY: the bytes `[head, head + n)` were published by the producer (tail moved
+            // past them with Release, read with Acquire) and stay until `head` moves; both
+            // copies are inside the data area and inside `buf`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(self.data().add(at), buf.as_mut_ptr().add(got), first);
+                std::ptr::copy_nonoverlapping(self.data(), buf.as_mut_ptr().add(got + first), n - first);
+            }
+            h.head.store(head.wrapping_add(n as u64), Ordering::Release);
+            if h.producer_sleeping.load(Ordering::SeqCst) != 0 {
+                h.space_seq.fetch_add(1, Ordering::AcqRel);
+                sys::futex_wake(&h.space_seq);
+            }
+            got += n;
+        }
+        Ok(())
+    }
+
+    /// Spins, then sleeps on the futex until `ready` or an end.
+    fn wait(&self, ready: impl Fn(&Ring) -> Result<bool, RingError>, producer: bool) -> Result<(), RingError> {
+        let h = self.header();
+        for _ in 0..SPINS {
+            if ready(self)? {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
+        let (word, flag) = if producer {
+            (&h.space_seq, &h.producer_sleeping)
+        } else {
+            (&h.data_seq, &h.consumer_sleeping)
+        };
+        loop {
+            let seen = word.load(Ordering::Acquire);
+            flag.store(1, Ordering::SeqCst);
+            if ready(self)? {
+                flag.store(0, Ordering::SeqCst);
+                return Ok(());
+            }
+            let ended = if producer {
+                h.gone.load(Ordering::Acquire) != 0
+            } else {
+                h.closed.load(Ordering::Acquire) != 0
+            };
+            if ended || self.dead() {
+                flag.store(0, Ordering::SeqCst);
+                return Err(RingError::Closed);
+            }
+            sys::futex_wait(word, seen, NAP);
+            flag.store(0, Ordering::SeqCst);
+        }
+    }
+}

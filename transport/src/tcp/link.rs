@@ -1,0 +1,52 @@
+//! The byte link under a software queue pair's engine: a TCP connection here, shared-memory
+//! rings in the shm provider. The engine needs blocking reads (its reader thread), non-blocking
+//! and blocking writes (posters, then the writer thread), and shutdown.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream};
+
+use socket2::SockRef;
+
+/// A bidirectional byte stream for one queue pair.
+pub(crate) trait Link: Send + Sync + 'static {
+    /// Fills `buf` (reader thread only); an error ends the link.
+    fn read_exact(&self, buf: &mut [u8]) -> io::Result<()>;
+    /// Writes what fits without waiting; `Ok(0)` when nothing does.
+    fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
+    /// Writes everything, waiting for room (writer thread only).
+    fn write_all(&self, buf: &[u8]) -> io::Result<()>;
+    /// No more bytes from this side (the peer reads to the end, then sees the end).
+    fn shutdown_write(&self);
+    /// Ends the link both ways at once.
+    fn shutdown(&self);
+}
+
+/// The tcp provider's link.
+pub(crate) struct TcpLink(pub(crate) TcpStream);
+
+impl Link for TcpLink {
+    fn read_exact(&self, buf: &mut [u8]) -> io::Result<()> {
+        (&self.0).read_exact(buf)
+    }
+
+    fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
+        let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
+        match SockRef::from(&self.0).send_with_flags(buf, flags) {
+            Ok(n) => Ok(n),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => Ok(0),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn write_all(&self, buf: &[u8]) -> io::Result<()> {
+        (&self.0).write_all(buf)
+    }
+
+    fn shutdown_write(&self) {
+        let _ = self.0.shutdown(Shutdown::Write);
+    }
+
+    fn shutdown(&self) {
+        let _ = self.0.shutdown(Shutdown::Both);
+    }
+}
