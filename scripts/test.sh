@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: lints, every test on the default software provider (tcp), then the
+# The whole test suite: lints, every test on the default software provider (tcp), the same
+# provider-neutral suites on the shared-memory provider (shm), then the
 # transport conformance suite and the RPC end-to-end suite on real verbs: soft-RoCE (rdma_rxe,
 # device rxe0) inside a qemu VM booted from Debian's kernel (scripts/rxe-vm.sh). Installs
 # missing apt packages first.
@@ -35,6 +36,14 @@ RDMA_RPC_PROVIDER=tcp RDMA_RPC_REQUIRE_NETNS=1 cargo test --workspace 2>&1 | tee
 read -r tcp_pass tcp_fail < <(count "$LOG/tcp.log")
 grep -A200 'Running tests/conformance.rs' "$LOG/tcp.log" | grep -m1 '^test result:' > "$LOG/tcp-conf.log"
 read -r tcpc_pass tcpc_fail < <(count "$LOG/tcp-conf.log")
+
+step "conformance, RPC end-to-end, isolation, #[service] and examples suites on provider shm"
+RDMA_RPC_PROVIDER=shm cargo test -p rdma-rpc-transport -p rdma-rpc-core -p rdma-rpc \
+    --test conformance --test e2e --test isolation --test service --test examples 2>&1 | tee "$LOG/shm.log"
+[[ ${PIPESTATUS[0]} == 0 ]] || fail=1
+read -r shm_pass shm_fail < <(count "$LOG/shm.log")
+grep -A200 'Running tests/conformance.rs' "$LOG/shm.log" | grep -m1 '^test result:' > "$LOG/shm-conf.log"
+read -r shmc_pass shmc_fail < <(count "$LOG/shm-conf.log")
 
 step "conformance, RPC end-to-end, isolation, #[service] and examples suites on provider verbs (rxe0, soft-RoCE in a qemu VM)"
 # One boot runs every test binary below (scripts/vm-lane.sh inside the guest); the examples'
@@ -77,8 +86,10 @@ fi
 step "summary"
 printf 'provider tcp:   conformance %d passed, %d failed; whole workspace %d passed, %d failed\n' \
     "$tcpc_pass" "$tcpc_fail" "$tcp_pass" "$tcp_fail"
+printf 'provider shm:   conformance %d passed, %d failed; with the RPC end-to-end, isolation, #[service] and examples suites %d passed, %d failed\n' \
+    "$shmc_pass" "$shmc_fail" "$shm_pass" "$shm_fail"
 printf 'provider verbs: conformance %d passed, %d failed; with the RPC end-to-end, isolation, #[service] and examples suites %d passed, %d failed (rxe0, soft-RoCE in qemu)\n' \
     "$vconf_pass" "${vconf_fail:-0}" "$verbs_pass" "$verbs_fail"
-((tcpc_pass == vconf_pass)) || { echo "the providers passed different numbers of conformance cases"; fail=1; }
-echo "$((tcp_pass + verbs_pass)) passed, $((tcp_fail + verbs_fail)) failed"
+((tcpc_pass == vconf_pass && tcpc_pass == shmc_pass)) || { echo "the providers passed different numbers of conformance cases"; fail=1; }
+echo "$((tcp_pass + shm_pass + verbs_pass)) passed, $((tcp_fail + shm_fail + verbs_fail)) failed"
 exit $fail

@@ -285,3 +285,69 @@ impl PeerArena {
         Err(WcStatus::RemAccessErr)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checks_follow_the_published_table_and_survive_garbage() {
+        let arena = Arena::new().expect("arena");
+        let off = arena.alloc(4096).expect("alloc");
+        let addr = arena.at(off) as u64;
+        let rw = AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
+        arena.publish(0x1234_5678, rw, addr, off, 4096).expect("publish");
+        let peer = PeerArena::map(&arena.fd).expect("map as a peer");
+        let mut b = [0u8; 16];
+        peer.read(addr + 8, 0x1234_5678, &mut b).expect("a good read");
+        assert_eq!(
+            peer.read(addr + 4090, 0x1234_5678, &mut b),
+            Err(WcStatus::RemAccessErr),
+            "bounds"
+        );
+        assert_eq!(
+            peer.read(addr, 0x1234_5679, &mut b),
+            Err(WcStatus::RemAccessErr),
+            "rkey"
+        );
+        let op = crate::mr::Rmw::FetchAdd { add: 1 };
+        assert_eq!(
+            peer.atomic(addr, 0x1234_5678, op),
+            Err(WcStatus::RemAccessErr),
+            "access"
+        );
+        // The owner (or garbage) claims a registration that points outside the arena.
+        arena
+            .publish(0x0bad_0001, rw, 0x1000, ARENA - 8, 1 << 20)
+            .expect("publish");
+        assert_eq!(peer.read(0x1000, 0x0bad_0001, &mut b), Err(WcStatus::RemAccessErr));
+        arena
+            .publish(0x0bad_0002, rw, u64::MAX - 4, TABLE, 100)
+            .expect("publish");
+        assert_eq!(
+            peer.read(u64::MAX - 4, 0x0bad_0002, &mut b),
+            Err(WcStatus::RemAccessErr)
+        );
+        arena.publish(0x0bad_0003, rw, 0x2000, 8, 4096).expect("publish"); // inside the table
+        assert_eq!(peer.read(0x2000, 0x0bad_0003, &mut b), Err(WcStatus::RemAccessErr));
+        // Withdrawn: refused.
+        arena.withdraw(0x1234_5678);
+        assert_eq!(peer.read(addr + 8, 0x1234_5678, &mut b), Err(WcStatus::RemAccessErr));
+    }
+
+    #[test]
+    fn freed_ranges_coalesce_and_come_back_zeroed() {
+        let arena = Arena::new().expect("arena");
+        let a = arena.alloc(8192).expect("a");
+        let b = arena.alloc(4096).expect("b");
+        // SAFETY: `a` is ours, 8192 bytes inside the mapping.
+        unsafe { std::ptr::write_bytes(arena.at(a), 0xaa, 8192) };
+        arena.free(a, 8192);
+        arena.free(b, 4096);
+        let c = arena.alloc(12288).expect("c");
+        assert_eq!(c, a, "the two freed ranges merged");
+        // SAFETY: `c` is ours, 12288 bytes inside the mapping.
+        let first = unsafe { *arena.at(c) };
+        assert_eq!(first, 0, "punched pages read as zeros");
+    }
+}

@@ -229,3 +229,66 @@ impl Ring {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    fn ring() -> (Ring, Ring) {
+        let fd = sys::sealed_memfd("test-ring", BYTES as u64).expect("memfd");
+        let m = Arc::new(Mapping::map(&fd, BYTES).expect("map"));
+        let dead = Arc::new(AtomicBool::new(false));
+        let a = Ring::new(m.clone(), dead.clone()).expect("ring");
+        let b = Ring::new(m, dead).expect("ring");
+        (a, b)
+    }
+
+    #[test]
+    fn bytes_cross_the_wrap_in_order() {
+        let (tx, rx) = ring();
+        let chunk: Vec<u8> = (0..CAP / 3 + 7).map(|i| i as u8).collect();
+        for _ in 0..10 {
+            tx.write_all(&chunk).expect("write");
+            let mut back = vec![0u8; chunk.len()];
+            rx.read_exact(&mut back).expect("read");
+            assert_eq!(back, chunk);
+        }
+    }
+
+    #[test]
+    fn garbage_counters_are_an_error_not_a_wild_access() {
+        let (tx, rx) = ring();
+        // A peer writes nonsense into the shared header.
+        rx.header().tail.store(u64::MAX - 3, Ordering::Release);
+        rx.header().head.store(17, Ordering::Release);
+        let mut buf = [0u8; 64];
+        assert_eq!(rx.read_exact(&mut buf), Err(RingError::Corrupt));
+        assert_eq!(tx.try_write(&buf), Err(RingError::Corrupt));
+        // Counters that look sane but point anywhere stay inside the data area (modulo CAP).
+        rx.header().head.store(u64::MAX - 10, Ordering::Release);
+        rx.header()
+            .tail
+            .store((u64::MAX - 10).wrapping_add(64), Ordering::Release);
+        rx.read_exact(&mut buf)
+            .expect("64 bytes of whatever, from inside the ring");
+    }
+
+    #[test]
+    fn a_closed_or_dead_peer_ends_the_wait() {
+        let (tx, rx) = ring();
+        tx.close();
+        let mut buf = [0u8; 1];
+        assert_eq!(rx.read_exact(&mut buf), Err(RingError::Closed));
+        let (tx2, rx2) = ring();
+        let dead = rx2.peer_dead.clone();
+        let t = std::thread::spawn(move || {
+            let mut b = [0u8; 1];
+            rx2.read_exact(&mut b)
+        });
+        std::thread::sleep(Duration::from_millis(20));
+        dead.store(true, Ordering::Release);
+        tx2.wake_all();
+        assert_eq!(t.join().expect("reader"), Err(RingError::Closed));
+    }
+}

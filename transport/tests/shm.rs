@@ -1,0 +1,215 @@
+//! What only the shm provider promises: one-sided operations need no CPU of the target process
+//! (they complete while it is stopped), and a peer killed mid-transfer turns into errors at once.
+//! The rest of its semantics are the conformance suite's (run it with RDMA_RPC_PROVIDER=shm).
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rdma_rpc_transport::{
+    connect, AccessFlags, Completion, CompletionQueue, Device, Listener, QpOptions, RemoteRegion, SendOp, SendWr,
+    WcStatus,
+};
+
+const CHILD_ENV: &str = "RDMA_RPC_SHM_CHILD";
+const WAIT: Duration = Duration::from_secs(20);
+
+fn encode(r: &RemoteRegion) -> Vec<u8> {
+    let mut v = r.addr.to_le_bytes().to_vec();
+    v.extend_from_slice(&r.len.to_le_bytes());
+    v.extend_from_slice(&r.rkey.to_le_bytes());
+    v
+}
+
+fn decode(b: &[u8]) -> RemoteRegion {
+    let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8"));
+    RemoteRegion {
+        addr: u64_at(0),
+        len: u64_at(8),
+        rkey: u32::from_le_bytes(b[16..20].try_into().expect("4")),
+    }
+}
+
+/// Not a test: the target process. Registers 4 KiB (bytes `i as u8`, word 64 = 100), accepts
+/// one connection, then on each line from stdin prints its bytes 0..8 and word 64.
+#[test]
+#[ignore = "helper process for the shm tests"]
+fn shm_target() {
+    if std::env::var(CHILD_ENV).is_err() {
+        return;
+    }
+    let dev = Device::open("shm").expect("shm");
+    let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(64).expect("cq"));
+    let access =
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
+    let mut mr = pd.register(4096, access).expect("register");
+    for (i, b) in mr.bytes_mut().iter_mut().enumerate() {
+        *b = i as u8;
+    }
+    mr.write_at(64, &100u64.to_ne_bytes()).expect("word");
+    let listener = Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+    println!("LISTEN {}", listener.local_addr().expect("addr"));
+    let req = listener.accept(Some(WAIT)).expect("a connection");
+    let _qp = req
+        .accept(&QpOptions::new(&pd, &cq), &encode(&mr.remote()))
+        .expect("accept");
+    for line in std::io::stdin().lock().lines() {
+        if line.is_err() {
+            break;
+        }
+        let b = mr.bytes();
+        let word = u64::from_ne_bytes(b[64..72].try_into().expect("8"));
+        println!("BYTES {:?} WORD {word}", &b[..8]);
+    }
+}
+
+struct Target {
+    child: Child,
+    addr: SocketAddr,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn target() -> Target {
+    let mut child = Command::new(std::env::current_exe().expect("exe"))
+        .args(["--ignored", "--exact", "shm_target", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn the target");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let addr = loop {
+        let mut line = String::new();
+        assert!(out.read_line(&mut line).expect("read") > 0, "the target ended early");
+        if let Some(at) = line.find("LISTEN ") {
+            break line[at + 7..].trim().parse().expect("addr");
+        }
+    };
+    Target { child, addr, out }
+}
+
+async fn one(cq: &CompletionQueue) -> Completion {
+    let mut out = Vec::new();
+    tokio::time::timeout(WAIT, cq.wait(&mut out, 1))
+        .await
+        .expect("a completion in time")
+        .expect("wait");
+    out.pop().expect("one")
+}
+
+fn signal(child: &Child, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()
+        .expect("kill")
+        .success();
+    assert!(ok, "kill {sig}");
+}
+
+#[tokio::test]
+async fn one_sided_operations_complete_while_the_target_process_is_stopped() {
+    let mut t = target();
+    let dev = Device::open("shm").expect("shm");
+    let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(64).expect("cq"));
+    let (qp, data) = connect(t.addr, &QpOptions::new(&pd, &cq), b"", WAIT).expect("connect");
+    let region = decode(&data);
+
+    signal(&t.child, "-STOP");
+    let started = Instant::now();
+    let buf = pd.register(8, AccessFlags::LOCAL_WRITE).expect("buf");
+    qp.post_send(SendWr::new(1, SendOp::Read { remote: region.at(0) }).buf(buf))
+        .map_err(|e| e.error)
+        .expect("post read");
+    let c = one(&cq).await;
+    assert_eq!(c.status, WcStatus::Success);
+    assert_eq!(&c.buf.expect("buf").bytes()[..], &[0, 1, 2, 3, 4, 5, 6, 7]);
+
+    let mut src = pd.register(8, AccessFlags::LOCAL_WRITE).expect("src");
+    src.write_at(0, b"written!").expect("fill");
+    let write = SendOp::Write {
+        remote: region.at(0),
+        imm: None,
+    };
+    qp.post_send(SendWr::new(2, write).buf(src))
+        .map_err(|e| e.error)
+        .expect("post write");
+    assert_eq!(one(&cq).await.status, WcStatus::Success);
+
+    let word = region.at(64);
+    let faa = SendOp::FetchAdd { remote: word, add: 5 };
+    qp.post_send(SendWr::new(3, faa).buf(pd.register(8, AccessFlags::LOCAL_WRITE).expect("b")))
+        .map_err(|e| e.error)
+        .expect("post faa");
+    let c = one(&cq).await;
+    assert_eq!(
+        u64::from_ne_bytes(c.buf.expect("buf").bytes()[..8].try_into().expect("8")),
+        100
+    );
+    let cas = SendOp::CompareSwap {
+        remote: word,
+        compare: 105,
+        swap: 7,
+    };
+    qp.post_send(SendWr::new(4, cas).buf(pd.register(8, AccessFlags::LOCAL_WRITE).expect("b")))
+        .map_err(|e| e.error)
+        .expect("post cas");
+    let c = one(&cq).await;
+    assert_eq!(
+        u64::from_ne_bytes(c.buf.expect("buf").bytes()[..8].try_into().expect("8")),
+        105
+    );
+    println!(
+        "read, write, FAA and CAS took {:?} with the target stopped",
+        started.elapsed()
+    );
+
+    // The target, resumed, sees what was done to its memory while it slept.
+    signal(&t.child, "-CONT");
+    writeln!(t.child.stdin.as_mut().expect("stdin")).expect("ask");
+    let mut line = String::new();
+    t.out.read_line(&mut line).expect("answer");
+    assert_eq!(line.trim(), format!("BYTES {:?} WORD 7", b"written!"));
+}
+
+#[tokio::test]
+async fn a_peer_killed_mid_transfer_fails_the_transfer_at_once() {
+    let mut t = target();
+    let dev = Device::open("shm").expect("shm");
+    let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(4096).expect("cq"));
+    let (qp, _) = connect(t.addr, &QpOptions::new(&pd, &cq), b"", WAIT).expect("connect");
+    // Sends the target never posted receives for: they wait (RNR) in its engine, in flight,
+    // when the process dies.
+    for i in 0..8 {
+        let mut b = pd.register(1 << 20, AccessFlags::LOCAL_WRITE).expect("buf");
+        b.write_at(0, &[i as u8; 16]).expect("fill");
+        qp.post_send(SendWr::send(i, b)).map_err(|e| e.error).expect("post");
+    }
+    t.child.kill().expect("kill");
+    let killed = Instant::now();
+    let first = one(&cq).await;
+    assert!(!first.status.is_success(), "{first:?}");
+    assert!(
+        killed.elapsed() < Duration::from_secs(2),
+        "the survivor saw the death after {:?}",
+        killed.elapsed()
+    );
+    let mut rest = Vec::new();
+    while rest.len() < 7 {
+        let c = one(&cq).await;
+        assert!(!c.status.is_success());
+        rest.push(c);
+    }
+    assert!(qp.is_error());
+    println!("first error {:?} {:?} after the kill", first.status, killed.elapsed());
+}
