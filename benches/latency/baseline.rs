@@ -88,3 +88,16 @@ pub async fn tarpc_echo(size: usize, plan: Plan) -> Samples {
     })
     .await
 }
+
+/// A plain copy of `size` bytes between two buffers of this process: the speed limit of any
+/// software provider on one host.
+pub async fn memcpy(size: usize, plan: Plan) -> Samples {
+    let src = vec![0x3cu8; size];
+    let mut dst = vec![0u8; size];
+    sampler::run(plan, async || {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        None
+    })
+    .await
+}

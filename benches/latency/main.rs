@@ -1,6 +1,6 @@
 //! Latency by message size, the way perftest prints it: RPCs (automatic threshold, forced
-//! eager, forced rendezvous), raw provider operations, and TCP and tarpc baselines, measured in
-//! one run on one machine.
+//! eager, forced rendezvous, spin and event completion, request-only uploads), raw provider
+//! operations, and memcpy, TCP and tarpc baselines, measured in one run on one machine.
 //!
 //!     cargo bench --bench latency -- [--provider tcp] [--sizes 64,4096] [--modes rpc,tcp] \
 //!         [--iters N] [--seconds 60] [--json out.json] [--plot out.svg]
@@ -29,6 +29,10 @@ const ALL_MODES: &[&str] = &[
     "rpc",
     "rpc-eager",
     "rpc-rendezvous",
+    "rpc-spin",
+    "rpc-event",
+    "rpc-upload",
+    "memcpy",
     "send",
     "write",
     "read",
@@ -40,7 +44,8 @@ const ALL_MODES: &[&str] = &[
 #[derive(Parser, Debug)]
 #[command(about = "Latency by message size: rdma-rpc RPCs, raw verbs and baselines, perftest's columns")]
 struct Args {
-    /// Provider spec: tcp, verbs, verbs:<device> (default: RDMA_RPC_PROVIDER, else tcp).
+    /// Provider spec: shm, tcp, verbs, verbs:<device> (default: RDMA_RPC_PROVIDER, else shm:
+    /// both ends of the benchmark run on this host).
     #[arg(long)]
     provider: Option<String>,
     /// Comma-separated sizes in bytes (default: powers of two from 2 B to 8 MiB).
@@ -50,7 +55,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "rpc,rpc-eager,rpc-rendezvous,send,write,read,atomic,tcp,tarpc"
+        default_value = "rpc,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,send,write,read,atomic,memcpy,tcp,tarpc"
     )]
     modes: Vec<String>,
     /// Fixed iterations per size (default: as many as fit the time budget).
@@ -85,9 +90,11 @@ struct Args {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    if let Some(p) = &args.provider {
-        std::env::set_var(rdma_rpc::transport::PROVIDER_ENV, p);
-    }
+    let from_env = std::env::var(rdma_rpc::transport::PROVIDER_ENV)
+        .ok()
+        .filter(|p| !p.trim().is_empty());
+    let provider = args.provider.clone().or(from_env).unwrap_or_else(|| "shm".to_owned());
+    std::env::set_var(rdma_rpc::transport::PROVIDER_ENV, &provider);
     let dev = Device::open_default()?;
     raw::SPIN_US.store(args.raw_spin_us, std::sync::atomic::Ordering::Relaxed);
     let sizes = args
@@ -186,12 +193,19 @@ async fn measure(
     completion: CompletionMode,
 ) -> (Convention, usize, sampler::Samples) {
     match mode {
-        "rpc" | "rpc-eager" | "rpc-rendezvous" => {
+        "rpc" | "rpc-eager" | "rpc-rendezvous" | "rpc-spin" | "rpc-event" => {
             let (client, serving) = rpc::connect(dev, ip, rpc::config(mode, size, completion)).await;
             let s = rpc::measure(&client, size, plan).await;
             serving.abort();
             (Convention::Rtt, 2 * size, s)
         }
+        "rpc-upload" => {
+            let (client, serving) = rpc::connect(dev, ip, rpc::config(mode, size, completion)).await;
+            let s = rpc::upload(&client, size, plan).await;
+            serving.abort();
+            (Convention::Rtt, size, s)
+        }
+        "memcpy" => (Convention::Rtt, size, baseline::memcpy(size, plan).await),
         "send" => {
             let (c, s) = raw::pair(dev, ip);
             (Convention::HalfRtt, size, raw::send(c, s, size, plan).await)

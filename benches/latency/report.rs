@@ -124,6 +124,45 @@ pub fn summary(rows: &[Row], provider: &str) {
             verdict(w <= 1.0)
         );
     }
+    shm_targets(rows);
+}
+
+/// The shm provider's targets, from the rows that measure them.
+fn shm_targets(rows: &[Row]) {
+    if let Some(spin) = find(rows, "rpc-spin", 64) {
+        println!(
+            "RPC 64 B round trip, spin mode: p50 {:.2} us (target <= 2 us): {}",
+            spin.t_typical,
+            verdict(spin.t_typical <= 2.0)
+        );
+        if let Some(t) = find(rows, "tarpc", 64) {
+            let r = t.t_typical / spin.t_typical;
+            println!(
+                "tarpc 64 B p50 {:.2} us / RPC spin p50 {:.2} us = {r:.1}x lower (target >= 25x): {}",
+                t.t_typical,
+                spin.t_typical,
+                verdict(r >= 25.0)
+            );
+        }
+    }
+    if let Some(ev) = find(rows, "rpc-event", 64) {
+        println!(
+            "RPC 64 B round trip, event mode (no spinning): p50 {:.2} us (target <= 15 us): {}",
+            ev.t_typical,
+            verdict(ev.t_typical <= 15.0)
+        );
+    }
+    let big = 16 << 20;
+    if let (Some(up), Some(mc)) = (find(rows, "rpc-upload", big), find(rows, "memcpy", big)) {
+        let r = up.mb_per_s / mc.mb_per_s;
+        println!(
+            "16 MiB request RPC goodput {:.0} MB/s / memcpy {:.0} MB/s = {:.0}% (target >= 50%): {}",
+            up.mb_per_s,
+            mc.mb_per_s,
+            r * 100.0,
+            verdict(r >= 0.5)
+        );
+    }
 }
 
 fn verdict(ok: bool) -> &'static str {

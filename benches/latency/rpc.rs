@@ -8,6 +8,8 @@ use rdma_rpc::transport::Device;
 use crate::sampler::{self, Plan, Samples};
 
 pub const ECHO: u32 = 1;
+/// Takes the request, answers nothing: request goodput.
+pub const SINK: u32 = 2;
 
 /// Eager threshold and ring for each RPC mode at a given size.
 pub fn config(mode: &str, size: usize, completion: CompletionMode) -> Config {
@@ -27,6 +29,14 @@ pub fn config(mode: &str, size: usize, completion: CompletionMode) -> Config {
             eager_threshold: 0,
             ..base
         },
+        "rpc-spin" => Config {
+            mode: CompletionMode::Spin,
+            ..base
+        },
+        "rpc-event" => Config {
+            mode: CompletionMode::Event,
+            ..base
+        },
         _ => base,
     }
 }
@@ -35,6 +45,9 @@ pub fn config(mode: &str, size: usize, completion: CompletionMode) -> Config {
 pub async fn connect(dev: &Device, ip: std::net::IpAddr, cfg: Config) -> (Client, tokio::task::JoinHandle<()>) {
     let server = Server::builder(cfg.clone())
         .handler(ECHO, |req| async move { Ok(req) })
+        .handler(SINK, |req: Vec<u8>| async move {
+            Ok(Vec::from((req.len() as u64).to_le_bytes()))
+        })
         .bind(dev, SocketAddr::new(ip, 0))
         .expect("bind the benchmark server");
     let addr = server.local_addr().expect("server address");
@@ -52,6 +65,17 @@ pub async fn measure(client: &Client, size: usize, plan: Plan) -> Samples {
     sampler::run(plan, async || {
         let r = client.call(ECHO, payload.clone()).await.expect("echo call");
         assert_eq!(r.len(), size);
+        None
+    })
+    .await
+}
+
+/// A request of `size` bytes, an 8-byte answer: what a large upload costs.
+pub async fn upload(client: &Client, size: usize, plan: Plan) -> Samples {
+    let payload = vec![0x5au8; size];
+    sampler::run(plan, async || {
+        let r = client.call(SINK, payload.clone()).await.expect("upload call");
+        assert_eq!(r, (size as u64).to_le_bytes());
         None
     })
     .await

@@ -100,7 +100,7 @@ impl Conn {
             backlog: VecDeque::new(),
             scratch: Vec::with_capacity(64),
             lost: None,
-            software: pd.device().provider() == "tcp",
+            software: matches!(pd.device().provider(), "tcp" | "shm"),
         })
     }
 
