@@ -157,11 +157,19 @@ fn shm_targets(rows: &[Row]) {
         .iter()
         .filter(|r| r.mode == "rpc-upload" && find(rows, "memcpy", r.bytes).is_some())
         .map(|r| r.bytes);
-    let big = if find(rows, "rpc-upload", 16 << 20).is_some() { Some(16 << 20) } else { sizes.max() };
+    let big = if find(rows, "rpc-upload", 16 << 20).is_some() {
+        Some(16 << 20)
+    } else {
+        sizes.max()
+    };
     if let Some(big) = big {
         if let (Some(up), Some(mc)) = (find(rows, "rpc-upload", big), find(rows, "memcpy", big)) {
             let r = up.mb_per_s / mc.mb_per_s;
-            let note = if big == 16 << 20 { "" } else { " (no 16 MiB row: add 16777216 to --sizes)" };
+            let note = if big == 16 << 20 {
+                ""
+            } else {
+                " (no 16 MiB row: add 16777216 to --sizes)"
+            };
             println!(
                 "{} KiB request RPC goodput {:.0} MB/s / memcpy {:.0} MB/s = {:.0}% (target >= 50% at 16 MiB){note}: {}",
                 big >> 10,

@@ -35,6 +35,30 @@ pub struct Opts {
     /// Also delete and re-create keys (writers delete every 16th put's key, then put it again).
     #[arg(long)]
     deletes: bool,
+    /// Keep going past `--seconds` until this many torn copies were caught (so that the
+    /// detection is known to have been exercised), for at most `--max-seconds`.
+    #[arg(long, default_value_t = 0)]
+    min_torn: u64,
+    /// The limit for `--min-torn`.
+    #[arg(long, default_value_t = 60.0)]
+    max_seconds: f64,
+}
+
+/// When writers and readers stop: after `until`, once enough torn copies were caught (or at
+/// `cap`).
+#[derive(Clone)]
+struct Stop {
+    until: Instant,
+    cap: Instant,
+    min_torn: u64,
+    torn: Arc<AtomicU64>,
+}
+
+impl Stop {
+    fn going(&self) -> bool {
+        let now = Instant::now();
+        now < self.until || (self.torn.load(Ordering::Relaxed) < self.min_torn && now < self.cap)
+    }
 }
 
 fn key(k: usize) -> Vec<u8> {
@@ -59,7 +83,13 @@ pub async fn run(device: &Device, rpc: SocketAddr, one_sided: SocketAddr, o: Opt
     let floors: Arc<Vec<AtomicU64>> = Arc::new((0..o.keys).map(|_| AtomicU64::new(0)).collect());
     // A delete makes a key absent for a moment, which a reader may see: its floor says so.
     let deleting: Arc<Vec<AtomicU64>> = Arc::new((0..o.keys).map(|_| AtomicU64::new(0)).collect());
-    let until = Instant::now() + Duration::from_secs_f64(o.seconds);
+    let started = Instant::now();
+    let stop = Stop {
+        until: started + Duration::from_secs_f64(o.seconds),
+        cap: started + Duration::from_secs_f64(o.max_seconds.max(o.seconds)),
+        min_torn: o.min_torn,
+        torn: Arc::new(AtomicU64::new(0)),
+    };
 
     // Delete, both GETs, re-create: the basics first.
     let kv = KvClient::connect(device, rpc, Config::default()).await?;
@@ -76,11 +106,12 @@ pub async fn run(device: &Device, rpc: SocketAddr, one_sided: SocketAddr, o: Opt
     let mut tasks = Vec::new();
     for w in 0..o.writers {
         let kv = KvClient::connect(device, rpc, Config::default()).await?;
-        let (floors, deleting, deletes, keys) = (floors.clone(), deleting.clone(), o.deletes, o.keys);
+        let (floors, deleting, deletes, keys, stop) =
+            (floors.clone(), deleting.clone(), o.deletes, o.keys, stop.clone());
         tasks.push(tokio::spawn(async move {
             let mut puts = 0u64;
             let mut n = vec![0u64; keys];
-            while Instant::now() < until {
+            while stop.going() {
                 for k in (w..keys).step_by(o.writers) {
                     n[k] += 1;
                     if deletes && n[k] % 16 == 0 {
@@ -101,12 +132,12 @@ pub async fn run(device: &Device, rpc: SocketAddr, one_sided: SocketAddr, o: Opt
     for r in 0..o.readers {
         let kv = KvClient::connect(device, rpc, Config::default()).await?;
         let mut reader = OneSided::connect(device, one_sided).await?;
-        let (floors, deleting, keys) = (floors.clone(), deleting.clone(), o.keys);
+        let (floors, deleting, keys, stop) = (floors.clone(), deleting.clone(), o.keys, stop.clone());
         tasks.push(tokio::spawn(async move {
             let mut last = vec![0u64; keys];
-            let (mut reads, mut by_rpc) = (0u64, 0u64);
+            let (mut reads, mut by_rpc, mut torn_seen) = (0u64, 0u64, 0u64);
             let mut i = r;
-            while Instant::now() < until {
+            while stop.going() {
                 i = i.wrapping_mul(1_103_515_245).wrapping_add(12_345);
                 let k = (i >> 8) % keys;
                 let floor = floors[k].load(Ordering::SeqCst);
@@ -118,6 +149,8 @@ pub async fn run(device: &Device, rpc: SocketAddr, one_sided: SocketAddr, o: Opt
                     reader.get(&key(k)).await?
                 };
                 reads += 1;
+                stop.torn.fetch_add(reader.torn - torn_seen, Ordering::Relaxed);
+                torn_seen = reader.torn;
                 let Some(v) = got else {
                     // Absent is fine only before the first put, or during a delete.
                     let deleting_now = del_before % 2 == 1 || deleting[k].load(Ordering::SeqCst) != del_before;
