@@ -161,6 +161,20 @@ impl Peer {
     }
 }
 
+/// Accepts connections forever, answering each with `private` (where the peer's one-sided
+/// operations may go), and keeps their queue pairs open: a one-sided peer needs nothing more
+/// from this side's CPU.
+pub fn keep_accepting(listener: Listener, pd: ProtectionDomain, cq: CompletionQueue, private: Vec<u8>) -> ! {
+    let mut peers = Vec::new();
+    loop {
+        let opts = QpOptions::new(&pd, &cq);
+        match listener.accept(None).and_then(|req| req.accept(&opts, &private)) {
+            Ok(qp) => peers.push(qp),
+            Err(e) => eprintln!("a peer failed to connect: {e}"),
+        }
+    }
+}
+
 /// A remote region in a connection's private data (20 bytes; the limit is 56).
 pub fn region_bytes(r: &RemoteRegion) -> Result<Vec<u8>> {
     Ok(postcard::to_allocvec(r)?)

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use rdma_rpc::transport::{AccessFlags, Device, Listener, MemoryRegion, ProtectionDomain, QpOptions};
+use rdma_rpc::transport::{AccessFlags, Device, Listener, MemoryRegion, ProtectionDomain};
 
 use crate::common;
 use crate::layout::{self, Entry, SlotRead, BUCKETS, ENTRY, INDEX_BYTES, MAX_KV, PROBE, SLOT, SLOTS, VALUES_BYTES};
@@ -82,17 +82,7 @@ impl Table {
         let listener = Listener::bind(device, SocketAddr::new(ip, 0))?;
         let port = listener.local_addr()?.port();
         let (pd, cq) = (pd.clone(), device.create_cq(64)?);
-        // Readers need nothing from this side once connected: keep their queue pairs open.
-        std::thread::spawn(move || {
-            let mut readers = Vec::new();
-            loop {
-                let opts = QpOptions::new(&pd, &cq);
-                match listener.accept(None).and_then(|req| req.accept(&opts, &private)) {
-                    Ok(qp) => readers.push(qp),
-                    Err(e) => eprintln!("kv: a one-sided reader failed to connect: {e}"),
-                }
-            }
-        });
+        std::thread::spawn(move || common::keep_accepting(listener, pd, cq, private));
         Ok(Arc::new(Self {
             inner: Mutex::new(Inner {
                 index,

@@ -23,7 +23,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use rdma_rpc::transport::{AccessFlags, Device, Listener, QpOptions};
+use rdma_rpc::transport::{AccessFlags, Device, Listener};
 
 use words::{Words, COUNTER, LOCK, SEQUENCER};
 
@@ -101,14 +101,7 @@ fn server(device: &Device, listen: SocketAddr) -> common::Result<()> {
     let listener = Listener::bind(device, listen)?;
     println!("listening on {}", listener.local_addr()?);
     std::io::stdout().flush()?;
-    let mut clients = Vec::new();
-    loop {
-        let opts = QpOptions::new(&pd, &cq);
-        match listener.accept(None).and_then(|req| req.accept(&opts, &private)) {
-            Ok(qp) => clients.push(qp),
-            Err(e) => eprintln!("lock: a client failed to connect: {e}"),
-        }
-    }
+    common::keep_accepting(listener, pd, cq, private)
 }
 
 async fn client(

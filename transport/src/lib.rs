@@ -51,6 +51,7 @@
 //! ```
 
 mod access;
+mod backlog;
 mod cm;
 mod cq;
 mod device;

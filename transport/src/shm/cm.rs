@@ -3,28 +3,25 @@
 //! so the same addresses work on every provider; port 0 picks a free one), a handshake carrying
 //! the private data and, as descriptors, each side's arena and inbox ring.
 
-use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-use parking_lot::{Condvar, Mutex};
+use std::time::Duration;
 
 use super::arena::{Arena, PeerArena};
 use super::link::ShmLink;
 use super::ring::{self, Ring};
 use super::sys::{self, Mapping};
+use crate::backlog::Backlog;
 use crate::cm::MAX_PRIVATE_DATA;
 use crate::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"RDRPCSHM";
 const VERSION: u16 = 1;
 const HANDSHAKE: Duration = Duration::from_secs(10);
-const MAX_HANDSHAKES: usize = 256;
 
 fn name(addr: SocketAddr) -> Result<UnixAddr> {
     UnixAddr::from_abstract_name(format!("rdma-rpc-shm:{addr}")).map_err(|e| Error::io("naming the shm endpoint", e))
@@ -94,19 +91,11 @@ fn parse_hello(m: &[u8]) -> Result<Vec<u8>> {
     Ok(m[10..].to_vec())
 }
 
-/// A listening endpoint.
+/// A listening endpoint; handshakes are read on threads of their own ([`Backlog`]).
 pub(crate) struct Listener {
     addr: SocketAddr,
     socket: Arc<UnixListener>,
-    ready: Arc<Ready>,
-}
-
-#[derive(Default)]
-struct Ready {
-    queue: Mutex<VecDeque<Request>>,
-    cv: Condvar,
-    closed: AtomicBool,
-    handshakes: AtomicUsize,
+    backlog: Arc<Backlog<Request>>,
 }
 
 /// A connection request whose handshake arrived.
@@ -133,16 +122,16 @@ impl Listener {
             }
         };
         let socket = Arc::new(socket);
-        let ready = Arc::new(Ready::default());
-        let (s, r) = (socket.clone(), ready.clone());
-        std::thread::Builder::new()
-            .name("rdma-rpc-shm-accept".into())
-            .spawn(move || acceptor(&s, &r))
-            .map_err(|e| Error::io("starting the acceptor thread", e))?;
+        let s = socket.clone();
+        let backlog = Backlog::start(
+            "rdma-rpc-shm",
+            move || Some(s.accept()),
+            |(stream, _)| handshake(stream),
+        )?;
         Ok(Listener {
             addr: try_addr,
             socket,
-            ready,
+            backlog,
         })
     }
 
@@ -151,77 +140,31 @@ impl Listener {
     }
 
     pub(crate) fn accept(&self, timeout: Option<Duration>) -> Result<Request> {
-        let deadline = timeout.map(|t| Instant::now() + t);
-        let mut q = self.ready.queue.lock();
-        loop {
-            if let Some(r) = q.pop_front() {
-                return Ok(r);
-            }
-            match deadline {
-                None => self.ready.cv.wait(&mut q),
-                Some(d) => {
-                    if self.ready.cv.wait_until(&mut q, d).timed_out() && q.is_empty() {
-                        return Err(Error::Timeout("waiting for a connection"));
-                    }
-                }
-            }
-        }
+        self.backlog.accept(timeout)
     }
 }
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        self.ready.closed.store(true, Ordering::Release);
+        self.backlog.close();
         // SAFETY: shutting down a descriptor we own wakes the acceptor's blocking accept.
         unsafe { libc::shutdown(self.socket.as_raw_fd(), libc::SHUT_RDWR) };
     }
 }
 
-fn acceptor(socket: &UnixListener, ready: &Arc<Ready>) {
-    loop {
-        let accepted = socket.accept();
-        if ready.closed.load(Ordering::Acquire) {
-            return;
-        }
-        let Ok((stream, _)) = accepted else {
-            std::thread::sleep(Duration::from_millis(50));
-            continue;
-        };
-        if ready.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
-            ready.handshakes.fetch_sub(1, Ordering::AcqRel);
-            continue;
-        }
-        let r = ready.clone();
-        let spawned = std::thread::Builder::new()
-            .name("rdma-rpc-shm-handshake".into())
-            .spawn(move || {
-                let got = stream
-                    .set_read_timeout(Some(HANDSHAKE))
-                    .map_err(|e| Error::io("handshake timeout", e))
-                    .and_then(|()| {
-                        sys::recv_with_fds(&stream, 10 + MAX_PRIVATE_DATA)
-                            .map_err(|e| Error::io("reading the handshake", e))
-                    })
-                    .and_then(|(m, fds)| Ok((parse_hello(&m)?, fds)));
-                match got {
-                    Ok((private_data, fds)) if !r.closed.load(Ordering::Acquire) => {
-                        let _ = stream.set_read_timeout(None);
-                        r.queue.lock().push_back(Request {
-                            stream,
-                            private_data,
-                            fds,
-                        });
-                        r.cv.notify_one();
-                    }
-                    Ok(_) => {}
-                    Err(e) => tracing::debug!(%e, "shm provider: handshake failed"),
-                }
-                r.handshakes.fetch_sub(1, Ordering::AcqRel);
-            });
-        if spawned.is_err() {
-            ready.handshakes.fetch_sub(1, Ordering::AcqRel);
-        }
-    }
+fn handshake(stream: UnixStream) -> Result<Request> {
+    stream
+        .set_read_timeout(Some(HANDSHAKE))
+        .map_err(|e| Error::io("handshake timeout", e))?;
+    let (m, fds) =
+        sys::recv_with_fds(&stream, 10 + MAX_PRIVATE_DATA).map_err(|e| Error::io("reading the handshake", e))?;
+    let private_data = parse_hello(&m)?;
+    let _ = stream.set_read_timeout(None);
+    Ok(Request {
+        stream,
+        private_data,
+        fds,
+    })
 }
 
 /// The last step of set-up, once the new QP has its first receives.

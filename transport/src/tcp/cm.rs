@@ -1,18 +1,15 @@
 //! Connection management for the tcp provider: a listener and `connect()` with private data,
 //! shaped like rdma_cm's listen / connect / accept / reject.
 
-use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-use parking_lot::{Condvar, Mutex};
+use std::time::Duration;
 
 use socket2::{SockRef, TcpKeepalive};
 
 use super::{random_u32, Qp};
+use crate::backlog::Backlog;
 use crate::cm::MAX_PRIVATE_DATA;
 use crate::cq::CqImpl;
 use crate::{Error, QpOptions, Result};
@@ -20,29 +17,14 @@ use crate::{Error, QpOptions, Result};
 const MAGIC: &[u8; 8] = b"RDRPCTCP";
 const VERSION: u16 = 1;
 
-/// A listening socket for incoming queue-pair connections.
-///
-/// An acceptor thread takes TCP connections as they come and reads each one's handshake on a
-/// thread of its own (bounded by [`HANDSHAKE`]); [`Listener::accept`] hands out the requests
-/// whose handshake is complete. So a slow or silent client never holds up the others, and
+/// A listening socket for incoming queue-pair connections. Handshakes are read on threads of
+/// their own ([`Backlog`]), so a slow or silent client never holds up the others, and
 /// `accept`'s timeout only bounds the wait for a request.
 pub(crate) struct Listener {
     addr: SocketAddr,
     socket: Arc<TcpListener>,
-    ready: Arc<Ready>,
+    backlog: Arc<Backlog<Request>>,
 }
-
-/// Requests whose handshake is complete, oldest first.
-#[derive(Default)]
-struct Ready {
-    queue: Mutex<VecDeque<Request>>,
-    cv: Condvar,
-    closed: AtomicBool,
-    handshakes: AtomicUsize,
-}
-
-/// Handshakes read at once; connections beyond are closed at once (a connect flood).
-const MAX_HANDSHAKES: usize = 256;
 
 /// A connection request waiting to be accepted or rejected.
 pub(crate) struct Request {
@@ -57,13 +39,13 @@ impl Listener {
         let addr = socket
             .local_addr()
             .map_err(|e| Error::io("reading the listener address", e))?;
-        let ready = Arc::new(Ready::default());
-        let (sock, r) = (socket.clone(), ready.clone());
-        std::thread::Builder::new()
-            .name("rdma-rpc-tcp-accept".into())
-            .spawn(move || acceptor(&sock, &r))
-            .map_err(|e| Error::io("starting the acceptor thread", e))?;
-        Ok(Self { addr, socket, ready })
+        let s = socket.clone();
+        let backlog = Backlog::start(
+            "rdma-rpc-tcp",
+            move || Some(s.accept()),
+            |(stream, peer)| handshake(stream, peer),
+        )?;
+        Ok(Self { addr, socket, backlog })
     }
 
     pub(crate) fn local_addr(&self) -> Result<SocketAddr> {
@@ -71,67 +53,15 @@ impl Listener {
     }
 
     pub(crate) fn accept(&self, timeout: Option<Duration>) -> Result<Request> {
-        let deadline = timeout.map(|t| Instant::now() + t);
-        let mut queue = self.ready.queue.lock();
-        loop {
-            if let Some(r) = queue.pop_front() {
-                return Ok(r);
-            }
-            match deadline {
-                None => self.ready.cv.wait(&mut queue),
-                Some(d) => {
-                    if self.ready.cv.wait_until(&mut queue, d).timed_out() && queue.is_empty() {
-                        return Err(Error::Timeout("waiting for a connection"));
-                    }
-                }
-            }
-        }
+        self.backlog.accept(timeout)
     }
 }
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        self.ready.closed.store(true, Ordering::Release);
+        self.backlog.close();
         // Wakes the acceptor's blocking accept (it returns EINVAL on a shut-down listener).
         let _ = SockRef::from(&*self.socket).shutdown(std::net::Shutdown::Both);
-    }
-}
-
-fn acceptor(socket: &TcpListener, ready: &Arc<Ready>) {
-    loop {
-        let accepted = socket.accept();
-        if ready.closed.load(Ordering::Acquire) {
-            return;
-        }
-        let (stream, peer) = match accepted {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::warn!(%e, "tcp provider: accept failed");
-                std::thread::sleep(Duration::from_millis(50)); // e.g. out of descriptors
-                continue;
-            }
-        };
-        if ready.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
-            ready.handshakes.fetch_sub(1, Ordering::AcqRel);
-            continue; // dropped: closed
-        }
-        let r = ready.clone();
-        let spawned = std::thread::Builder::new()
-            .name("rdma-rpc-tcp-handshake".into())
-            .spawn(move || {
-                match handshake(stream, peer) {
-                    Ok(req) if !r.closed.load(Ordering::Acquire) => {
-                        r.queue.lock().push_back(req);
-                        r.cv.notify_one();
-                    }
-                    Ok(_) => {}
-                    Err(e) => tracing::debug!(%e, %peer, "tcp provider: handshake failed"),
-                }
-                r.handshakes.fetch_sub(1, Ordering::AcqRel);
-            });
-        if spawned.is_err() {
-            ready.handshakes.fetch_sub(1, Ordering::AcqRel);
-        }
     }
 }
 

@@ -1,0 +1,106 @@
+//! Connection requests whose handshake is complete, for the software providers' listeners: an
+//! acceptor thread takes connections, a thread per connection reads its handshake (bounded),
+//! and `accept` hands out the complete ones. A slow or silent client never holds up others.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::{Error, Result};
+
+/// Handshakes read at once; connections beyond are closed at once (a connect flood).
+const MAX_HANDSHAKES: usize = 256;
+
+/// The queue between the acceptor and `accept`.
+pub(crate) struct Backlog<R> {
+    queue: Mutex<VecDeque<R>>,
+    cv: Condvar,
+    closed: AtomicBool,
+    handshakes: AtomicUsize,
+}
+
+impl<R: Send + 'static> Backlog<R> {
+    /// Starts the acceptor thread: `next` blocks for the next connection (`None` once the
+    /// listener is shut down), `handshake` turns one into a request (on its own thread).
+    pub(crate) fn start<C: Send + 'static>(
+        name: &str,
+        mut next: impl FnMut() -> Option<std::io::Result<C>> + Send + 'static,
+        handshake: impl Fn(C) -> Result<R> + Send + Sync + 'static,
+    ) -> Result<Arc<Self>> {
+        let backlog = Arc::new(Backlog {
+            queue: Mutex::new(VecDeque::new()),
+            cv: Condvar::new(),
+            closed: AtomicBool::new(false),
+            handshakes: AtomicUsize::new(0),
+        });
+        let (b, handshake) = (backlog.clone(), Arc::new(handshake));
+        std::thread::Builder::new()
+            .name(format!("{name}-accept"))
+            .spawn(move || loop {
+                let accepted = next();
+                if b.closed.load(Ordering::Acquire) {
+                    return;
+                }
+                let conn = match accepted {
+                    None => return,
+                    Some(Ok(c)) => c,
+                    Some(Err(e)) => {
+                        tracing::warn!(%e, "accepting a connection failed");
+                        std::thread::sleep(Duration::from_millis(50)); // e.g. out of descriptors
+                        continue;
+                    }
+                };
+                if b.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+                    b.handshakes.fetch_sub(1, Ordering::AcqRel);
+                    continue; // dropped: closed
+                }
+                let (b2, h) = (b.clone(), handshake.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("rdma-rpc-handshake".into())
+                    .spawn(move || {
+                        match h(conn) {
+                            Ok(req) if !b2.closed.load(Ordering::Acquire) => {
+                                b2.queue.lock().push_back(req);
+                                b2.cv.notify_one();
+                            }
+                            Ok(_) => {}
+                            Err(e) => tracing::debug!(%e, "a connection's handshake failed"),
+                        }
+                        b2.handshakes.fetch_sub(1, Ordering::AcqRel);
+                    });
+                if spawned.is_err() {
+                    b.handshakes.fetch_sub(1, Ordering::AcqRel);
+                }
+            })
+            .map_err(|e| Error::io("starting the acceptor thread", e))?;
+        Ok(backlog)
+    }
+
+    /// The next complete request, waiting up to `timeout` (forever with `None`).
+    pub(crate) fn accept(&self, timeout: Option<Duration>) -> Result<R> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut queue = self.queue.lock();
+        loop {
+            if let Some(r) = queue.pop_front() {
+                return Ok(r);
+            }
+            match deadline {
+                None => self.cv.wait(&mut queue),
+                Some(d) => {
+                    if self.cv.wait_until(&mut queue, d).timed_out() && queue.is_empty() {
+                        return Err(Error::Timeout("waiting for a connection"));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The listener is going: the acceptor stops at its next wake-up (shut the socket down to
+    /// wake it), late handshakes are dropped.
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+}
