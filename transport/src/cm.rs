@@ -179,8 +179,8 @@ impl ConnectRequest {
                 (QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), Pending::Tcp(p))
             }
             RequestImpl::Shm(r) => {
-                let (link, peer, p) = r.accept(crate::shm::side(opts)?)?;
-                let (qp, num) = crate::shm::start(link, peer, opts)?;
+                let (j, p) = r.accept(crate::shm::side(opts)?)?;
+                let (qp, num) = crate::shm::start(j.link, j.peer, j.own_rq, opts)?;
                 (QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), Pending::Shm(p))
             }
             #[cfg(feature = "verbs")]
@@ -264,8 +264,8 @@ pub fn connect_with_recvs(
                 .next()
                 .ok_or_else(|| Error::InvalidArgument("address resolves to nothing".into()))?;
             let side = crate::shm::side(opts)?;
-            let (link, peer, data) = crate::shm::cm::connect(addr, side, private_data, timeout)?;
-            let (qp, num) = crate::shm::start(link, peer, opts)?;
+            let (j, data) = crate::shm::cm::connect(addr, side, private_data, timeout)?;
+            let (qp, num) = crate::shm::start(j.link, j.peer, j.own_rq, opts)?;
             (
                 QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()),
                 Pending::Shm(crate::shm::cm::Pending::Done(data)),

@@ -91,7 +91,7 @@ impl Rmw {
 pub(crate) enum RegionImpl {
     Tcp,
     /// Published in the PD's arena table under this rkey: withdrawn on drop.
-    Shm(Arc<crate::shm::Arena>, u32),
+    Shm(Arc<crate::shm::Arena>, u32, u32),
     #[cfg(feature = "verbs")]
     Verbs(crate::verbs::Mr),
 }
@@ -133,8 +133,9 @@ impl Drop for Region {
             #[cfg(feature = "verbs")]
             PdImpl::Verbs(_) => {}
         }
-        if let RegionImpl::Shm(arena, rkey) = &self.imp {
+        if let RegionImpl::Shm(arena, rkey, lkey) = &self.imp {
             arena.withdraw(*rkey);
+            arena.withdraw(*lkey);
         }
     }
 }
@@ -176,7 +177,7 @@ impl MemoryRegion {
                 let mut slice = crate::shm::Slice::alloc(&spd.arena, len)?;
                 let addr = slice.words_mut().as_mut_ptr() as u64;
                 let (lkey, rkey) = spd.fresh_keys();
-                spd.publish(rkey, access, addr, slice.off(), len as u64)?;
+                spd.publish((lkey, rkey), access, addr, slice.off(), len as u64)?;
                 let region = Arc::new(Region {
                     pd: pd.inner.clone(),
                     addr,
@@ -185,7 +186,7 @@ impl MemoryRegion {
                     rkey,
                     access,
                     mem: Mutex::new(Mem::Shared(slice)),
-                    imp: RegionImpl::Shm(spd.arena.clone(), rkey),
+                    imp: RegionImpl::Shm(spd.arena.clone(), rkey, lkey),
                 });
                 spd.keys.register(&region);
                 region

@@ -26,17 +26,30 @@ mod arena;
 pub(crate) mod cm;
 pub(crate) mod link;
 mod ring;
+pub(crate) mod rq;
 mod sys;
 
 use std::sync::Arc;
 
 pub(crate) use arena::{Arena, PeerArena};
+pub(crate) use rq::OwnRq;
 
 use crate::cq::CqImpl;
 use crate::{AccessFlags, DeviceCaps, Error, QpOptions, Result};
 
+/// What a QP reaches of its peer: its memory and its receive queue.
+pub(crate) struct Peer {
+    pub(crate) arena: PeerArena,
+    pub(crate) rq: rq::PeerRq,
+}
+
 /// Starts a QP's engine over an established shm link.
-pub(crate) fn start(link: Arc<link::ShmLink>, peer: Arc<PeerArena>, opts: &QpOptions) -> Result<(crate::tcp::Qp, u32)> {
+pub(crate) fn start(
+    link: Arc<link::ShmLink>,
+    peer: Arc<Peer>,
+    own_rq: OwnRq,
+    opts: &QpOptions,
+) -> Result<(crate::tcp::Qp, u32)> {
     let cq = |c: &crate::CompletionQueue| match &c.inner.imp {
         CqImpl::Tcp(cq) => Ok(Arc::clone(cq)),
         #[allow(unreachable_patterns)]
@@ -49,7 +62,7 @@ pub(crate) fn start(link: Arc<link::ShmLink>, peer: Arc<PeerArena>, opts: &QpOpt
         opts.pd.inner.clone(),
         cq(&opts.send_cq)?,
         cq(&opts.recv_cq)?,
-        Some(peer),
+        Some((peer, own_rq)),
     )?;
     Ok((qp, qp_num))
 }
@@ -57,7 +70,7 @@ pub(crate) fn start(link: Arc<link::ShmLink>, peer: Arc<PeerArena>, opts: &QpOpt
 /// What this side brings to a connection, from the PD in `opts`.
 pub(crate) fn side(opts: &QpOptions) -> Result<cm::Side> {
     match &opts.pd.inner.imp {
-        crate::pd::PdImpl::Shm(pd) => cm::Side::new(pd.arena.clone()),
+        crate::pd::PdImpl::Shm(pd) => cm::Side::new(pd.arena.clone(), opts.caps.max_recv_wr),
         _ => Err(Error::InvalidArgument("an shm QP needs an shm PD".into())),
     }
 }
@@ -88,18 +101,33 @@ impl Pd {
         })
     }
 
-    /// Fresh keys whose rkey the published table can hold.
+    /// Fresh keys, both absent from the published table (the lkey is published too, for
+    /// receives a peer delivers into).
     pub(crate) fn fresh_keys(&self) -> (u32, u32) {
         loop {
             let (lkey, rkey) = self.keys.fresh_keys();
-            if Arena::usable_key(rkey) {
+            let usable = |k| Arena::usable_key(k) && !self.arena.contains(k);
+            if lkey != rkey && usable(lkey) && usable(rkey) {
                 return (lkey, rkey);
             }
         }
     }
 
-    pub(crate) fn publish(&self, rkey: u32, access: AccessFlags, addr: u64, off: u64, len: u64) -> Result<()> {
-        self.arena.publish(rkey, access, addr, off, len)
+    /// Publishes a registration: under its rkey with its access flags, and under its lkey with
+    /// LOCAL_WRITE only (receives), which no one-sided operation accepts.
+    pub(crate) fn publish(&self, keys: (u32, u32), access: AccessFlags, addr: u64, off: u64, len: u64) -> Result<()> {
+        let (lkey, rkey) = keys;
+        self.arena.publish(rkey, access, addr, off, len)?;
+        let local = if access.contains(AccessFlags::LOCAL_WRITE) {
+            AccessFlags::LOCAL_WRITE
+        } else {
+            AccessFlags::NONE
+        };
+        if let Err(e) = self.arena.publish(lkey, local, addr, off, len) {
+            self.arena.withdraw(rkey);
+            return Err(e);
+        }
+        Ok(())
     }
 }
 

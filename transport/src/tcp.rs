@@ -91,8 +91,15 @@ pub(crate) fn random_u32() -> u32 {
     u32::from_ne_bytes(b)
 }
 
+/// Something that produces completions only when asked: shm QPs whose peers complete receives
+/// in shared memory. A CQ asks every source before each poll.
+pub(crate) trait CqSource: Send + Sync {
+    fn drain(&self);
+}
+
 /// A software completion queue.
 pub(crate) struct Cq {
+    sources: Mutex<Vec<Weak<dyn CqSource>>>,
     queue: Mutex<VecDeque<RawWc>>,
     armed: AtomicBool,
     notify: tokio::sync::Notify,
@@ -101,6 +108,7 @@ pub(crate) struct Cq {
 impl Cq {
     pub(crate) fn new(depth: u32) -> Self {
         Self {
+            sources: Mutex::new(Vec::new()),
             queue: Mutex::new(VecDeque::with_capacity(depth.min(4096) as usize)),
             armed: AtomicBool::new(false),
             notify: tokio::sync::Notify::new(),
@@ -114,7 +122,17 @@ impl Cq {
         }
     }
 
+    pub(crate) fn add_source(&self, source: Weak<dyn CqSource>) {
+        let mut s = self.sources.lock();
+        s.retain(|w| w.strong_count() > 0);
+        s.push(source);
+    }
+
     pub(crate) fn poll(&self, out: &mut Vec<RawWc>, max: usize) -> usize {
+        let sources: Vec<_> = self.sources.lock().iter().filter_map(Weak::upgrade).collect();
+        for s in sources {
+            s.drain();
+        }
         let mut q = self.queue.lock();
         let n = q.len().min(max);
         out.extend(q.drain(..n));

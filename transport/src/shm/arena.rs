@@ -194,6 +194,19 @@ impl Arena {
         }
     }
 
+    /// True if `key` is in the published table.
+    pub(crate) fn contains(&self, key: u32) -> bool {
+        let first = slot_of(key);
+        for p in 0..PROBES {
+            match entry(&self.map, (first + p) % SLOTS).rkey.load(Ordering::Relaxed) {
+                EMPTY => return false,
+                k if k == key => return true,
+                _ => {}
+            }
+        }
+        false
+    }
+
     /// True if `rkey` may be handed out: not 0, not the tombstone.
     pub(crate) fn usable_key(rkey: u32) -> bool {
         rkey != EMPTY && rkey != REMOVED
@@ -225,6 +238,15 @@ impl PeerArena {
         // `dst` is our own memory; the peer may write the source concurrently (as with DMA):
         // the bytes copied are then some mix, never an out-of-bounds access.
         unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Delivers a Send's payload into a receive the peer posted: `addr`/`lkey` are the
+    /// receive's, checked against the peer's table for LOCAL_WRITE.
+    pub(crate) fn write_local(&self, addr: u64, lkey: u32, src: &[u8]) -> std::result::Result<(), WcStatus> {
+        let dst = self.check(addr, lkey, src.len(), AccessFlags::LOCAL_WRITE)?;
+        // SAFETY: as in `read`, the other way.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
         Ok(())
     }
 

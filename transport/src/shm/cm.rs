@@ -14,7 +14,9 @@ use std::time::Duration;
 use super::arena::{Arena, PeerArena};
 use super::link::ShmLink;
 use super::ring::{self, Ring};
+use super::rq::{self, OwnRq, PeerRq};
 use super::sys::{self, Mapping};
+use super::Peer;
 use crate::backlog::Backlog;
 use crate::cm::MAX_PRIVATE_DATA;
 use crate::{Error, Result};
@@ -32,31 +34,48 @@ pub(crate) struct Side {
     pub(crate) arena: Arc<Arena>,
     pub(crate) inbox_fd: OwnedFd,
     pub(crate) inbox: Arc<Mapping>,
+    rq_fd: OwnedFd,
+    rq: Option<OwnRq>,
+}
+
+/// A connection's pieces, once both sides' descriptors are in.
+pub(crate) struct Joined {
+    pub(crate) link: Arc<ShmLink>,
+    pub(crate) peer: Arc<Peer>,
+    pub(crate) own_rq: OwnRq,
 }
 
 impl Side {
-    pub(crate) fn new(arena: Arc<Arena>) -> Result<Side> {
+    pub(crate) fn new(arena: Arc<Arena>, max_recv_wr: u32) -> Result<Side> {
         let fd =
             sys::sealed_memfd("rdma-rpc-shm-ring", ring::BYTES as u64).map_err(|e| Error::io("creating a ring", e))?;
         let inbox = Arc::new(Mapping::map(&fd, ring::BYTES).map_err(|e| Error::io("mapping a ring", e))?);
+        let (rq_fd, rq) = OwnRq::create(rq::capacity(max_recv_wr))?;
         Ok(Side {
             arena,
             inbox_fd: fd,
             inbox,
+            rq_fd,
+            rq: Some(rq),
         })
     }
 
-    fn fds(&self) -> [std::os::fd::RawFd; 2] {
-        [self.arena.fd.as_raw_fd(), self.inbox_fd.as_raw_fd()]
+    fn fds(&self) -> [std::os::fd::RawFd; 3] {
+        [
+            self.arena.fd.as_raw_fd(),
+            self.inbox_fd.as_raw_fd(),
+            self.rq_fd.as_raw_fd(),
+        ]
     }
 
-    /// The link and the peer's arena, from the peer's descriptors. Our descriptors stay with
-    /// `self.inbox_fd` / the arena until they were sent.
-    fn join(&self, sock: UnixStream, peer_fds: Vec<OwnedFd>) -> Result<(Arc<ShmLink>, Arc<PeerArena>)> {
-        let [arena_fd, inbox_fd]: [OwnedFd; 2] = peer_fds
+    /// The link, the peer's memory and receive queue, from the peer's descriptors. Our
+    /// descriptors stay with `self` until they were sent.
+    fn join(&mut self, sock: UnixStream, peer_fds: Vec<OwnedFd>) -> Result<Joined> {
+        let [arena_fd, inbox_fd, rq_fd]: [OwnedFd; 3] = peer_fds
             .try_into()
             .map_err(|_| Error::Protocol("the peer sent the wrong descriptors".into()))?;
-        let peer_arena = Arc::new(PeerArena::map(&arena_fd)?);
+        let arena = PeerArena::map(&arena_fd)?;
+        let peer_rq = PeerRq::map(&rq_fd)?;
         let size = sys::sealed_size(&inbox_fd).map_err(|e| Error::io("checking the peer's ring", e))?;
         if size < ring::BYTES as u64 {
             return Err(Error::Protocol("the peer's ring is too small".into()));
@@ -67,7 +86,15 @@ impl Side {
         let rx = Ring::new(self.inbox.clone(), dead.clone()).ok_or_else(|| Error::Protocol("ring".into()))?;
         let tx = Ring::new(tx_map, dead.clone()).ok_or_else(|| Error::Protocol("ring".into()))?;
         let link = ShmLink::new(rx, tx, sock, dead).map_err(|e| Error::io("starting the shm watcher", e))?;
-        Ok((link, peer_arena))
+        let own_rq = self
+            .rq
+            .take()
+            .ok_or_else(|| Error::Protocol("side joined twice".into()))?;
+        Ok(Joined {
+            link,
+            peer: Arc::new(Peer { arena, rq: peer_rq }),
+            own_rq,
+        })
     }
 }
 
@@ -191,13 +218,13 @@ impl Pending {
 
 impl Request {
     /// Joins the link from the peer's descriptors; the reply goes out with [`Pending::finish`].
-    pub(crate) fn accept(self, side: Side) -> Result<(Arc<ShmLink>, Arc<PeerArena>, Pending)> {
+    pub(crate) fn accept(self, mut side: Side) -> Result<(Joined, Pending)> {
         let reply = self
             .stream
             .try_clone()
             .map_err(|e| Error::io("cloning the socket", e))?;
-        let (link, peer) = side.join(self.stream, self.fds)?;
-        Ok((link, peer, Pending::Reply { stream: reply, side }))
+        let joined = side.join(self.stream, self.fds)?;
+        Ok((joined, Pending::Reply { stream: reply, side }))
     }
 
     pub(crate) fn reject(self) {
@@ -209,10 +236,10 @@ impl Request {
 /// peer's private data.
 pub(crate) fn connect(
     addr: SocketAddr,
-    side: Side,
+    mut side: Side,
     private_data: &[u8],
     timeout: Duration,
-) -> Result<(Arc<ShmLink>, Arc<PeerArena>, Vec<u8>)> {
+) -> Result<(Joined, Vec<u8>)> {
     let stream = UnixStream::connect_addr(&name(addr)?).map_err(|e| Error::io("connecting (shm)", e))?;
     stream
         .set_read_timeout(Some(timeout))
@@ -227,9 +254,9 @@ pub(crate) fn connect(
         Some((1, data)) => {
             let data = data.to_vec();
             let _ = stream.set_read_timeout(None);
-            let (link, peer) = side.join(stream, fds)?;
+            let joined = side.join(stream, fds)?;
             drop(side);
-            Ok((link, peer, data))
+            Ok((joined, data))
         }
         Some((0, _)) => Err(Error::Rejected),
         _ => Err(Error::Protocol("malformed connection reply".into())),

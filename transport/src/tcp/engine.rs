@@ -71,8 +71,11 @@ struct Engine {
     state: Mutex<State>,
     error: AtomicBool,
     destroyed: AtomicBool,
-    /// shm: the peer's memory, for one-sided operations run here without the peer's CPU.
-    direct: Option<Arc<crate::shm::PeerArena>>,
+    /// shm: the peer's memory and receive queue, for operations run here without the peer's
+    /// CPU (one-sided ones, and Sends that find a posted receive).
+    direct: Option<Arc<crate::shm::Peer>>,
+    /// shm: our receive queue in shared memory, where the peer completes receives.
+    own_rq: Option<crate::shm::OwnRq>,
 }
 
 /// A software RC queue pair over one TCP connection.
@@ -88,8 +91,12 @@ impl Qp {
         pd: Arc<PdShared>,
         send_cq: Arc<Cq>,
         recv_cq: Arc<Cq>,
-        direct: Option<Arc<crate::shm::PeerArena>>,
+        shm: Option<(Arc<crate::shm::Peer>, crate::shm::OwnRq)>,
     ) -> Result<Self, Error> {
+        let (direct, own_rq) = match shm {
+            Some((p, rq)) => (Some(p), Some(rq)),
+            None => (None, None),
+        };
         let engine = Arc::new(Engine {
             qp_num,
             pd,
@@ -102,7 +109,19 @@ impl Qp {
             error: AtomicBool::new(false),
             destroyed: AtomicBool::new(false),
             direct,
+            own_rq,
         });
+        if engine.own_rq.is_some() {
+            let source: Weak<dyn super::CqSource> = Arc::downgrade(&engine) as Weak<Engine>;
+            engine.recv_cq.add_source(source);
+            let weak = Arc::downgrade(&engine);
+            engine.link.set_doorbell(Box::new(move || {
+                if let Some(e) = weak.upgrade() {
+                    let mut st = e.state.lock();
+                    e.drain_rq(&mut st);
+                }
+            }));
+        }
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
                 .name(name)
@@ -156,7 +175,7 @@ impl Qp {
                 // shm: a one-sided operation with nothing before it in flight runs here and
                 // now, on the peer's memory (with nothing before it, RC order holds).
                 if let Some(peer) = e.direct.as_ref().filter(|_| st.outstanding.is_empty()) {
-                    if let Some(result) = direct(peer, d, pending.local.as_ref()) {
+                    if let Some(result) = direct(peer, d, pending.local.as_ref(), &*e.link) {
                         let mut pending = pending;
                         pending.done = Some(result);
                         st.outstanding.push_back(pending);
@@ -190,6 +209,13 @@ impl Qp {
             if st.error {
                 e.push_recv(posted.seq, FLUSH, WcOpcode::Recv, 0, None);
             } else {
+                if let Some(rq) = &e.own_rq {
+                    // Published for the peer to fill by itself (shm).
+                    match &posted.local {
+                        Some(v) => rq.post(posted.seq, v.region.addr + v.off as u64, v.len as u64, v.region.lkey),
+                        None => rq.post(posted.seq, 0, 0, 0),
+                    }
+                }
                 st.recvs.push_back(posted);
             }
         }
@@ -228,17 +254,24 @@ fn request_frame(d: &SendDesc<'_>) -> Vec<u8> {
     }
 }
 
-/// Runs a one-sided request on the peer's memory (shm); `None` for requests the peer's engine
-/// must run (those that consume a receive).
-fn direct(peer: &crate::shm::PeerArena, d: &SendDesc<'_>, local: Option<&View>) -> Option<Result<u32, WcStatus>> {
+/// Runs a request on the peer's memory (shm): one-sided ones always, Sends and
+/// Writes-with-immediate when the peer has a receive posted (else `None`: the request goes as a
+/// frame and the peer's engine holds it, RNR). The result as the completion will say it.
+fn direct(
+    peer: &crate::shm::Peer,
+    d: &SendDesc<'_>,
+    local: Option<&View>,
+    link: &dyn super::Link,
+) -> Option<Result<u32, WcStatus>> {
     let local_bytes = |len: usize| local.map(|v| v.region.lock_range(v.off, len));
+    let arena = &peer.arena;
     Some(match d.op {
         SendOp::Read { remote } => {
             if d.len == 0 {
                 return Some(Ok(0));
             }
             match local_bytes(d.len) {
-                Some(mut dst) => peer.read(remote.addr, remote.rkey, &mut dst).map(|()| d.len as u32),
+                Some(mut dst) => arena.read(remote.addr, remote.rkey, &mut dst).map(|()| d.len as u32),
                 None => Err(WcStatus::LocLenErr),
             }
         }
@@ -247,15 +280,67 @@ fn direct(peer: &crate::shm::PeerArena, d: &SendDesc<'_>, local: Option<&View>) 
                 return Some(Ok(0));
             }
             match local_bytes(d.len) {
-                Some(src) => peer.write(remote.addr, remote.rkey, &src).map(|()| 0),
+                Some(src) => arena.write(remote.addr, remote.rkey, &src).map(|()| 0),
                 None => Err(WcStatus::LocLenErr),
             }
         }
         SendOp::CompareSwap { remote, compare, swap } => {
-            atomic(peer, remote, Rmw::CompareSwap { compare, swap }, local)
+            atomic(arena, remote, Rmw::CompareSwap { compare, swap }, local)
         }
-        SendOp::FetchAdd { remote, add } => atomic(peer, remote, Rmw::FetchAdd { add }, local),
-        SendOp::Send { .. } | SendOp::Write { imm: Some(_), .. } => return None,
+        SendOp::FetchAdd { remote, add } => atomic(arena, remote, Rmw::FetchAdd { add }, local),
+        SendOp::Send { imm } => {
+            let taken = match peer.rq.take() {
+                Ok(Some(t)) => t,
+                Ok(None) => return None,
+                Err(()) => return Some(Err(WcStatus::RemOpErr)),
+            };
+            let flags = if imm.is_some() { crate::shm::rq::HAS_IMM } else { 0 };
+            let data = if d.len > 0 { local_bytes(d.len) } else { None };
+            let bytes: &[u8] = data.as_deref().unwrap_or(&[]);
+            // The receiving NIC's checks: room in the receive, a receive buffer it may write.
+            let result = if bytes.len() as u64 > taken.len {
+                taken.complete(WcStatus::LocLenErr, 0, 0, 0);
+                Err(WcStatus::RemInvReqErr)
+            } else if bytes.is_empty() {
+                taken.complete(WcStatus::Success, flags, 0, imm.unwrap_or(0));
+                Ok(0)
+            } else {
+                match arena.write_local(taken.addr, taken.lkey, bytes) {
+                    Ok(()) => {
+                        let n = bytes.len() as u64;
+                        taken.complete(WcStatus::Success, flags, n, imm.unwrap_or(0));
+                        Ok(0)
+                    }
+                    Err(_) => {
+                        taken.complete(WcStatus::LocProtErr, 0, 0, 0);
+                        Err(WcStatus::RemOpErr)
+                    }
+                }
+            };
+            link.poke();
+            result
+        }
+        SendOp::Write { remote, imm: Some(imm) } => {
+            let taken = match peer.rq.take() {
+                Ok(Some(t)) => t,
+                Ok(None) => return None,
+                Err(()) => return Some(Err(WcStatus::RemOpErr)),
+            };
+            if d.len > 0 {
+                let written = match local_bytes(d.len) {
+                    Some(src) => arena.write(remote.addr, remote.rkey, &src),
+                    None => Err(WcStatus::LocLenErr),
+                };
+                // A failed write consumes no receive; the peer learns of the error (Fatal).
+                if let Err(status) = written {
+                    return Some(Err(status));
+                }
+            }
+            let flags = crate::shm::rq::HAS_IMM | crate::shm::rq::WRITE_IMM;
+            taken.complete(WcStatus::Success, flags, d.len as u64, imm);
+            link.poke();
+            Ok(0)
+        }
     })
 }
 
@@ -352,6 +437,11 @@ impl Engine {
         if st.error {
             return;
         }
+        // What the peer completed directly is reported before the flush.
+        self.drain_rq(st);
+        if st.error {
+            return;
+        }
         st.error = true;
         self.error.store(true, Ordering::Release);
         let mut status = head.unwrap_or(FLUSH);
@@ -369,6 +459,8 @@ impl Engine {
 
     fn handle(self: &Arc<Self>, frame: Frame) {
         let mut st = self.state.lock();
+        // Receives the peer completed directly come first: they were before this frame.
+        self.drain_rq(&mut st);
         match frame {
             Frame::Ack { ssn } => self.complete_head(&mut st, ssn, WcStatus::Success, |_| Ok(0)),
             Frame::ReadResp { ssn, data } => self.complete_head(&mut st, ssn, WcStatus::Success, |p| match &p.local {
@@ -399,6 +491,49 @@ impl Engine {
                 } else {
                     self.execute(&mut st, request);
                 }
+            }
+        }
+    }
+
+    /// shm: reports the receives the peer completed in our shared receive queue, in order.
+    fn drain_rq(&self, st: &mut State) {
+        let Some(rq) = &self.own_rq else { return };
+        let mut done = Vec::new();
+        rq.drain(|d| done.push(d));
+        for d in done {
+            let Some(r) = st.recvs.pop_front() else {
+                tracing::warn!(qp = self.qp_num, "the peer completed a receive we never posted");
+                continue;
+            };
+            if r.seq != d.seq {
+                tracing::warn!(qp = self.qp_num, "the peer completed receives out of order");
+            }
+            let opcode = if d.flags & crate::shm::rq::WRITE_IMM != 0 {
+                WcOpcode::RecvRdmaWithImm
+            } else {
+                WcOpcode::Recv
+            };
+            let imm = (d.flags & crate::shm::rq::HAS_IMM != 0).then_some(d.imm);
+            if d.status.is_success() {
+                self.push_recv(r.seq, WcStatus::Success, opcode, d.byte_len, imm);
+            } else {
+                self.error.store(true, Ordering::Release);
+                self.push_recv(r.seq, d.status, opcode, 0, None);
+                if !st.error {
+                    // As after a failed delivery: the QP goes to error (the peer sends Fatal too).
+                    self.enter_error(st, None);
+                }
+            }
+        }
+    }
+
+    /// shm: a request that came as a frame takes the oldest shared receive entry too.
+    fn take_for_frame(&self, st: &mut State) -> bool {
+        match &self.own_rq {
+            None => true,
+            Some(rq) => {
+                self.drain_rq(st);
+                rq.take_for_frame()
             }
         }
     }
@@ -533,6 +668,9 @@ impl Engine {
         };
         match frame {
             Frame::Send { ssn, imm, data } => {
+                if !self.take_for_frame(st) {
+                    return fail(st, ssn, WcStatus::RemOpErr);
+                }
                 let Some(r) = st.recvs.pop_front() else { return };
                 match deliver(&r, &data, &self.pd) {
                     Ok(()) => {
@@ -567,6 +705,9 @@ impl Engine {
                     }
                 }
                 if let Some(imm) = imm {
+                    if !self.take_for_frame(st) {
+                        return fail(st, ssn, WcStatus::RemOpErr);
+                    }
                     let Some(r) = st.recvs.pop_front() else { return };
                     self.push_recv(
                         r.seq,
@@ -633,5 +774,12 @@ fn deliver(r: &PostedRecv, data: &[u8], pd: &Arc<PdShared>) -> Result<(), WcStat
             v.region.lock_range(v.off, data.len()).copy_from_slice(data);
             Ok(())
         }
+    }
+}
+
+impl super::CqSource for Engine {
+    fn drain(&self) {
+        let mut st = self.state.lock();
+        self.drain_rq(&mut st);
     }
 }

@@ -1,0 +1,255 @@
+//! A queue pair's receive queue in shared memory, so that a peer can deliver a Send (or a
+//! Write-with-immediate) into a posted receive by itself, as a NIC does, without a thread of the
+//! receiving process. The owner posts entries; the peer takes the oldest, writes the payload into
+//! the entry's buffer (checked against the owner's published table under the entry's lkey),
+//! writes the completion into the entry and moves `head`; the owner drains completed entries into
+//! its CQ in order.
+//!
+//! Both sides read words the other writes: everything read is checked, so a peer writing
+//! garbage gets errors, never an access outside the segment.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::sys::{self, Mapping};
+use crate::{Error, Result, WcStatus};
+
+const HEADER: usize = 4096;
+const ENTRY: usize = 64;
+
+/// Entry states.
+const POSTED: u32 = 0;
+const DONE: u32 = 1;
+
+/// Completion flags.
+pub(crate) const HAS_IMM: u32 = 1;
+pub(crate) const WRITE_IMM: u32 = 2;
+
+#[repr(C, align(64))]
+struct Header {
+    /// Entries posted (owner).
+    tail: AtomicU64,
+    _p0: [u8; 56],
+    /// Entries taken (the peer, or the owner's engine for a request that came as a frame).
+    head: AtomicU64,
+    _p1: [u8; 56],
+}
+
+#[repr(C, align(64))]
+struct Entry {
+    state: AtomicU32,
+    /// 0 for success, else a `WcStatus` code for the receive.
+    status: AtomicU32,
+    lkey: AtomicU32,
+    flags: AtomicU32,
+    seq: AtomicU64,
+    addr: AtomicU64,
+    len: AtomicU64,
+    byte_len: AtomicU64,
+    imm: AtomicU32,
+}
+
+const _: () = assert!(std::mem::size_of::<Entry>() == ENTRY && std::mem::size_of::<Header>() <= HEADER);
+
+/// Bytes of a segment for `cap` entries (a power of two).
+pub(crate) fn bytes(cap: usize) -> usize {
+    HEADER + cap * ENTRY
+}
+
+/// The capacity for a queue of `max_recv_wr`.
+pub(crate) fn capacity(max_recv_wr: u32) -> usize {
+    (max_recv_wr as usize).next_power_of_two().max(2)
+}
+
+struct Segment {
+    map: Arc<Mapping>,
+    cap: usize,
+}
+
+impl Segment {
+    fn new(map: Arc<Mapping>) -> Option<Segment> {
+        let n = map.len().checked_sub(HEADER)? / ENTRY;
+        // The largest power of two that fits: both sides derive the same from the same size.
+        let cap = if n == 0 {
+            return None;
+        } else {
+            1usize << (usize::BITS - 1 - n.leading_zeros())
+        };
+        Some(Segment { map, cap })
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: the mapping is at least HEADER bytes, page aligned; Header is all atomics,
+        // valid for any bits, only accessed atomically.
+        unsafe { &*self.map.ptr().cast::<Header>() }
+    }
+
+    fn entry(&self, i: u64) -> &Entry {
+        let i = (i % self.cap as u64) as usize;
+        // SAFETY: `i < cap` and HEADER + cap * ENTRY <= the mapping's length; Entry is all
+        // atomics, 64-byte aligned (HEADER and ENTRY are multiples of 64).
+        unsafe { &*self.map.ptr().add(HEADER + i * ENTRY).cast::<Entry>() }
+    }
+}
+
+/// The owner's side: post and drain.
+pub(crate) struct OwnRq {
+    seg: Segment,
+    /// Entries whose completion was drained (or taken by the owner itself).
+    drained: AtomicU64,
+}
+
+/// One completed receive, as drained.
+pub(crate) struct Done {
+    pub(crate) seq: u64,
+    pub(crate) status: WcStatus,
+    pub(crate) flags: u32,
+    pub(crate) byte_len: u32,
+    pub(crate) imm: u32,
+}
+
+impl OwnRq {
+    /// A new segment for `cap` entries: its memfd (to send to the peer) and the owner's side.
+    pub(crate) fn create(cap: usize) -> Result<(std::os::fd::OwnedFd, OwnRq)> {
+        let len = bytes(cap);
+        let fd =
+            sys::sealed_memfd("rdma-rpc-shm-rq", len as u64).map_err(|e| Error::io("creating a receive queue", e))?;
+        let map = Arc::new(Mapping::map(&fd, len).map_err(|e| Error::io("mapping a receive queue", e))?);
+        let seg = Segment::new(map).ok_or_else(|| Error::InvalidArgument("receive queue too small".into()))?;
+        Ok((
+            fd,
+            OwnRq {
+                seg,
+                drained: AtomicU64::new(0),
+            },
+        ))
+    }
+
+    /// Publishes a posted receive (the owner's engine holds its state lock).
+    pub(crate) fn post(&self, seq: u64, addr: u64, len: u64, lkey: u32) {
+        let h = self.seg.header();
+        let tail = h.tail.load(Ordering::Relaxed);
+        let e = self.seg.entry(tail);
+        e.seq.store(seq, Ordering::Relaxed);
+        e.addr.store(addr, Ordering::Relaxed);
+        e.len.store(len, Ordering::Relaxed);
+        e.lkey.store(lkey, Ordering::Relaxed);
+        e.status.store(0, Ordering::Relaxed);
+        e.flags.store(0, Ordering::Relaxed);
+        e.byte_len.store(0, Ordering::Relaxed);
+        e.state.store(POSTED, Ordering::Relaxed);
+        h.tail.store(tail.wrapping_add(1), Ordering::Release);
+    }
+
+    /// The completions the peer wrote, oldest first. Stops at the first entry that is not done
+    /// (the peer moves `head` only after marking the entry; a peer that lies stalls itself).
+    pub(crate) fn drain(&self, mut each: impl FnMut(Done)) {
+        let h = self.seg.header();
+        let head = h.head.load(Ordering::Acquire);
+        let tail = h.tail.load(Ordering::Relaxed);
+        let mut d = self.drained.load(Ordering::Relaxed);
+        while d != head && d != tail {
+            let e = self.seg.entry(d);
+            if e.state.load(Ordering::Acquire) != DONE {
+                break;
+            }
+            let status = match e.status.load(Ordering::Relaxed) {
+                0 => WcStatus::Success,
+                code => WcStatus::from_raw(code),
+            };
+            each(Done {
+                seq: e.seq.load(Ordering::Relaxed),
+                status,
+                flags: e.flags.load(Ordering::Relaxed),
+                byte_len: e.byte_len.load(Ordering::Relaxed).min(u64::from(u32::MAX)) as u32,
+                imm: e.imm.load(Ordering::Relaxed),
+            });
+            e.state.store(POSTED, Ordering::Relaxed);
+            d = d.wrapping_add(1);
+        }
+        self.drained.store(d, Ordering::Relaxed);
+    }
+
+    /// The owner's engine takes the oldest receive for a request that came as a frame. Fails
+    /// when the peer also took receives directly that are not drained yet (it must not, while
+    /// a frame of its is in flight).
+    pub(crate) fn take_for_frame(&self) -> bool {
+        let h = self.seg.header();
+        let d = self.drained.load(Ordering::Relaxed);
+        if h.head
+            .compare_exchange(d, d.wrapping_add(1), Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return false;
+        }
+        self.drained.store(d.wrapping_add(1), Ordering::Relaxed);
+        true
+    }
+}
+
+/// The peer's receive queue, as the initiator of Sends sees it.
+pub(crate) struct PeerRq {
+    seg: Segment,
+}
+
+/// A receive the peer posted, taken.
+pub(crate) struct Taken<'a> {
+    entry: &'a Entry,
+    head: u64,
+    rq: &'a PeerRq,
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) lkey: u32,
+}
+
+impl PeerRq {
+    pub(crate) fn map(fd: &std::os::fd::OwnedFd) -> Result<PeerRq> {
+        let size = sys::sealed_size(fd).map_err(|e| Error::io("checking the peer's receive queue", e))?;
+        let size = usize::try_from(size).unwrap_or(0).min(bytes(1 << 16));
+        let map = Arc::new(Mapping::map(fd, size).map_err(|e| Error::io("mapping the peer's receive queue", e))?);
+        let seg = Segment::new(map).ok_or_else(|| Error::Protocol("the peer's receive queue is too small".into()))?;
+        Ok(PeerRq { seg })
+    }
+
+    /// The oldest receive the peer posted and nobody took; `Ok(None)` when there is none (RNR);
+    /// `Err` when the counters make no sense.
+    pub(crate) fn take(&self) -> std::result::Result<Option<Taken<'_>>, ()> {
+        let h = self.seg.header();
+        let head = h.head.load(Ordering::Acquire);
+        let tail = h.tail.load(Ordering::Acquire);
+        let posted = tail.wrapping_sub(head);
+        if posted > self.seg.cap as u64 {
+            return Err(());
+        }
+        if posted == 0 {
+            return Ok(None);
+        }
+        let entry = self.seg.entry(head);
+        Ok(Some(Taken {
+            entry,
+            head,
+            rq: self,
+            addr: entry.addr.load(Ordering::Relaxed),
+            len: entry.len.load(Ordering::Relaxed),
+            lkey: entry.lkey.load(Ordering::Relaxed),
+        }))
+    }
+}
+
+impl Taken<'_> {
+    /// Writes the receive's completion and hands the entry to the owner.
+    pub(crate) fn complete(self, status: WcStatus, flags: u32, byte_len: u64, imm: u32) {
+        let e = self.entry;
+        let code = if status.is_success() { 0 } else { status as u32 };
+        e.status.store(code, Ordering::Relaxed);
+        e.flags.store(flags, Ordering::Relaxed);
+        e.byte_len.store(byte_len, Ordering::Relaxed);
+        e.imm.store(imm, Ordering::Relaxed);
+        e.state.store(DONE, Ordering::Release);
+        self.rq
+            .seg
+            .header()
+            .head
+            .store(self.head.wrapping_add(1), Ordering::Release);
+    }
+}
