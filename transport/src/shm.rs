@@ -7,10 +7,13 @@
 //!   and the atomics are executed by the initiator itself, on its mapping of the target's arena,
 //!   after the checks a NIC makes against the published table (rkey, bounds, access flags);
 //!   atomics are real atomic instructions on the shared word.
-//! - **Two-sided operations.** Sends and Writes-with-immediate consume a receive the target
-//!   posted, so they go through the target's progress engine: the tcp provider's engine (the
-//!   same responder, RNR, error and flush semantics), carried over a pair of shared-memory byte
-//!   rings instead of a socket, with futex wake-ups.
+//! - **Two-sided operations.** The receiver publishes its receive queue in shared memory
+//!   (`rq`); a Send or Write-with-immediate that finds a posted receive is delivered by the
+//!   sender, which writes the payload and the completion into the entry and rings the receiver's
+//!   doorbell; the receiver's CQ drains completed entries in order. One that finds none goes as
+//!   a frame to the receiver's progress engine (the tcp provider's engine: the same responder,
+//!   RNR, error and flush semantics), over a pair of shared-memory byte rings with futex
+//!   wake-ups; frames and direct deliveries never overlap, so RC order holds.
 //! - **Set-up and death.** An abstract Unix socket named after the address carries the
 //!   handshake and the memfds (SCM_RIGHTS); it stays open, and its end (the kernel closes it
 //!   when a process dies) turns into errors with the QP flushed.
