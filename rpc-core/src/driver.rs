@@ -59,7 +59,8 @@ pub(crate) struct Conn {
     backlog: VecDeque<Transmit>,
     scratch: Vec<Completion>,
     lost: Option<String>,
-    /// A software provider whose completions come from threads of this process.
+    /// The tcp provider, whose completions come from threads of this process (shm delivers
+    /// into our receive queue directly, so polling finds them without any thread's help).
     software: bool,
 }
 
@@ -100,7 +101,7 @@ impl Conn {
             backlog: VecDeque::new(),
             scratch: Vec::with_capacity(64),
             lost: None,
-            software: matches!(pd.device().provider(), "tcp" | "shm"),
+            software: pd.device().provider() == "tcp",
         })
     }
 
