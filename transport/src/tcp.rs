@@ -129,8 +129,8 @@ impl Cq {
     }
 
     pub(crate) fn poll(&self, out: &mut Vec<RawWc>, max: usize) -> usize {
-        let sources: Vec<_> = self.sources.lock().iter().filter_map(Weak::upgrade).collect();
-        for s in sources {
+        // Lock order: sources, then a source's engine state, then the queue (as push takes it).
+        for s in self.sources.lock().iter().filter_map(Weak::upgrade) {
             s.drain();
         }
         let mut q = self.queue.lock();

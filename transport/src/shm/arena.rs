@@ -141,11 +141,11 @@ impl Arena {
         free.insert(start, end - start);
     }
 
-    /// A pointer to offset `off` of this process's mapping.
+    /// A pointer to offset `off` of this process's mapping (computing it is safe; callers
+    /// dereference only offsets the allocator gave out, inside the mapping).
     pub(crate) fn at(&self, off: u64) -> *mut u8 {
         debug_assert!(off < ARENA);
-        // SAFETY: callers pass offsets the allocator gave out, inside the mapping.
-        unsafe { self.map.ptr().add(off as usize) }
+        self.map.ptr().wrapping_add(off as usize)
     }
 
     /// Publishes a registration for peers.

@@ -141,33 +141,34 @@ impl OwnRq {
         h.tail.store(tail.wrapping_add(1), Ordering::Release);
     }
 
-    /// The completions the peer wrote, oldest first. Stops at the first entry that is not done
-    /// (the peer moves `head` only after marking the entry; a peer that lies stalls itself).
-    pub(crate) fn drain(&self, mut each: impl FnMut(Done)) {
+    /// The oldest completion the peer wrote and nobody drained yet, if any. `None` also at the
+    /// first entry that is not done (the peer moves `head` only after marking the entry; a peer
+    /// that lies stalls itself). Each call moves past what it returns, so a caller may drain
+    /// again while handling an entry.
+    pub(crate) fn next_done(&self) -> Option<Done> {
         let h = self.seg.header();
-        let head = h.head.load(Ordering::Acquire);
-        let tail = h.tail.load(Ordering::Relaxed);
-        let mut d = self.drained.load(Ordering::Relaxed);
-        while d != head && d != tail {
-            let e = self.seg.entry(d);
-            if e.state.load(Ordering::Acquire) != DONE {
-                break;
-            }
-            let status = match e.status.load(Ordering::Relaxed) {
-                0 => WcStatus::Success,
-                code => WcStatus::from_raw(code),
-            };
-            each(Done {
-                seq: e.seq.load(Ordering::Relaxed),
-                status,
-                flags: e.flags.load(Ordering::Relaxed),
-                byte_len: e.byte_len.load(Ordering::Relaxed).min(u64::from(u32::MAX)) as u32,
-                imm: e.imm.load(Ordering::Relaxed),
-            });
-            e.state.store(POSTED, Ordering::Relaxed);
-            d = d.wrapping_add(1);
+        let d = self.drained.load(Ordering::Relaxed);
+        if d == h.head.load(Ordering::Acquire) || d == h.tail.load(Ordering::Relaxed) {
+            return None;
         }
-        self.drained.store(d, Ordering::Relaxed);
+        let e = self.seg.entry(d);
+        if e.state.load(Ordering::Acquire) != DONE {
+            return None;
+        }
+        let status = match e.status.load(Ordering::Relaxed) {
+            0 => WcStatus::Success,
+            code => WcStatus::from_raw(code),
+        };
+        let done = Done {
+            seq: e.seq.load(Ordering::Relaxed),
+            status,
+            flags: e.flags.load(Ordering::Relaxed),
+            byte_len: e.byte_len.load(Ordering::Relaxed).min(u64::from(u32::MAX)) as u32,
+            imm: e.imm.load(Ordering::Relaxed),
+        };
+        e.state.store(POSTED, Ordering::Relaxed);
+        self.drained.store(d.wrapping_add(1), Ordering::Relaxed);
+        Some(done)
     }
 
     /// The owner's engine takes the oldest receive for a request that came as a frame. Fails

@@ -498,9 +498,7 @@ impl Engine {
     /// shm: reports the receives the peer completed in our shared receive queue, in order.
     fn drain_rq(&self, st: &mut State) {
         let Some(rq) = &self.own_rq else { return };
-        let mut done = Vec::new();
-        rq.drain(|d| done.push(d));
-        for d in done {
+        while let Some(d) = rq.next_done() {
             let Some(r) = st.recvs.pop_front() else {
                 tracing::warn!(qp = self.qp_num, "the peer completed a receive we never posted");
                 continue;
