@@ -8,13 +8,14 @@ use tarpc::server::{BaseChannel, Channel};
 use tarpc::tokio_serde::formats::Bincode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::runtime::Handle;
 
 use crate::sampler::{self, Plan, Samples};
 
-pub async fn tcp_echo(size: usize, plan: Plan) -> Samples {
+pub async fn tcp_echo(srv: &Handle, size: usize, plan: Plan) -> Samples {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
+    srv.spawn(async move {
         let (mut s, _) = listener.accept().await.expect("accept");
         s.set_nodelay(true).expect("nodelay");
         let mut buf = Vec::new();
@@ -58,13 +59,13 @@ impl Echo for EchoServer {
     }
 }
 
-pub async fn tarpc_echo(size: usize, plan: Plan) -> Samples {
+pub async fn tarpc_echo(srv: &Handle, size: usize, plan: Plan) -> Samples {
     let mut incoming = tarpc::serde_transport::tcp::listen("127.0.0.1:0", Bincode::default)
         .await
         .expect("tarpc listen");
     incoming.config_mut().max_frame_length(usize::MAX);
     let addr: SocketAddr = incoming.local_addr();
-    tokio::spawn(async move {
+    srv.spawn(async move {
         if let Some(Ok(t)) = incoming.next().await {
             BaseChannel::with_defaults(t)
                 .execute(EchoServer.serve())

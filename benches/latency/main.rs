@@ -124,10 +124,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         min_iters: 20,
         max_iters: 100_000,
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // Client and server each get one thread (the machines have two cores): the client side runs
+    // on this thread, every server of every mode (RPC, raw echo, TCP, tarpc) on the other.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let server_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("bench-server")
         .enable_all()
         .build()?;
+    let srv = server_rt.handle().clone();
     let bar = ProgressBar::new(rows_planned as u64);
     bar.set_style(ProgressStyle::with_template(
         "{bar:40} {pos}/{len} rows  {msg}  [{elapsed_precise}]",
@@ -145,7 +150,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mode_sizes: Vec<usize> = if mode == "atomic" { vec![8] } else { sizes.clone() };
         for &size in &mode_sizes {
             bar.set_message(format!("{mode} {size} B"));
-            let (conv, moved, s) = rt.block_on(measure(&dev, args.ip, mode, size, plan, completion));
+            let (conv, moved, s) = rt.block_on(measure(&srv, &dev, args.ip, mode, size, plan, completion));
             rows.push(stats::row(mode, conv, size, moved, &s.times, s.cpu));
             bar.inc(1);
         }
@@ -185,6 +190,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 async fn measure(
+    srv: &tokio::runtime::Handle,
     dev: &Device,
     ip: IpAddr,
     mode: &str,
@@ -194,13 +200,13 @@ async fn measure(
 ) -> (Convention, usize, sampler::Samples) {
     match mode {
         "rpc" | "rpc-eager" | "rpc-rendezvous" | "rpc-spin" | "rpc-event" => {
-            let (client, serving) = rpc::connect(dev, ip, rpc::config(mode, size, completion)).await;
+            let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion)).await;
             let s = rpc::measure(&client, size, plan).await;
             serving.abort();
             (Convention::Rtt, 2 * size, s)
         }
         "rpc-upload" => {
-            let (client, serving) = rpc::connect(dev, ip, rpc::config(mode, size, completion)).await;
+            let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion)).await;
             let s = rpc::upload(&client, size, plan).await;
             serving.abort();
             (Convention::Rtt, size, s)
@@ -208,11 +214,11 @@ async fn measure(
         "memcpy" => (Convention::Rtt, size, baseline::memcpy(size, plan).await),
         "send" => {
             let (c, s) = raw::pair(dev, ip);
-            (Convention::HalfRtt, size, raw::send(c, s, size, plan).await)
+            (Convention::HalfRtt, size, raw::send(srv, c, s, size, plan).await)
         }
         "write" => {
             let (c, s) = raw::pair(dev, ip);
-            (Convention::HalfRtt, size, raw::write(c, s, size, plan).await)
+            (Convention::HalfRtt, size, raw::write(srv, c, s, size, plan).await)
         }
         "read" => {
             let (c, s) = raw::pair(dev, ip);
@@ -222,8 +228,8 @@ async fn measure(
             let (c, s) = raw::pair(dev, ip);
             (Convention::Rtt, 8, raw::atomic(c, s, plan).await)
         }
-        "tcp" => (Convention::Rtt, 2 * size, baseline::tcp_echo(size, plan).await),
-        _ => (Convention::Rtt, 2 * size, baseline::tarpc_echo(size, plan).await),
+        "tcp" => (Convention::Rtt, 2 * size, baseline::tcp_echo(srv, size, plan).await),
+        _ => (Convention::Rtt, 2 * size, baseline::tarpc_echo(srv, size, plan).await),
     }
 }
 

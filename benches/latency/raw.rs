@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdma_rpc::transport::*;
+use tokio::runtime::Handle;
 
 use crate::sampler::{self, Plan, Samples};
 
@@ -85,7 +86,7 @@ fn inline(size: usize, qp: &QueuePair, wr: SendWr) -> SendWr {
 }
 
 /// Send/Recv ping-pong; reports half the round trip.
-pub async fn send(client: Side, server: Side, size: usize, plan: Plan) -> Samples {
+pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, plan: Plan) -> Samples {
     let len = size.max(1);
     for s in [&client, &server] {
         for i in 0..RING {
@@ -99,7 +100,7 @@ pub async fn send(client: Side, server: Side, size: usize, plan: Plan) -> Sample
     }
     let server = Arc::new(server);
     let srv = server.clone();
-    let echo = tokio::spawn(async move {
+    let echo = rt.spawn(async move {
         // Send completions may come back after the next request: keep a few send buffers.
         let pool = BufferPool::new(&srv.pd, len, RING as usize, AccessFlags::NONE).expect("pool");
         let mut owed = 0usize;
@@ -194,7 +195,7 @@ pub async fn atomic(client: Side, server: Side, plan: Plan) -> Samples {
 
 /// Write ping-pong as ib_write_lat: each side writes the other's buffer and polls its own last
 /// byte for the round's tag; reports half the round trip.
-pub async fn write(client: Side, server: Side, size: usize, plan: Plan) -> Samples {
+pub async fn write(rt: &Handle, client: Side, server: Side, size: usize, plan: Plan) -> Samples {
     let len = size.max(1);
     let acc = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
     let (cdst, sdst) = (
@@ -206,7 +207,7 @@ pub async fn write(client: Side, server: Side, size: usize, plan: Plan) -> Sampl
     let srv = server.clone();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stop2 = stop.clone();
-    let echo = tokio::spawn(async move {
+    let echo = rt.spawn(async move {
         let (s, mine) = (&srv.0, &srv.1);
         let mut src = Some(s.pd.register(len, AccessFlags::NONE).expect("reg"));
         let mut expect: u8 = 1;

@@ -42,7 +42,12 @@ pub fn config(mode: &str, size: usize, completion: CompletionMode) -> Config {
 }
 
 /// A server and a client connected to it; abort the handle to stop the server's accept loop.
-pub async fn connect(dev: &Device, ip: std::net::IpAddr, cfg: Config) -> (Client, tokio::task::JoinHandle<()>) {
+pub async fn connect(
+    srv: &tokio::runtime::Handle,
+    dev: &Device,
+    ip: std::net::IpAddr,
+    cfg: Config,
+) -> (Client, tokio::task::JoinHandle<()>) {
     let server = Server::builder(cfg.clone())
         .handler(ECHO, |req| async move { Ok(req) })
         .handler(SINK, |req: Vec<u8>| async move {
@@ -51,7 +56,7 @@ pub async fn connect(dev: &Device, ip: std::net::IpAddr, cfg: Config) -> (Client
         .bind(dev, SocketAddr::new(ip, 0))
         .expect("bind the benchmark server");
     let addr = server.local_addr().expect("server address");
-    let serving = tokio::spawn(async move {
+    let serving = srv.spawn(async move {
         let _ = server.serve().await;
     });
     let client = Client::connect(dev, addr, cfg)
