@@ -1,34 +1,28 @@
-//! The client: a handle to one connection's driver task.
+//! The client: a handle to one connection, driven by its callers.
+//!
+//! A call posts its request itself and, while it spins, polls the connection itself: no task
+//! hop between the caller and the queue pair. A call that sleeps (event mode, or adaptive
+//! after its spin budget) leaves the polling to the connection's driver task, which waits on the
+//! completion queue and wakes it. The driver also keeps the connection going when no call
+//! polls (cancels waiting for credits, deadlines) and closes it after the last handle.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
+use parking_lot::Mutex;
 use rdma_rpc_transport::{Device, QpCaps, QpOptions};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::Notify;
 use tracing::Instrument;
 
-use crate::config::{CallOptions, Config, Hello};
-use crate::driver::{self, Conn, Role, RoleInput};
+use crate::config::{CallOptions, CompletionMode, Config, Hello};
+use crate::driver::{self, Conn};
 use crate::proto::{Event, Payload, Reply, Session, SessionConfig, LANDING_PREFIX};
 use crate::RpcError;
-
-type ReplyTx = oneshot::Sender<Result<Vec<u8>, RpcError>>;
-
-enum Cmd {
-    Call {
-        ticket: u64,
-        method: u32,
-        payload: Vec<u8>,
-        opts: CallOptions,
-        reply: ReplyTx,
-    },
-    Cancel {
-        ticket: u64,
-    },
-}
 
 /// A connection to a server, for byte-level calls (method id and bytes in, bytes out).
 /// Cheap to clone; all clones share the connection. The `#[service]` macro builds typed
@@ -51,9 +45,44 @@ enum Cmd {
 /// ```
 #[derive(Clone)]
 pub struct Client {
-    tx: mpsc::UnboundedSender<Cmd>,
-    tickets: Arc<AtomicU64>,
-    lost: Arc<parking_lot::Mutex<Option<String>>>,
+    handle: Arc<Handle>,
+}
+
+/// Dropped with the last clone of a [`Client`]: tells the driver to close the connection.
+struct Handle {
+    shared: Arc<Shared>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.shared.state.lock().closed = true;
+        self.shared.kick.notify_one();
+    }
+}
+
+/// What the callers and the driver task share.
+struct Shared {
+    state: Mutex<State>,
+    mode: CompletionMode,
+    /// Wakes the driver task: a call went to sleep, or the last handle went away.
+    kick: Notify,
+}
+
+struct State {
+    conn: Conn,
+    calls: HashMap<u32, Slot>,
+    /// Calls whose futures wait for the driver to wake them.
+    sleeping: usize,
+    /// The driver task waits on the CQ (it wakes sleeping calls without being kicked).
+    driver_on_cq: bool,
+    closed: bool,
+}
+
+/// A started call: its result once known, and who to wake then.
+#[derive(Default)]
+struct Slot {
+    result: Option<Result<Vec<u8>, RpcError>>,
+    waker: Option<Waker>,
 }
 
 impl Client {
@@ -81,20 +110,20 @@ impl Client {
         let theirs = Hello::decode(&reply).ok_or_else(|| RpcError::Protocol("not an rdma-rpc server".into()))?;
         let session = Session::new(agree(&mine, &theirs));
         let conn = Conn::new(session, &pd, qp, cq, slot, config.isolation)?;
-        let (tx, rx) = mpsc::unbounded_channel();
-        let lost = Arc::new(parking_lot::Mutex::new(None));
-        let role = ClientRole {
-            rx,
-            open: true,
-            by_ticket: HashMap::new(),
-            by_call: HashMap::new(),
-            lost: lost.clone(),
-        };
-        tokio::spawn(driver::run(conn, role, config.mode));
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                conn,
+                calls: HashMap::new(),
+                sleeping: 0,
+                driver_on_cq: false,
+                closed: false,
+            }),
+            mode: config.mode,
+            kick: Notify::new(),
+        });
+        tokio::spawn(drive(shared.clone()));
         Ok(Client {
-            tx,
-            tickets: Arc::new(AtomicU64::new(1)),
-            lost,
+            handle: Arc::new(Handle { shared }),
         })
     }
 
@@ -116,44 +145,210 @@ impl Client {
     /// # Errors
     /// As [`Client::call`].
     pub async fn call_with(&self, method: u32, payload: Vec<u8>, opts: CallOptions) -> Result<Vec<u8>, RpcError> {
-        let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
-        let span = tracing::debug_span!("rpc.call", method, ticket, len = payload.len());
-        let (reply, rx) = oneshot::channel();
-        let cmd = Cmd::Call {
-            ticket,
-            method,
-            payload,
-            opts,
-            reply,
+        let shared = &self.handle.shared;
+        let span = tracing::debug_span!("rpc.call", method, len = payload.len());
+        let call = shared.state.lock().start(method, payload, opts)?;
+        let pending = Pending {
+            shared,
+            call,
+            since: Instant::now(),
+            sleeping: false,
+            done: false,
         };
-        if self.tx.send(cmd).is_err() {
-            return Err(self.lost_error());
+        pending.instrument(span).await
+    }
+}
+
+impl State {
+    /// Stages the payload (lent above the threshold), starts the call and posts its request.
+    fn start(&mut self, method: u32, payload: Vec<u8>, opts: CallOptions) -> Result<u32, RpcError> {
+        let conn = &mut self.conn;
+        let mut staged = Vec::new();
+        let result = (|| {
+            let p = if conn.session.is_rendezvous(payload.len()) {
+                let (desc, buf) = conn.stash.lend(&payload)?;
+                staged.push(buf);
+                Payload::Lent { desc, buf }
+            } else {
+                Payload::Eager(payload)
+            };
+            let landing = match opts.response_hint {
+                Some(h) if conn.session.is_rendezvous(h) => {
+                    let want = h.saturating_add(LANDING_PREFIX);
+                    let (buf, mr) = conn.stash.take(want)?;
+                    let mut desc = mr.remote();
+                    desc.len = want as u64;
+                    staged.push(buf);
+                    Some((desc, buf))
+                }
+                _ => None,
+            };
+            conn.session
+                .start_call(method, p, landing, opts.deadline, Instant::now())
+        })();
+        match result {
+            Ok(call) => {
+                self.calls.insert(call, Slot::default());
+                self.conn.flush();
+                Ok(call)
+            }
+            Err(e) => {
+                for b in staged {
+                    conn.stash.release(b);
+                }
+                Err(e)
+            }
         }
-        let mut guard = CancelOnDrop {
-            tx: &self.tx,
-            ticket,
-            armed: true,
+    }
+
+    /// Polls the connection once and hands finished calls their results.
+    fn progress(&mut self) {
+        self.conn.progress();
+        while let Some(ev) = self.conn.session.poll_event() {
+            if let Event::CallDone { call, result } = ev {
+                let result = result.and_then(|r| match r {
+                    Reply::Bytes(b) => Ok(b),
+                    Reply::Landed { buf } => self.conn.stash.landed(buf),
+                });
+                if let Some(slot) = self.calls.get_mut(&call) {
+                    slot.result = Some(result);
+                    if let Some(w) = slot.waker.take() {
+                        w.wake();
+                    }
+                }
+            }
+        }
+        self.conn.flush();
+        if self.conn.lost().is_some() {
+            self.conn.drain_flushed();
+        }
+    }
+
+    /// True when no call polls by itself, so the driver must watch the CQ for them.
+    fn needs_watch(&self) -> bool {
+        self.conn.lost().is_none() && self.conn.has_work() && self.calls.len() <= self.sleeping
+    }
+}
+
+/// How many polls the only call in flight makes before giving way to the runtime (a few
+/// microseconds on shm).
+const INNER_SPINS: u32 = 256;
+
+/// A call in flight; cancels it when dropped before its result.
+struct Pending<'a> {
+    shared: &'a Shared,
+    call: u32,
+    since: Instant,
+    sleeping: bool,
+    done: bool,
+}
+
+impl Future for Pending<'_> {
+    type Output = Result<Vec<u8>, RpcError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let shared = self.shared;
+        let mut st = shared.state.lock();
+        st.progress();
+        let spin = !self.sleeping && driver::spins(shared.mode, &st.conn, self.since);
+        // The only call in flight spins right here for a while: giving way to the runtime
+        // between polls costs more than a round trip on shm (a syscall per turn when the caller
+        // is the runtime's `block_on`). With other calls in flight it gives way at once, so
+        // that they are posted without waiting for this one.
+        if spin && st.calls.len() == 1 {
+            for _ in 0..INNER_SPINS {
+                if st.calls.get(&self.call).is_none_or(|s| s.result.is_some()) || st.conn.lost().is_some() {
+                    break;
+                }
+                std::hint::spin_loop();
+                st.progress();
+            }
+        }
+        let Some(slot) = st.calls.get_mut(&self.call) else {
+            // Only a finished call leaves the table, and only here.
+            self.done = true;
+            return Poll::Ready(Err(RpcError::ConnectionLost("the call was lost".into())));
         };
-        let r = rx.instrument(span).await;
-        guard.armed = false;
-        r.unwrap_or_else(|_| Err(self.lost_error()))
-    }
-
-    fn lost_error(&self) -> RpcError {
-        RpcError::ConnectionLost(self.lost.lock().clone().unwrap_or_else(|| "connection closed".into()))
+        if let Some(result) = slot.result.take() {
+            st.calls.remove(&self.call);
+            if self.sleeping {
+                st.sleeping -= 1;
+            }
+            self.done = true;
+            return Poll::Ready(result);
+        }
+        if spin {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        slot.waker = Some(cx.waker().clone());
+        if !self.sleeping {
+            self.sleeping = true;
+            st.sleeping += 1;
+        }
+        let kick = !st.driver_on_cq;
+        drop(st);
+        if kick {
+            shared.kick.notify_one();
+        }
+        Poll::Pending
     }
 }
 
-struct CancelOnDrop<'a> {
-    tx: &'a mpsc::UnboundedSender<Cmd>,
-    ticket: u64,
-    armed: bool,
-}
-
-impl Drop for CancelOnDrop<'_> {
+impl Drop for Pending<'_> {
     fn drop(&mut self) {
-        if self.armed {
-            let _ = self.tx.send(Cmd::Cancel { ticket: self.ticket });
+        if self.done {
+            return;
+        }
+        let mut st = self.shared.state.lock();
+        if self.sleeping {
+            st.sleeping -= 1;
+        }
+        if let Some(slot) = st.calls.remove(&self.call) {
+            if slot.result.is_none() {
+                st.conn.session.cancel(self.call);
+                st.conn.flush();
+            }
+        }
+        // The driver finishes what the cancel started (the server's last word, credits).
+        drop(st);
+        self.shared.kick.notify_one();
+    }
+}
+
+/// The connection's driver task: polls for sleeping calls, keeps the connection going when no
+/// call does, and closes it (dropping the QP and buffers) after the last handle.
+async fn drive(shared: Arc<Shared>) {
+    let cq = shared.state.lock().conn.cq().clone();
+    loop {
+        let (watch, deadline) = {
+            let mut st = shared.state.lock();
+            st.progress();
+            let lost = st.conn.lost().is_some();
+            if st.closed && (lost || !st.conn.has_work()) {
+                return;
+            }
+            let watch = st.needs_watch();
+            st.driver_on_cq = watch;
+            let deadline = if lost { None } else { st.conn.session.poll_timeout() };
+            (watch, deadline)
+        };
+        let sleep = async move {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = cq.ready(), if watch => {
+                if let Err(e) = r {
+                    tracing::debug!(%e, "waiting on the CQ");
+                    // The next progress polls the CQ and sees the error as the connection's loss.
+                    tokio::task::yield_now().await;
+                }
+            }
+            () = shared.kick.notified() => {}
+            () = sleep => {}
         }
     }
 }
@@ -181,138 +376,5 @@ pub(crate) fn agree(mine: &Hello, theirs: &Hello) -> SessionConfig {
         ring: theirs.ring,
         eager_max: mine.eager_threshold.min(theirs.eager_threshold) as usize,
         max_payload: mine.max_payload.min(theirs.max_payload),
-    }
-}
-
-struct ClientRole {
-    rx: mpsc::UnboundedReceiver<Cmd>,
-    open: bool,
-    by_ticket: HashMap<u64, u32>,
-    by_call: HashMap<u32, (u64, ReplyTx)>,
-    lost: Arc<parking_lot::Mutex<Option<String>>>,
-}
-
-impl ClientRole {
-    fn on_cmd(&mut self, conn: &mut Conn, cmd: Cmd) {
-        match cmd {
-            Cmd::Call {
-                ticket,
-                method,
-                payload,
-                opts,
-                reply,
-            } => {
-                let mut staged = Vec::new();
-                let result = (|| {
-                    let p = if conn.session.is_rendezvous(payload.len()) {
-                        let (desc, buf) = conn.stash.lend(&payload)?;
-                        staged.push(buf);
-                        Payload::Lent { desc, buf }
-                    } else {
-                        Payload::Eager(payload)
-                    };
-                    let landing = match opts.response_hint {
-                        Some(h) if conn.session.is_rendezvous(h) => {
-                            let want = h.saturating_add(LANDING_PREFIX);
-                            let (buf, mr) = conn.stash.take(want)?;
-                            let mut desc = mr.remote();
-                            desc.len = want as u64;
-                            staged.push(buf);
-                            Some((desc, buf))
-                        }
-                        _ => None,
-                    };
-                    conn.session
-                        .start_call(method, p, landing, opts.deadline, Instant::now())
-                })();
-                match result {
-                    Ok(call) => {
-                        self.by_ticket.insert(ticket, call);
-                        self.by_call.insert(call, (ticket, reply));
-                    }
-                    Err(e) => {
-                        for b in staged {
-                            conn.stash.release(b);
-                        }
-                        let _ = reply.send(Err(e));
-                    }
-                }
-            }
-            Cmd::Cancel { ticket } => {
-                if let Some(call) = self.by_ticket.remove(&ticket) {
-                    self.by_call.remove(&call);
-                    conn.session.cancel(call);
-                }
-            }
-        }
-    }
-}
-
-impl Role for ClientRole {
-    fn drain_inputs(&mut self, conn: &mut Conn) -> bool {
-        let mut any = false;
-        loop {
-            match self.rx.try_recv() {
-                Ok(cmd) => {
-                    self.on_cmd(conn, cmd);
-                    any = true;
-                }
-                Err(mpsc::error::TryRecvError::Empty) => return any,
-                Err(mpsc::error::TryRecvError::Disconnected) => {
-                    self.open = false;
-                    return any;
-                }
-            }
-        }
-    }
-
-    fn on_event(&mut self, conn: &mut Conn, ev: Event) {
-        if let Event::CallDone { call, result } = ev {
-            let result = result.and_then(|r| match r {
-                Reply::Bytes(b) => Ok(b),
-                Reply::Landed { buf } => conn.stash.landed(buf),
-            });
-            if let Some((ticket, reply)) = self.by_call.remove(&call) {
-                self.by_ticket.remove(&ticket);
-                let _ = reply.send(result);
-            }
-        }
-    }
-
-    async fn wait_input(&mut self) -> Option<RoleInput> {
-        if !self.open {
-            return std::future::pending().await;
-        }
-        match self.rx.recv().await {
-            Some(cmd) => Some(Box::new(cmd)),
-            None => {
-                self.open = false;
-                None
-            }
-        }
-    }
-
-    fn on_input(&mut self, conn: &mut Conn, input: RoleInput) {
-        if let Ok(cmd) = input.downcast::<Cmd>() {
-            self.on_cmd(conn, *cmd);
-        }
-    }
-
-    fn finished(&self, conn: &Conn) -> bool {
-        !self.open && self.by_call.is_empty() && conn.session.pending_calls() == 0
-    }
-
-    fn on_lost(&mut self, why: &str) {
-        *self.lost.lock() = Some(why.to_owned());
-        for (_, (_, reply)) in self.by_call.drain() {
-            let _ = reply.send(Err(RpcError::ConnectionLost(why.to_owned())));
-        }
-        self.by_ticket.clear();
-        self.rx.close();
-        while let Ok(cmd) = self.rx.try_recv() {
-            if let Cmd::Call { reply, .. } = cmd {
-                let _ = reply.send(Err(RpcError::ConnectionLost(why.to_owned())));
-            }
-        }
     }
 }

@@ -124,6 +124,45 @@ impl Conn {
         v
     }
 
+    /// One round of progress without waiting: reaps completions, fires due deadlines and posts
+    /// what the session wants sent. Returns whether anything happened.
+    pub(crate) fn progress(&mut self) -> bool {
+        let mut busy = self.poll_cq();
+        if let Some(d) = self.session.poll_timeout() {
+            let now = Instant::now();
+            if d <= now {
+                self.session.handle_timeout(now);
+                busy = true;
+            }
+        }
+        busy | self.flush()
+    }
+
+    /// Why the connection was lost, once it is.
+    pub(crate) fn lost(&self) -> Option<&str> {
+        self.lost.as_deref()
+    }
+
+    /// The completion queue, to wait on outside the connection's lock.
+    pub(crate) fn cq(&self) -> &CompletionQueue {
+        &self.cq
+    }
+
+    /// Whether the connection still has work a completion will advance: calls, transfers or
+    /// transmits waiting for credits.
+    pub(crate) fn has_work(&self) -> bool {
+        self.session.pending_calls() > 0
+            || self.session.serving() > 0
+            || !self.backlog.is_empty()
+            || !self.reads.is_empty()
+            || !self.writes.is_empty()
+    }
+
+    /// After a loss: lets the flushed completions come back so their buffers return.
+    pub(crate) fn drain_flushed(&mut self) {
+        while self.poll_cq() {}
+    }
+
     /// Reaps completions without blocking; returns whether there were any.
     fn poll_cq(&mut self) -> bool {
         let mut done = std::mem::take(&mut self.scratch);
@@ -142,7 +181,6 @@ impl Conn {
     }
 
     fn on_completion(&mut self, c: Completion) {
-        let now = Instant::now();
         if !c.status.is_success() {
             let hint = c.status.hint().map(|h| format!(" ({h})")).unwrap_or_default();
             self.lose(format!("work request failed: {}{hint}", c.status));
@@ -157,7 +195,7 @@ impl Conn {
                     _ => {
                         let bytes = buf.bytes();
                         let len = (c.byte_len as usize).min(bytes.len());
-                        self.session.handle_message(&bytes[..len], now)
+                        self.session.handle_message(&bytes[..len], Instant::now())
                     }
                 };
                 if let Err(e) = r {
@@ -180,7 +218,7 @@ impl Conn {
                 }
                 let bytes = self.take_bytes(local, len);
                 if let Some(token) = token {
-                    self.session.handle_read_done(token, Ok(bytes), now);
+                    self.session.handle_read_done(token, Ok(bytes), Instant::now());
                 }
             }
             WRITE => {
@@ -198,7 +236,7 @@ impl Conn {
     }
 
     /// Posts what the session wants sent.
-    fn flush(&mut self) -> bool {
+    pub(crate) fn flush(&mut self) -> bool {
         let mut any = false;
         loop {
             let t = match self.backlog.pop_front() {
@@ -374,18 +412,15 @@ impl Job {
     }
 }
 
+/// Polls a spinning connection makes between turns through the runtime.
+const INNER_SPINS: u32 = 64;
+
 /// Runs a connection until it is lost or its role is finished.
 pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: CompletionMode) {
     let mut last_active = Instant::now();
     loop {
         let mut busy = role.drain_inputs(&mut conn);
-        busy |= conn.poll_cq();
-        let now = Instant::now();
-        if conn.session.poll_timeout().is_some_and(|d| d <= now) {
-            conn.session.handle_timeout(now);
-            busy = true;
-        }
-        busy |= conn.flush();
+        busy |= conn.progress();
         while let Some(ev) = conn.session.poll_event() {
             role.on_event(&mut conn, ev);
             busy = true;
@@ -393,8 +428,7 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
         busy |= conn.flush();
         if let Some(why) = conn.lost.clone() {
             role.on_lost(&why);
-            // Let the flush completions drain so buffers come back, then stop.
-            while conn.poll_cq() {}
+            conn.drain_flushed();
             return;
         }
         if role.finished(&conn) {
@@ -404,19 +438,48 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
             last_active = Instant::now();
             continue;
         }
-        let spin = match mode {
-            CompletionMode::Spin => true,
-            // On the tcp provider completions come from the engine's threads on the same cores:
-            // spinning would only take their CPU away, so adaptive waits at once.
-            CompletionMode::Adaptive { spin } => !conn.software && last_active.elapsed() < spin,
-            _ => false,
-        };
-        if spin {
-            tokio::task::yield_now().await;
+        if spins(mode, &conn, last_active) {
+            // Poll a while before giving way: a turn through the runtime costs more than the
+            // polls, and a message usually comes within them.
+            for _ in 0..INNER_SPINS {
+                std::hint::spin_loop();
+                if conn.progress() {
+                    break;
+                }
+            }
+            reschedule().await;
             continue;
         }
         wait(&mut conn, &mut role).await;
         last_active = Instant::now();
+    }
+}
+
+/// Lets the runtime run other tasks once, then continues: how a spinning task gives way.
+///
+/// Unlike `tokio::task::yield_now`, which defers the task until the runtime has polled its IO
+/// driver (a syscall per spin), this only queues the task again behind the others.
+pub(crate) async fn reschedule() {
+    let mut queued = false;
+    std::future::poll_fn(|cx| {
+        if queued {
+            return std::task::Poll::Ready(());
+        }
+        queued = true;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    })
+    .await;
+}
+
+/// Whether `mode` spins on this connection's provider `since` the last activity.
+pub(crate) fn spins(mode: CompletionMode, conn: &Conn, since: Instant) -> bool {
+    match mode {
+        CompletionMode::Spin => true,
+        // On the tcp provider completions come from the engine's threads on the same cores:
+        // spinning would only take their CPU away, so adaptive waits at once.
+        CompletionMode::Adaptive { spin } => !conn.software && since.elapsed() < spin,
+        _ => false,
     }
 }
 

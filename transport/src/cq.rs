@@ -81,6 +81,8 @@ pub(crate) struct CqShared {
     pub(crate) depth: u32,
     pub(crate) qps: Mutex<HashMap<u32, Arc<QpShared>>>,
     scratch: Mutex<Vec<RawWc>>,
+    /// Completions reaped by [`CompletionQueue::ready`], handed out first by the next poll.
+    held: Mutex<std::collections::VecDeque<Completion>>,
     pub(crate) imp: CqImpl,
 }
 
@@ -110,6 +112,7 @@ impl CompletionQueue {
                 depth,
                 qps: Mutex::new(HashMap::new()),
                 scratch: Mutex::new(Vec::with_capacity(64)),
+                held: Mutex::new(std::collections::VecDeque::new()),
                 imp,
             }),
         })
@@ -125,6 +128,26 @@ impl CompletionQueue {
     /// # Errors
     /// A verbs error from `ibv_poll_cq` (the CQ overran, or the device died).
     pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        // Held through the reap, so that completions held by `ready` meanwhile cannot be
+        // overtaken by later ones.
+        let mut held = self.inner.held.lock();
+        let mut n = 0;
+        while n < max {
+            let Some(c) = held.pop_front() else { break };
+            out.push(c);
+            n += 1;
+        }
+        if !held.is_empty() {
+            return Ok(n);
+        }
+        Ok(n + self.reap(out, max - n)?)
+    }
+
+    /// Polls the provider, attaching each completion's buffer.
+    fn reap(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        if max == 0 {
+            return Ok(0);
+        }
         let mut scratch = self.inner.scratch.lock();
         scratch.clear();
         let n = match &self.inner.imp {
@@ -158,9 +181,27 @@ impl CompletionQueue {
     /// Cancel safe: completions are only taken from the queue in the `poll` that returns them.
     pub async fn wait(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
         loop {
+            self.ready().await?;
             let n = self.poll(out, max)?;
             if n > 0 {
                 return Ok(n);
+            }
+        }
+    }
+
+    /// Waits until a completion is there without taking it: the next [`CompletionQueue::poll`]
+    /// returns it. For a task that waits while others poll, so that completions are always
+    /// handled in the order polls return them.
+    ///
+    /// # Errors
+    /// [`Error::NoRuntime`] outside tokio (verbs); provider errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: what it reaps stays in the CQ for the next poll.
+    pub async fn ready(&self) -> Result<()> {
+        loop {
+            if self.hold()? {
+                return Ok(());
             }
             match &self.inner.imp {
                 CqImpl::Tcp(cq) => {
@@ -168,23 +209,33 @@ impl CompletionQueue {
                     tokio::pin!(notified);
                     notified.as_mut().enable();
                     cq.arm();
-                    let n = self.poll(out, max)?;
-                    if n > 0 {
-                        return Ok(n);
+                    if self.hold()? {
+                        return Ok(());
                     }
                     notified.await;
                 }
                 #[cfg(feature = "verbs")]
                 CqImpl::Verbs(cq) => {
                     cq.arm()?;
-                    let n = self.poll(out, max)?;
-                    if n > 0 {
-                        return Ok(n);
+                    if self.hold()? {
+                        return Ok(());
                     }
                     cq.wait_event().await?;
                 }
             }
         }
+    }
+
+    /// Reaps into the held queue; true when it holds anything.
+    fn hold(&self) -> Result<bool> {
+        let mut held = self.inner.held.lock();
+        if !held.is_empty() {
+            return Ok(true);
+        }
+        let mut got = Vec::new();
+        self.reap(&mut got, 64)?;
+        held.extend(got);
+        Ok(!held.is_empty())
     }
 
     pub(crate) fn attach(&self, qp: &Arc<QpShared>) {

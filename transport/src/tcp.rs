@@ -95,6 +95,8 @@ pub(crate) fn random_u32() -> u32 {
 /// in shared memory. A CQ asks every source before each poll.
 pub(crate) trait CqSource: Send + Sync {
     fn drain(&self);
+    /// The CQ waits: have the next completion rung for.
+    fn arm(&self);
 }
 
 /// A software completion queue.
@@ -141,6 +143,9 @@ impl Cq {
 
     pub(crate) fn arm(&self) {
         self.armed.store(true, Ordering::Release);
+        for s in self.sources.lock().iter().filter_map(Weak::upgrade) {
+            s.arm();
+        }
     }
 
     pub(crate) fn notified(&self) -> tokio::sync::futures::Notified<'_> {

@@ -33,6 +33,11 @@ struct Header {
     /// Entries taken (the peer, or the owner's engine for a request that came as a frame).
     head: AtomicU64,
     _p1: [u8; 56],
+    /// 1 while the owner waits for a completion (its CQ is armed): the peer that completes an
+    /// entry then clears it and rings the owner's doorbell. Without it nobody rings: a polling
+    /// owner costs its peer no wake-up.
+    armed: AtomicU32,
+    _p2: [u8; 60],
 }
 
 #[repr(C, align(64))]
@@ -141,6 +146,19 @@ impl OwnRq {
         h.tail.store(tail.wrapping_add(1), Ordering::Release);
     }
 
+    /// Whether the peer took an entry not drained yet (a cheap look before locking anything).
+    /// Asks the peer to ring the doorbell after its next completion (one-shot, as
+    /// `ibv_req_notify_cq`). Poll once more after arming: a completion written just before
+    /// was not rung for.
+    pub(crate) fn arm(&self) {
+        self.seg.header().armed.store(1, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    pub(crate) fn has_taken(&self) -> bool {
+        self.drained.load(Ordering::Relaxed) != self.seg.header().head.load(Ordering::Acquire)
+    }
+
     /// The oldest completion the peer wrote and nobody drained yet, if any. `None` also at the
     /// first entry that is not done (the peer moves `head` only after marking the entry; a peer
     /// that lies stalls itself). Each call moves past what it returns, so a caller may drain
@@ -238,8 +256,10 @@ impl PeerRq {
 }
 
 impl Taken<'_> {
-    /// Writes the receive's completion and hands the entry to the owner.
-    pub(crate) fn complete(self, status: WcStatus, flags: u32, byte_len: u64, imm: u32) {
+    /// Writes the receive's completion and hands the entry to the owner; true when the owner
+    /// waits for it (armed), so the caller must ring its doorbell.
+    #[must_use]
+    pub(crate) fn complete(self, status: WcStatus, flags: u32, byte_len: u64, imm: u32) -> bool {
         let e = self.entry;
         let code = if status.is_success() { 0 } else { status as u32 };
         e.status.store(code, Ordering::Relaxed);
@@ -247,10 +267,11 @@ impl Taken<'_> {
         e.byte_len.store(byte_len, Ordering::Relaxed);
         e.imm.store(imm, Ordering::Relaxed);
         e.state.store(DONE, Ordering::Release);
-        self.rq
-            .seg
-            .header()
-            .head
-            .store(self.head.wrapping_add(1), Ordering::Release);
+        let h = self.rq.seg.header();
+        h.head.store(self.head.wrapping_add(1), Ordering::Release);
+        // Pairs with the fence in `OwnRq::arm`: either the owner's poll after arming sees this
+        // entry, or this sees the owner armed.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        h.armed.load(Ordering::Relaxed) != 0 && h.armed.swap(0, Ordering::AcqRel) != 0
     }
 }

@@ -298,26 +298,25 @@ fn direct(
             let data = if d.len > 0 { local_bytes(d.len) } else { None };
             let bytes: &[u8] = data.as_deref().unwrap_or(&[]);
             // The receiving NIC's checks: room in the receive, a receive buffer it may write.
-            let result = if bytes.len() as u64 > taken.len {
-                taken.complete(WcStatus::LocLenErr, 0, 0, 0);
-                Err(WcStatus::RemInvReqErr)
+            let (ring, result) = if bytes.len() as u64 > taken.len {
+                (
+                    taken.complete(WcStatus::LocLenErr, 0, 0, 0),
+                    Err(WcStatus::RemInvReqErr),
+                )
             } else if bytes.is_empty() {
-                taken.complete(WcStatus::Success, flags, 0, imm.unwrap_or(0));
-                Ok(0)
+                (taken.complete(WcStatus::Success, flags, 0, imm.unwrap_or(0)), Ok(0))
             } else {
                 match arena.write_local(taken.addr, taken.lkey, bytes) {
                     Ok(()) => {
                         let n = bytes.len() as u64;
-                        taken.complete(WcStatus::Success, flags, n, imm.unwrap_or(0));
-                        Ok(0)
+                        (taken.complete(WcStatus::Success, flags, n, imm.unwrap_or(0)), Ok(0))
                     }
-                    Err(_) => {
-                        taken.complete(WcStatus::LocProtErr, 0, 0, 0);
-                        Err(WcStatus::RemOpErr)
-                    }
+                    Err(_) => (taken.complete(WcStatus::LocProtErr, 0, 0, 0), Err(WcStatus::RemOpErr)),
                 }
             };
-            link.poke();
+            if ring {
+                link.poke();
+            }
             result
         }
         SendOp::Write { remote, imm: Some(imm) } => {
@@ -337,8 +336,9 @@ fn direct(
                 }
             }
             let flags = crate::shm::rq::HAS_IMM | crate::shm::rq::WRITE_IMM;
-            taken.complete(WcStatus::Success, flags, d.len as u64, imm);
-            link.poke();
+            if taken.complete(WcStatus::Success, flags, d.len as u64, imm) {
+                link.poke();
+            }
             Ok(0)
         }
     })
@@ -776,7 +776,16 @@ fn deliver(r: &PostedRecv, data: &[u8], pd: &Arc<PdShared>) -> Result<(), WcStat
 }
 
 impl super::CqSource for Engine {
+    fn arm(&self) {
+        if let Some(rq) = &self.own_rq {
+            rq.arm();
+        }
+    }
+
     fn drain(&self) {
+        if !self.own_rq.as_ref().is_some_and(|rq| rq.has_taken()) {
+            return;
+        }
         let mut st = self.state.lock();
         self.drain_rq(&mut st);
     }
