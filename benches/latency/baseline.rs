@@ -90,6 +90,30 @@ pub async fn tarpc_echo(srv: &Handle, size: usize, plan: Plan) -> Samples {
     .await
 }
 
+/// The wake-up floor of this machine: a message to a thread of the server runtime that sleeps
+/// until it comes, and back to this one, which sleeps too (futexes, through std channels).
+/// No non-spinning design can answer faster on the same placement of threads.
+pub async fn wake(srv: &Handle, plan: Plan) -> Samples {
+    let (to_srv, from_client) = std::sync::mpsc::sync_channel::<u64>(1);
+    let (to_client, from_srv) = std::sync::mpsc::sync_channel::<u64>(1);
+    let echo = srv.spawn_blocking(move || {
+        while let Ok(v) = from_client.recv() {
+            if to_client.send(v).is_err() {
+                return;
+            }
+        }
+    });
+    let samples = sampler::run(plan, async || {
+        to_srv.send(1).expect("wake echo");
+        from_srv.recv().expect("wake echo");
+        None
+    })
+    .await;
+    drop(to_srv);
+    let _ = echo.await;
+    samples
+}
+
 /// A plain copy of `size` bytes between two buffers of this process: the speed limit of any
 /// software provider on one host.
 pub async fn memcpy(size: usize, plan: Plan) -> Samples {

@@ -39,6 +39,7 @@ const ALL_MODES: &[&str] = &[
     "atomic",
     "tcp",
     "tarpc",
+    "wake",
 ];
 
 #[derive(Parser, Debug)]
@@ -80,6 +81,10 @@ struct Args {
     /// Draw latency against size (SVG) here.
     #[arg(long)]
     plot: Option<String>,
+    /// Pin the client thread and the server thread to these CPUs, e.g. `0,1` (as perftest is
+    /// run under taskset); `0,0` puts both on one core. Threads they start inherit the pinning.
+    #[arg(long, value_delimiter = ',')]
+    cpus: Option<Vec<usize>>,
     /// perftest reports to compare with, e.g. send=send.txt,write=write.txt,read=read.txt.
     #[arg(long, value_delimiter = ',')]
     perftest: Vec<String>,
@@ -115,7 +120,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rows_planned: usize = args
         .modes
         .iter()
-        .map(|m| if m == "atomic" { 1 } else { sizes.len() })
+        .map(|m| if m == "atomic" || m == "wake" { 1 } else { sizes.len() })
         .sum::<usize>()
         .max(1);
     let plan = Plan {
@@ -126,10 +131,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     // Client and server each get one thread (the machines have two cores): the client side runs
     // on this thread, every server of every mode (RPC, raw echo, TCP, tarpc) on the other.
+    let (client_cpu, server_cpu) = match args.cpus.as_deref() {
+        Some(&[c, s]) => (Some(c), Some(s)),
+        None => (None, None),
+        Some(_) => return Err("--cpus takes two CPUs: client,server".into()),
+    };
+    if let Some(c) = client_cpu {
+        pin(c)?;
+    }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let server_rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("bench-server")
+        .on_thread_start(move || {
+            if let Some(s) = server_cpu {
+                let _ = pin(s);
+            }
+        })
         .enable_all()
         .build()?;
     let srv = server_rt.handle().clone();
@@ -147,7 +165,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         chrono_free_date()
     );
     for mode in &args.modes {
-        let mode_sizes: Vec<usize> = if mode == "atomic" { vec![8] } else { sizes.clone() };
+        let mode_sizes: Vec<usize> = match mode.as_str() {
+            "atomic" => vec![8],
+            "wake" => vec![0],
+            _ => sizes.clone(),
+        };
         for &size in &mode_sizes {
             bar.set_message(format!("{mode} {size} B"));
             let (conv, moved, s) = rt.block_on(measure(&srv, &dev, args.ip, mode, size, plan, completion));
@@ -229,7 +251,22 @@ async fn measure(
             (Convention::Rtt, 8, raw::atomic(c, s, plan).await)
         }
         "tcp" => (Convention::Rtt, 2 * size, baseline::tcp_echo(srv, size, plan).await),
+        "wake" => (Convention::Rtt, 0, baseline::wake(srv, plan).await),
         _ => (Convention::Rtt, 2 * size, baseline::tarpc_echo(srv, size, plan).await),
+    }
+}
+
+/// Pins the calling thread to `cpu`.
+fn pin(cpu: usize) -> Result<(), String> {
+    let ids = core_affinity::get_core_ids().unwrap_or_default();
+    let id = ids
+        .into_iter()
+        .find(|c| c.id == cpu)
+        .ok_or_else(|| format!("no CPU {cpu} to pin to"))?;
+    if core_affinity::set_for_current(id) {
+        Ok(())
+    } else {
+        Err(format!("pinning to CPU {cpu} failed"))
     }
 }
 

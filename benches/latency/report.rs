@@ -151,6 +151,12 @@ fn shm_targets(rows: &[Row]) {
             ev.t_typical,
             verdict(ev.t_typical <= 15.0)
         );
+        if let Some(w) = rows.iter().find(|r| r.mode == "wake") {
+            println!(
+                "  this machine's wake-up floor (wake mode: a blocking round trip between the same two threads): p50 {:.2} us",
+                w.t_typical
+            );
+        }
     }
     // The target is for 16 MiB; a sweep without that size reports its largest common one.
     let sizes = rows

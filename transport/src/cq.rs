@@ -102,7 +102,7 @@ impl CompletionQueue {
         }
         let imp = match &device.inner.imp {
             // shm QPs run the tcp provider's engine: the same software CQ.
-            DeviceImpl::Tcp | DeviceImpl::Shm => CqImpl::Tcp(Arc::new(crate::tcp::Cq::new(depth))),
+            DeviceImpl::Tcp | DeviceImpl::Shm => CqImpl::Tcp(Arc::new(crate::tcp::Cq::new(depth)?)),
             #[cfg(feature = "verbs")]
             DeviceImpl::Verbs(ctx) => CqImpl::Verbs(crate::verbs::Cq::new(ctx, depth)?),
         };
@@ -205,14 +205,11 @@ impl CompletionQueue {
             }
             match &self.inner.imp {
                 CqImpl::Tcp(cq) => {
-                    let notified = cq.notified();
-                    tokio::pin!(notified);
-                    notified.as_mut().enable();
                     cq.arm();
                     if self.hold()? {
                         return Ok(());
                     }
-                    notified.await;
+                    cq.wait_bell().await?;
                 }
                 #[cfg(feature = "verbs")]
                 CqImpl::Verbs(cq) => {

@@ -9,8 +9,11 @@
 //!   atomics are real atomic instructions on the shared word.
 //! - **Two-sided operations.** The receiver publishes its receive queue in shared memory
 //!   (`rq`); a Send or Write-with-immediate that finds a posted receive is delivered by the
-//!   sender, which writes the payload and the completion into the entry and rings the receiver's
-//!   doorbell; the receiver's CQ drains completed entries in order. One that finds none goes as
+//!   sender, which writes the payload and the completion into the entry; the receiver's CQ
+//!   drains completed entries in order. Only when the receiver waits (its CQ armed, a one-shot
+//!   flag in the queue's header) does the sender ring its doorbell, an eventfd the waiting task
+//!   sleeps on in tokio's IO driver: one wake-up per message, none while it polls. One that
+//!   finds no receive goes as
 //!   a frame to the receiver's progress engine (the tcp provider's engine: the same responder,
 //!   RNR, error and flush semantics), over a pair of shared-memory byte rings with futex
 //!   wake-ups; frames and direct deliveries never overlap, so RC order holds.
@@ -26,6 +29,7 @@
 //! of the same user.
 
 mod arena;
+pub(crate) mod bell;
 pub(crate) mod cm;
 pub(crate) mod link;
 mod ring;
@@ -44,6 +48,15 @@ use crate::{AccessFlags, DeviceCaps, Error, QpOptions, Result};
 pub(crate) struct Peer {
     pub(crate) arena: PeerArena,
     pub(crate) rq: rq::PeerRq,
+    /// The doorbell of the peer's receive CQ (an eventfd), rung when it waits.
+    bell: std::os::fd::OwnedFd,
+}
+
+impl Peer {
+    /// Wakes the peer's CQ waiter (after a delivery it armed for).
+    pub(crate) fn ring(&self) {
+        bell::ring(&self.bell);
+    }
 }
 
 /// Starts a QP's engine over an established shm link.
@@ -73,7 +86,14 @@ pub(crate) fn start(
 /// What this side brings to a connection, from the PD in `opts`.
 pub(crate) fn side(opts: &QpOptions) -> Result<cm::Side> {
     match &opts.pd.inner.imp {
-        crate::pd::PdImpl::Shm(pd) => cm::Side::new(pd.arena.clone(), opts.caps.max_recv_wr),
+        crate::pd::PdImpl::Shm(pd) => {
+            let bell = match &opts.recv_cq.inner.imp {
+                CqImpl::Tcp(cq) => cq.share_bell()?,
+                #[allow(unreachable_patterns)]
+                _ => return Err(Error::InvalidArgument("an shm QP needs shm CQs".into())),
+            };
+            cm::Side::new(pd.arena.clone(), opts.caps.max_recv_wr, bell)
+        }
         _ => Err(Error::InvalidArgument("an shm QP needs an shm PD".into())),
     }
 }

@@ -104,23 +104,23 @@ pub(crate) struct Cq {
     sources: Mutex<Vec<Weak<dyn CqSource>>>,
     queue: Mutex<VecDeque<RawWc>>,
     armed: AtomicBool,
-    notify: tokio::sync::Notify,
+    bell: crate::shm::bell::Bell,
 }
 
 impl Cq {
-    pub(crate) fn new(depth: u32) -> Self {
-        Self {
+    pub(crate) fn new(depth: u32) -> crate::Result<Self> {
+        Ok(Self {
             sources: Mutex::new(Vec::new()),
             queue: Mutex::new(VecDeque::with_capacity(depth.min(4096) as usize)),
             armed: AtomicBool::new(false),
-            notify: tokio::sync::Notify::new(),
-        }
+            bell: crate::shm::bell::Bell::new()?,
+        })
     }
 
     pub(crate) fn push(&self, wc: RawWc) {
         self.queue.lock().push_back(wc);
         if self.armed.swap(false, Ordering::AcqRel) {
-            self.notify.notify_one();
+            self.bell.ring();
         }
     }
 
@@ -148,7 +148,13 @@ impl Cq {
         }
     }
 
-    pub(crate) fn notified(&self) -> tokio::sync::futures::Notified<'_> {
-        self.notify.notified()
+    /// Sleeps until the doorbell rings (arm first, then poll once more, then wait).
+    pub(crate) async fn wait_bell(&self) -> crate::Result<()> {
+        self.bell.wait().await
+    }
+
+    /// A duplicate of the doorbell for a peer process that delivers into our receives (shm).
+    pub(crate) fn share_bell(&self) -> crate::Result<std::os::fd::OwnedFd> {
+        self.bell.share()
     }
 }

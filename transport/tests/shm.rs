@@ -240,3 +240,49 @@ async fn a_peer_killed_mid_transfer_fails_the_transfer_at_once() {
     assert!(qp.is_error());
     println!("first error {:?} {:?} after the kill", first.status, killed.elapsed());
 }
+
+/// A task asleep on its CQ (armed, no thread of its process polling) is woken by the peer's
+/// direct delivery into its posted receive: the sender rings the CQ's doorbell itself.
+#[tokio::test]
+async fn a_delivery_wakes_the_task_asleep_on_the_cq() {
+    let dev = Device::open("shm").expect("shm");
+    let mk = || (dev.alloc_pd().expect("pd"), dev.create_cq(16).expect("cq"));
+    let ((spd, scq), (cpd, ccq)) = (mk(), mk());
+    let listener = Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let sopts = QpOptions::new(&spd, &scq);
+    let accepting = std::thread::spawn(move || {
+        let req = listener.accept(Some(WAIT)).expect("a connection");
+        req.accept(&sopts, b"").expect("accept")
+    });
+    let (cqp, _) = connect(addr, &QpOptions::new(&cpd, &ccq), b"", WAIT).expect("connect");
+    let sqp = accepting.join().expect("accept thread");
+    for round in 0..3u64 {
+        let recv = RecvWr::new(round, spd.register(64, AccessFlags::LOCAL_WRITE).expect("recv buffer"));
+        sqp.post_recv(recv).map_err(|e| e.error).expect("post recv");
+        let waiter = {
+            let scq = scq.clone();
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                scq.wait(&mut got, 1).await.expect("wait");
+                got.pop().expect("one completion")
+            })
+        };
+        // Let the waiter arm its CQ and fall asleep before the Send is posted.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut msg = cpd.register(8, AccessFlags::LOCAL_WRITE).expect("send buffer");
+        msg.write_at(0, &round.to_le_bytes()).expect("write");
+        cqp.post_send(SendWr::send(100 + round, msg))
+            .map_err(|e| e.error)
+            .expect("send");
+        let c = tokio::time::timeout(WAIT, waiter)
+            .await
+            .expect("the sleeping waiter was never woken")
+            .expect("waiter task");
+        assert_eq!(c.status, WcStatus::Success);
+        assert_eq!(c.wr_id, round);
+        let b = c.buf.expect("receive buffer");
+        assert_eq!(&b.bytes()[..8], &round.to_le_bytes());
+        one(&ccq).await.ok().expect("send completion");
+    }
+}

@@ -22,7 +22,8 @@ use crate::cm::MAX_PRIVATE_DATA;
 use crate::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"RDRPCSHM";
-const VERSION: u16 = 1;
+/// 2: a fourth descriptor, the receive CQ's doorbell; the receive queue's `armed` word.
+const VERSION: u16 = 2;
 const HANDSHAKE: Duration = Duration::from_secs(10);
 
 fn name(addr: SocketAddr) -> Result<UnixAddr> {
@@ -36,6 +37,8 @@ pub(crate) struct Side {
     pub(crate) inbox: Arc<Mapping>,
     rq_fd: OwnedFd,
     rq: Option<OwnRq>,
+    /// The receive CQ's doorbell, for the peer to ring after delivering into our receives.
+    bell_fd: OwnedFd,
 }
 
 /// A connection's pieces, once both sides' descriptors are in.
@@ -46,7 +49,7 @@ pub(crate) struct Joined {
 }
 
 impl Side {
-    pub(crate) fn new(arena: Arc<Arena>, max_recv_wr: u32) -> Result<Side> {
+    pub(crate) fn new(arena: Arc<Arena>, max_recv_wr: u32, bell_fd: OwnedFd) -> Result<Side> {
         let fd =
             sys::sealed_memfd("rdma-rpc-shm-ring", ring::BYTES as u64).map_err(|e| Error::io("creating a ring", e))?;
         let inbox = Arc::new(Mapping::map(&fd, ring::BYTES).map_err(|e| Error::io("mapping a ring", e))?);
@@ -57,21 +60,23 @@ impl Side {
             inbox,
             rq_fd,
             rq: Some(rq),
+            bell_fd,
         })
     }
 
-    fn fds(&self) -> [std::os::fd::RawFd; 3] {
+    fn fds(&self) -> [std::os::fd::RawFd; 4] {
         [
             self.arena.fd.as_raw_fd(),
             self.inbox_fd.as_raw_fd(),
             self.rq_fd.as_raw_fd(),
+            self.bell_fd.as_raw_fd(),
         ]
     }
 
     /// The link, the peer's memory and receive queue, from the peer's descriptors. Our
     /// descriptors stay with `self` until they were sent.
     fn join(&mut self, sock: UnixStream, peer_fds: Vec<OwnedFd>) -> Result<Joined> {
-        let [arena_fd, inbox_fd, rq_fd]: [OwnedFd; 3] = peer_fds
+        let [arena_fd, inbox_fd, rq_fd, bell]: [OwnedFd; 4] = peer_fds
             .try_into()
             .map_err(|_| Error::Protocol("the peer sent the wrong descriptors".into()))?;
         let arena = PeerArena::map(&arena_fd)?;
@@ -92,7 +97,11 @@ impl Side {
             .ok_or_else(|| Error::Protocol("side joined twice".into()))?;
         Ok(Joined {
             link,
-            peer: Arc::new(Peer { arena, rq: peer_rq }),
+            peer: Arc::new(Peer {
+                arena,
+                rq: peer_rq,
+                bell,
+            }),
             own_rq,
         })
     }

@@ -73,14 +73,6 @@ impl Link for ShmLink {
         self.tx.close();
     }
 
-    fn poke(&self) {
-        self.tx.poke();
-    }
-
-    fn set_doorbell(&self, f: Box<dyn Fn() + Send + Sync>) {
-        self.rx.set_doorbell(f);
-    }
-
     fn shutdown(&self) {
         self.tx.close();
         self.rx.abandon();

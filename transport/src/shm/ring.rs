@@ -50,8 +50,6 @@ const _: () = assert!(std::mem::size_of::<Header>() <= HEADER);
 /// One end of a ring.
 pub(crate) struct Ring {
     map: Arc<Mapping>,
-    /// Consumer side: called when the producer rang (see [`Ring::poke`]) while we waited.
-    doorbell: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
     /// Set locally when the peer process is known dead (its socket closed): wakes and ends
     /// every wait even though the peer never set `closed`.
     peer_dead: Arc<std::sync::atomic::AtomicBool>,
@@ -68,11 +66,7 @@ pub(crate) enum RingError {
 
 impl Ring {
     pub(crate) fn new(map: Arc<Mapping>, peer_dead: Arc<std::sync::atomic::AtomicBool>) -> Option<Ring> {
-        (map.len() >= BYTES).then_some(Ring {
-            map,
-            doorbell: std::sync::OnceLock::new(),
-            peer_dead,
-        })
+        (map.len() >= BYTES).then_some(Ring { map, peer_dead })
     }
 
     fn header(&self) -> &Header {
@@ -97,27 +91,6 @@ impl Ring {
         sys::futex_wake(&h.data_seq);
         h.space_seq.fetch_add(1, Ordering::AcqRel);
         sys::futex_wake(&h.space_seq);
-    }
-
-    /// Consumer: what to run when the producer rings.
-    pub(crate) fn set_doorbell(&self, f: Box<dyn Fn() + Send + Sync>) {
-        let _ = self.doorbell.set(f);
-    }
-
-    /// Producer: rings the consumer's doorbell (something besides bytes is ready for it),
-    /// waking it if it sleeps.
-    pub(crate) fn poke(&self) {
-        let h = self.header();
-        h.data_seq.fetch_add(1, Ordering::AcqRel);
-        if h.consumer_sleeping.load(Ordering::SeqCst) != 0 {
-            sys::futex_wake(&h.data_seq);
-        }
-    }
-
-    fn ring_doorbell(&self) {
-        if let Some(f) = self.doorbell.get() {
-            f();
-        }
     }
 
     /// Producer: no more bytes.
@@ -224,17 +197,9 @@ impl Ring {
     /// Spins, then sleeps on the futex until `ready` or an end.
     fn wait(&self, ready: impl Fn(&Ring) -> Result<bool, RingError>, producer: bool) -> Result<(), RingError> {
         let h = self.header();
-        let mut rung = h.data_seq.load(Ordering::Acquire);
         for _ in 0..SPINS {
             if ready(self)? {
                 return Ok(());
-            }
-            if !producer {
-                let now = h.data_seq.load(Ordering::Acquire);
-                if now != rung {
-                    rung = now;
-                    self.ring_doorbell();
-                }
             }
             std::hint::spin_loop();
         }
@@ -261,9 +226,6 @@ impl Ring {
             }
             sys::futex_wait(word, seen, NAP);
             flag.store(0, Ordering::SeqCst);
-            if !producer {
-                self.ring_doorbell();
-            }
         }
     }
 }

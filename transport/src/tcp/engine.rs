@@ -114,13 +114,6 @@ impl Qp {
         if engine.own_rq.is_some() {
             let source: Weak<dyn super::CqSource> = Arc::downgrade(&engine) as Weak<Engine>;
             engine.recv_cq.add_source(source);
-            let weak = Arc::downgrade(&engine);
-            engine.link.set_doorbell(Box::new(move || {
-                if let Some(e) = weak.upgrade() {
-                    let mut st = e.state.lock();
-                    e.drain_rq(&mut st);
-                }
-            }));
         }
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
@@ -175,7 +168,7 @@ impl Qp {
                 // shm: a one-sided operation with nothing before it in flight runs here and
                 // now, on the peer's memory (with nothing before it, RC order holds).
                 if let Some(peer) = e.direct.as_ref().filter(|_| st.outstanding.is_empty()) {
-                    if let Some(result) = direct(peer, d, pending.local.as_ref(), &*e.link) {
+                    if let Some(result) = direct(peer, d, pending.local.as_ref()) {
                         let mut pending = pending;
                         pending.done = Some(result);
                         st.outstanding.push_back(pending);
@@ -257,12 +250,7 @@ fn request_frame(d: &SendDesc<'_>) -> Vec<u8> {
 /// Runs a request on the peer's memory (shm): one-sided ones always, Sends and
 /// Writes-with-immediate when the peer has a receive posted (else `None`: the request goes as a
 /// frame and the peer's engine holds it, RNR). The result as the completion will say it.
-fn direct(
-    peer: &crate::shm::Peer,
-    d: &SendDesc<'_>,
-    local: Option<&View>,
-    link: &dyn super::Link,
-) -> Option<Result<u32, WcStatus>> {
+fn direct(peer: &crate::shm::Peer, d: &SendDesc<'_>, local: Option<&View>) -> Option<Result<u32, WcStatus>> {
     let local_bytes = |len: usize| local.map(|v| v.region.lock_range(v.off, len));
     let arena = &peer.arena;
     Some(match d.op {
@@ -315,7 +303,7 @@ fn direct(
                 }
             };
             if ring {
-                link.poke();
+                peer.ring();
             }
             result
         }
@@ -337,7 +325,7 @@ fn direct(
             }
             let flags = crate::shm::rq::HAS_IMM | crate::shm::rq::WRITE_IMM;
             if taken.complete(WcStatus::Success, flags, d.len as u64, imm) {
-                link.poke();
+                peer.ring();
             }
             Ok(0)
         }

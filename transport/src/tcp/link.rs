@@ -19,11 +19,6 @@ pub(crate) trait Link: Send + Sync + 'static {
     fn shutdown_write(&self);
     /// Ends the link both ways at once.
     fn shutdown(&self);
-    /// Wakes the peer's reader for something besides bytes (shm: a receive completed in its
-    /// shared receive queue).
-    fn poke(&self) {}
-    /// What our reader runs when the peer pokes.
-    fn set_doorbell(&self, _f: Box<dyn Fn() + Send + Sync>) {}
 }
 
 /// The tcp provider's link.
