@@ -6,7 +6,7 @@
 //! completion queue and wakes it. The driver also keeps the connection going when no call
 //! polls (cancels waiting for credits, deadlines) and closes it after the last handle.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -113,7 +113,7 @@ impl Client {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 conn,
-                calls: HashMap::new(),
+                calls: HashMap::default(),
                 sleeping: 0,
                 driver_on_cq: false,
                 closed: false,
@@ -204,6 +204,11 @@ impl State {
     /// Polls the connection once and hands finished calls their results.
     fn progress(&mut self) {
         self.conn.progress();
+        self.settle();
+    }
+
+    /// Hands out what the session decided since (results, transmits), without polling.
+    fn settle(&mut self) {
         while let Some(ev) = self.conn.session.poll_event() {
             if let Event::CallDone { call, result } = ev {
                 let result = result.and_then(|r| match r {
@@ -261,7 +266,10 @@ impl Future for Pending<'_> {
                     break;
                 }
                 std::hint::spin_loop();
-                st.progress();
+                // Only the CQ until it has something; then everything that follows from it.
+                if st.conn.poll_cq() {
+                    st.settle();
+                }
             }
         }
         let Some(slot) = st.calls.get_mut(&self.call) else {

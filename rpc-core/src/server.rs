@@ -1,6 +1,6 @@
 //! The server: handlers by method id, a listener, one driver task per connection.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -66,7 +66,7 @@ impl Server {
     pub fn builder(config: Config) -> ServerBuilder {
         ServerBuilder {
             config,
-            handlers: HashMap::new(),
+            handlers: HashMap::default(),
         }
     }
 
@@ -137,7 +137,7 @@ async fn serve_connection(
     let (tx, rx) = mpsc::unbounded_channel();
     let role = ServerRole {
         handlers,
-        running: HashMap::new(),
+        running: HashMap::default(),
         tx,
         rx,
     };

@@ -1,7 +1,7 @@
 //! Registered buffers for rendezvous, per connection: size classes, reused, never registered on
 //! the hot path once warm, and never reused while lent to the peer.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 
 use rdma_rpc_transport::{AccessFlags, MemoryRegion, ProtectionDomain, RemoteRegion};
 
@@ -31,8 +31,8 @@ impl Stash {
     pub(crate) fn new(pd: &ProtectionDomain, isolation: Isolation) -> Self {
         Self {
             pd: pd.clone(),
-            free: HashMap::new(),
-            held: HashMap::new(),
+            free: HashMap::default(),
+            held: HashMap::default(),
             next: 1,
             registered: 0,
             isolation,

@@ -68,6 +68,11 @@ pub(crate) struct RawWc {
     pub(crate) vendor_err: u32,
 }
 
+struct Reaping {
+    held: std::collections::VecDeque<Completion>,
+    scratch: Vec<RawWc>,
+}
+
 /// A completion queue, shareable by many queue pairs. Cheap to clone.
 ///
 /// Poll it ([`CompletionQueue::poll`]) or wait on it under tokio ([`CompletionQueue::wait`]).
@@ -80,9 +85,10 @@ pub(crate) struct CqShared {
     pub(crate) device: Device,
     pub(crate) depth: u32,
     pub(crate) qps: Mutex<HashMap<u32, Arc<QpShared>>>,
-    scratch: Mutex<Vec<RawWc>>,
-    /// Completions reaped by [`CompletionQueue::ready`], handed out first by the next poll.
-    held: Mutex<std::collections::VecDeque<Completion>>,
+    /// Completions reaped by [`CompletionQueue::ready`] (handed out first by the next poll),
+    /// and the provider's raw completions of a poll. One lock for both: every reap holds it, so
+    /// completions held by `ready` cannot be overtaken by later ones.
+    reaping: Mutex<Reaping>,
     pub(crate) imp: CqImpl,
 }
 
@@ -111,8 +117,10 @@ impl CompletionQueue {
                 device: device.clone(),
                 depth,
                 qps: Mutex::new(HashMap::new()),
-                scratch: Mutex::new(Vec::with_capacity(64)),
-                held: Mutex::new(std::collections::VecDeque::new()),
+                reaping: Mutex::new(Reaping {
+                    held: std::collections::VecDeque::new(),
+                    scratch: Vec::with_capacity(64),
+                }),
                 imp,
             }),
         })
@@ -128,32 +136,29 @@ impl CompletionQueue {
     /// # Errors
     /// A verbs error from `ibv_poll_cq` (the CQ overran, or the device died).
     pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
-        // Held through the reap, so that completions held by `ready` meanwhile cannot be
-        // overtaken by later ones.
-        let mut held = self.inner.held.lock();
+        let mut r = self.inner.reaping.lock();
         let mut n = 0;
         while n < max {
-            let Some(c) = held.pop_front() else { break };
+            let Some(c) = r.held.pop_front() else { break };
             out.push(c);
             n += 1;
         }
-        if !held.is_empty() {
+        if !r.held.is_empty() {
             return Ok(n);
         }
-        Ok(n + self.reap(out, max - n)?)
+        Ok(n + self.reap(&mut r.scratch, out, max - n)?)
     }
 
     /// Polls the provider, attaching each completion's buffer.
-    fn reap(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+    fn reap(&self, scratch: &mut Vec<RawWc>, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
         if max == 0 {
             return Ok(0);
         }
-        let mut scratch = self.inner.scratch.lock();
         scratch.clear();
         let n = match &self.inner.imp {
-            CqImpl::Tcp(cq) => cq.poll(&mut scratch, max),
+            CqImpl::Tcp(cq) => cq.poll(scratch, max),
             #[cfg(feature = "verbs")]
-            CqImpl::Verbs(cq) => cq.poll(&mut scratch, max)?,
+            CqImpl::Verbs(cq) => cq.poll(scratch, max)?,
         };
         if n == 0 {
             return Ok(0);
@@ -225,12 +230,13 @@ impl CompletionQueue {
 
     /// Reaps into the held queue; true when it holds anything.
     fn hold(&self) -> Result<bool> {
-        let mut held = self.inner.held.lock();
-        if !held.is_empty() {
+        let mut r = self.inner.reaping.lock();
+        if !r.held.is_empty() {
             return Ok(true);
         }
         let mut got = Vec::new();
-        self.reap(&mut got, 64)?;
+        let Reaping { scratch, held } = &mut *r;
+        self.reap(scratch, &mut got, 64)?;
         held.extend(got);
         Ok(!held.is_empty())
     }

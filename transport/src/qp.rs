@@ -306,7 +306,45 @@ impl QueuePair {
     /// [`PostError`] with the request when it is invalid for this QP (inline too long, message
     /// too long, atomic buffer not 8 bytes, no atomics, queue full).
     pub fn post_send(&self, wr: SendWr) -> Result<(), PostError<SendWr>> {
-        self.post_send_batch(std::iter::once(wr))
+        // The batch path without its vectors: one request is the hot path of every RPC.
+        let mut t = self.shared.tracker.lock();
+        let refuse = |error, wr| {
+            Err(PostError {
+                error,
+                unposted: vec![wr],
+            })
+        };
+        if t.sends.len() >= self.opts.caps.max_send_wr as usize {
+            let depth = self.opts.caps.max_send_wr;
+            return refuse(Error::QueueFull { queue: "send", depth }, wr);
+        }
+        if let Err(e) = self.check_send(&wr) {
+            return refuse(e, wr);
+        }
+        let seq = t.next_send;
+        let desc = SendDesc {
+            seq,
+            op: wr.op,
+            local: wr.buf.as_ref().map(|b| LocalDesc {
+                region: &b.region,
+                off: b.off,
+                len: wr.data_len(),
+            }),
+            len: wr.data_len(),
+            signaled: wr.signaled,
+            inline: wr.inline,
+        };
+        if let Err((_, e)) = self.imp.post_send(std::slice::from_ref(&desc)) {
+            return refuse(e, wr);
+        }
+        t.sends.push_back(SendSlot {
+            seq,
+            wr_id: wr.wr_id,
+            opcode: wr.op.wc_opcode(),
+            buf: wr.buf,
+        });
+        t.next_send = seq + 1;
+        Ok(())
     }
 
     /// Posts several send-queue requests with one doorbell (one `ibv_post_send` on verbs).
@@ -423,7 +461,40 @@ impl QueuePair {
     /// # Errors
     /// [`PostError`] with the request when the receive queue is full.
     pub fn post_recv(&self, wr: RecvWr) -> Result<(), PostError<RecvWr>> {
-        self.post_recv_batch(std::iter::once(wr))
+        // The batch path without its vectors (every message reposts one receive).
+        let mut t = self.shared.tracker.lock();
+        if t.recvs.len() >= self.opts.caps.max_recv_wr as usize {
+            let depth = self.opts.caps.max_recv_wr;
+            return Err(PostError {
+                error: Error::QueueFull {
+                    queue: "receive",
+                    depth,
+                },
+                unposted: vec![wr],
+            });
+        }
+        let seq = t.next_recv;
+        let desc = RecvDesc {
+            seq,
+            local: wr.buf.as_ref().map(|b| LocalDesc {
+                region: &b.region,
+                off: b.off,
+                len: b.len,
+            }),
+        };
+        if let Err((_, error)) = self.imp.post_recv(std::slice::from_ref(&desc)) {
+            return Err(PostError {
+                error,
+                unposted: vec![wr],
+            });
+        }
+        t.recvs.push_back(RecvSlot {
+            seq,
+            wr_id: wr.wr_id,
+            buf: wr.buf,
+        });
+        t.next_recv = seq + 1;
+        Ok(())
     }
 
     /// Posts several receives at once.

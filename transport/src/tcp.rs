@@ -15,7 +15,7 @@ mod sender;
 mod wire;
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use parking_lot::{Mutex, RwLock};
@@ -101,10 +101,18 @@ pub(crate) trait CqSource: Send + Sync {
 
 /// A software completion queue.
 pub(crate) struct Cq {
-    sources: Mutex<Vec<Weak<dyn CqSource>>>,
+    sources: Mutex<Vec<Source>>,
     queue: Mutex<VecDeque<RawWc>>,
+    /// Completions in `queue`, so that an empty poll takes no lock.
+    queued: AtomicUsize,
     armed: AtomicBool,
     bell: crate::shm::bell::Bell,
+}
+
+/// A source and a cheap look at whether it has anything (before waking the source up).
+struct Source {
+    source: Weak<dyn CqSource>,
+    has_some: Box<dyn Fn() -> bool + Send + Sync>,
 }
 
 impl Cq {
@@ -112,38 +120,59 @@ impl Cq {
         Ok(Self {
             sources: Mutex::new(Vec::new()),
             queue: Mutex::new(VecDeque::with_capacity(depth.min(4096) as usize)),
+            queued: AtomicUsize::new(0),
             armed: AtomicBool::new(false),
             bell: crate::shm::bell::Bell::new()?,
         })
     }
 
     pub(crate) fn push(&self, wc: RawWc) {
-        self.queue.lock().push_back(wc);
-        if self.armed.swap(false, Ordering::AcqRel) {
+        {
+            let mut q = self.queue.lock();
+            q.push_back(wc);
+            self.queued.store(q.len(), Ordering::SeqCst);
+        }
+        if self.armed.swap(false, Ordering::SeqCst) {
             self.bell.ring();
         }
     }
 
-    pub(crate) fn add_source(&self, source: Weak<dyn CqSource>) {
+    pub(crate) fn add_source(&self, source: Weak<dyn CqSource>, has_some: Box<dyn Fn() -> bool + Send + Sync>) {
         let mut s = self.sources.lock();
-        s.retain(|w| w.strong_count() > 0);
-        s.push(source);
+        s.retain(|w| w.source.strong_count() > 0);
+        s.push(Source { source, has_some });
     }
 
     pub(crate) fn poll(&self, out: &mut Vec<RawWc>, max: usize) -> usize {
         // Lock order: sources, then a source's engine state, then the queue (as push takes it).
-        for s in self.sources.lock().iter().filter_map(Weak::upgrade) {
-            s.drain();
+        let mut sources = self.sources.lock();
+        let mut gone = false;
+        for s in sources.iter() {
+            if (s.has_some)() {
+                match s.source.upgrade() {
+                    Some(src) => src.drain(),
+                    None => gone = true,
+                }
+            }
+        }
+        if gone {
+            // The QP was destroyed: drop its queue (and the mapping the look holds).
+            sources.retain(|s| s.source.strong_count() > 0);
+        }
+        drop(sources);
+        if self.queued.load(Ordering::SeqCst) == 0 {
+            return 0;
         }
         let mut q = self.queue.lock();
         let n = q.len().min(max);
         out.extend(q.drain(..n));
+        self.queued.store(q.len(), Ordering::SeqCst);
         n
     }
 
     pub(crate) fn arm(&self) {
-        self.armed.store(true, Ordering::Release);
-        for s in self.sources.lock().iter().filter_map(Weak::upgrade) {
+        self.armed.store(true, Ordering::SeqCst);
+        for s in self.sources.lock().iter().filter_map(|s| s.source.upgrade()) {
             s.arm();
         }
     }

@@ -1,6 +1,8 @@
 //! The session: one side of a connection, as a state machine.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use foldhash::HashMap;
 use std::time::{Duration, Instant};
 
 use rdma_rpc_transport::RemoteRegion;
@@ -189,8 +191,8 @@ impl Session {
             credits: Credits::new(cfg.ring.max(2)),
             cfg,
             next_call: 1,
-            calls: HashMap::new(),
-            served: HashMap::new(),
+            calls: HashMap::default(),
+            served: HashMap::default(),
             queue: VecDeque::new(),
             actions: VecDeque::new(),
             events: VecDeque::new(),

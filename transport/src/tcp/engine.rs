@@ -75,7 +75,7 @@ struct Engine {
     /// CPU (one-sided ones, and Sends that find a posted receive).
     direct: Option<Arc<crate::shm::Peer>>,
     /// shm: our receive queue in shared memory, where the peer completes receives.
-    own_rq: Option<crate::shm::OwnRq>,
+    own_rq: Option<Arc<crate::shm::OwnRq>>,
 }
 
 /// A software RC queue pair over one TCP connection.
@@ -94,7 +94,7 @@ impl Qp {
         shm: Option<(Arc<crate::shm::Peer>, crate::shm::OwnRq)>,
     ) -> Result<Self, Error> {
         let (direct, own_rq) = match shm {
-            Some((p, rq)) => (Some(p), Some(rq)),
+            Some((p, rq)) => (Some(p), Some(Arc::new(rq))),
             None => (None, None),
         };
         let engine = Arc::new(Engine {
@@ -111,9 +111,10 @@ impl Qp {
             direct,
             own_rq,
         });
-        if engine.own_rq.is_some() {
+        if let Some(rq) = &engine.own_rq {
             let source: Weak<dyn super::CqSource> = Arc::downgrade(&engine) as Weak<Engine>;
-            engine.recv_cq.add_source(source);
+            let rq = rq.clone();
+            engine.recv_cq.add_source(source, Box::new(move || rq.has_taken()));
         }
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
@@ -771,9 +772,6 @@ impl super::CqSource for Engine {
     }
 
     fn drain(&self) {
-        if !self.own_rq.as_ref().is_some_and(|rq| rq.has_taken()) {
-            return;
-        }
         let mut st = self.state.lock();
         self.drain_rq(&mut st);
     }
