@@ -32,6 +32,7 @@ const ALL_MODES: &[&str] = &[
     "rpc-spin",
     "rpc-event",
     "rpc-upload",
+    "rpc-upload-vec",
     "memcpy",
     "send",
     "write",
@@ -56,7 +57,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "rpc,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,send,write,read,atomic,memcpy,tcp,tarpc"
+        default_value = "rpc,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,send,write,read,atomic,memcpy,tcp,tarpc"
     )]
     modes: Vec<String>,
     /// Fixed iterations per size (default: as many as fit the time budget).
@@ -227,9 +228,13 @@ async fn measure(
             serving.abort();
             (Convention::Rtt, 2 * size, s)
         }
-        "rpc-upload" => {
+        "rpc-upload" | "rpc-upload-vec" => {
             let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion)).await;
-            let s = rpc::upload(&client, size, plan).await;
+            let s = if mode == "rpc-upload" {
+                rpc::upload(&client, size, plan).await
+            } else {
+                rpc::upload_vec(&client, size, plan).await
+            };
             serving.abort();
             (Convention::Rtt, size, s)
         }

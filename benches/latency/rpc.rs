@@ -2,14 +2,17 @@
 
 use std::net::SocketAddr;
 
-use rdma_rpc::core::{Client, CompletionMode, Config, Server};
+use rdma_rpc::core::{Body, Client, CompletionMode, Config, Server};
 use rdma_rpc::transport::Device;
 
 use crate::sampler::{self, Plan, Samples};
 
 pub const ECHO: u32 = 1;
-/// Takes the request, answers nothing: request goodput.
+/// Takes the request (as a `Vec`), answers its length: request goodput.
 pub const SINK: u32 = 2;
+/// Takes the request as it arrived (a large one in the registered buffer it was read into),
+/// answers its length.
+pub const SINK_BODY: u32 = 3;
 
 /// Eager threshold and ring for each RPC mode at a given size.
 pub fn config(mode: &str, size: usize, completion: CompletionMode) -> Config {
@@ -53,6 +56,9 @@ pub async fn connect(
         .handler(SINK, |req: Vec<u8>| async move {
             Ok(Vec::from((req.len() as u64).to_le_bytes()))
         })
+        .handler_body(SINK_BODY, |req: Body| async move {
+            Ok(Vec::from((req.len() as u64).to_le_bytes()))
+        })
         .bind(dev, SocketAddr::new(ip, 0))
         .expect("bind the benchmark server");
     let addr = server.local_addr().expect("server address");
@@ -75,12 +81,31 @@ pub async fn measure(client: &Client, size: usize, plan: Plan) -> Samples {
     .await
 }
 
-/// A request of `size` bytes, an 8-byte answer: what a large upload costs.
-pub async fn upload(client: &Client, size: usize, plan: Plan) -> Samples {
+/// A request of `size` bytes from a `Vec` (copied into a registered buffer on the client, and
+/// out of one on the server), an 8-byte answer.
+pub async fn upload_vec(client: &Client, size: usize, plan: Plan) -> Samples {
     let payload = vec![0x5au8; size];
     sampler::run(plan, async || {
         let r = client.call(SINK, payload.clone()).await.expect("upload call");
         assert_eq!(r, (size as u64).to_le_bytes());
+        None
+    })
+    .await
+}
+
+/// A request of `size` bytes from a registered buffer of the connection (`Client::buffer`,
+/// `Client::call_buf`), taken by a `handler_body` in the buffer the server read it into, an
+/// 8-byte answer: no copy but the transfer itself.
+pub async fn upload(client: &Client, size: usize, plan: Plan) -> Samples {
+    let mut buf = Some(client.buffer(size).expect("a registered buffer"));
+    if let Some(b) = buf.as_mut() {
+        b.bytes_mut().fill(0x5a);
+    }
+    sampler::run(plan, async || {
+        let b = buf.take().expect("the buffer is back");
+        let (r, back) = client.call_buf(SINK_BODY, b).await.expect("upload call");
+        assert_eq!(r, (size as u64).to_le_bytes());
+        buf = Some(back);
         None
     })
     .await

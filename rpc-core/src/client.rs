@@ -147,30 +147,173 @@ impl Client {
     pub async fn call_with(&self, method: u32, payload: Vec<u8>, opts: CallOptions) -> Result<Vec<u8>, RpcError> {
         let shared = &self.handle.shared;
         let span = tracing::debug_span!("rpc.call", method, len = payload.len());
-        let call = shared.state.lock().start(method, payload, opts)?;
-        let pending = Pending {
+        let (call, _) = shared.state.lock().start(method, Outgoing::Vec(payload), opts)?;
+        Pending::new(shared, call).instrument(span).await
+    }
+
+    /// A buffer of `len` bytes registered with this connection, to fill in place and send with
+    /// [`Client::call_buf`]: a large request then goes to the server straight from it, with no
+    /// copy on this side. Dropping it gives it back to the connection.
+    ///
+    /// # Errors
+    /// [`RpcError::Transport`] when the memory cannot be registered.
+    ///
+    /// # Examples
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use rdma_rpc_core::{transport::Device, Body, Client, Config, RpcError, Server};
+    /// let dev = Device::open("tcp")?;
+    /// let server = Server::builder(Config::default())
+    ///     .handler_body(1, |b: Body| async move { Ok::<_, RpcError>((b.len() as u64).to_le_bytes().to_vec()) })
+    ///     .bind(&dev, "127.0.0.1:0".parse()?)?;
+    /// let addr = server.local_addr()?;
+    /// tokio::spawn(server.serve());
+    /// let client = Client::connect(&dev, addr, Config::default()).await?;
+    /// let mut buf = client.buffer(1 << 20)?;
+    /// buf.bytes_mut().fill(7);
+    /// for _ in 0..3 {
+    ///     // The same registered buffer, lent to the server each time, comes back with the answer.
+    ///     let (answer, back) = client.call_buf(1, buf).await?;
+    ///     assert_eq!(answer, (1u64 << 20).to_le_bytes());
+    ///     buf = back;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn buffer(&self, len: usize) -> Result<crate::RegisteredBuf, RpcError> {
+        self.handle.shared.state.lock().conn.stash.user_buffer(len)
+    }
+
+    /// Calls `method` with the bytes of `buf`, and gives `buf` back with the response. Above the
+    /// eager threshold, a buffer of this connection's ([`Client::buffer`]) is lent to the server
+    /// as it is (no copy); others are copied as [`Client::call`] does.
+    ///
+    /// With [`Isolation::Transfer`](crate::Isolation::Transfer) the buffer comes back in a fresh
+    /// registration (its bytes copied), so that the key the server saw dies with the transfer.
+    ///
+    /// # Errors
+    /// As [`Client::call`]; on an error the buffer goes back to the connection (after the
+    /// server is done with it).
+    ///
+    /// # Cancel safety
+    /// As [`Client::call`]: dropping the future cancels the call, and the buffer goes back to
+    /// the connection once the server is done with it.
+    pub async fn call_buf(
+        &self,
+        method: u32,
+        buf: crate::RegisteredBuf,
+    ) -> Result<(Vec<u8>, crate::RegisteredBuf), RpcError> {
+        self.call_buf_with(method, buf, CallOptions::default()).await
+    }
+
+    /// As [`Client::call_buf`], with a deadline and a response-size hint.
+    ///
+    /// # Errors
+    /// As [`Client::call_buf`].
+    pub async fn call_buf_with(
+        &self,
+        method: u32,
+        buf: crate::RegisteredBuf,
+        opts: CallOptions,
+    ) -> Result<(Vec<u8>, crate::RegisteredBuf), RpcError> {
+        let shared = &self.handle.shared;
+        let span = tracing::debug_span!("rpc.call", method, len = buf.len());
+        let (call, back) = shared.state.lock().start(method, Outgoing::Buf(buf), opts)?;
+        let mut keep = KeepGuard {
             shared,
-            call,
-            since: Instant::now(),
-            sleeping: false,
-            done: false,
+            kept: match &back {
+                Back::Kept { id, .. } => Some(*id),
+                _ => None,
+            },
         };
-        pending.instrument(span).await
+        let result = Pending::new(shared, call).instrument(span).await;
+        keep.kept = None;
+        let mut st = shared.state.lock();
+        match (result, back) {
+            (Ok(v), Back::Own(b)) => Ok((v, b)),
+            (Ok(v), Back::Kept { id, len }) => match st.conn.stash.reclaim(id, len) {
+                Some(b) => Ok((v, b)),
+                None => Err(RpcError::Transport("re-registering the lent buffer failed".into())),
+            },
+            (Ok(_), Back::Nothing) => Err(RpcError::Internal("the call's buffer went missing".into())),
+            (Err(e), Back::Kept { id, .. }) => {
+                st.conn.stash.unkeep(id);
+                Err(e)
+            }
+            (Err(e), _) => Err(e),
+        }
+    }
+}
+
+/// A request's bytes as the caller hands them over.
+enum Outgoing {
+    Vec(Vec<u8>),
+    Buf(crate::RegisteredBuf),
+}
+
+/// What a call gives back to its caller besides the response.
+enum Back {
+    Nothing,
+    /// The caller's buffer, which was copied (or sent inside the message).
+    Own(crate::RegisteredBuf),
+    /// The caller's buffer, lent as it is under this id.
+    Kept {
+        id: crate::proto::BufId,
+        len: usize,
+    },
+}
+
+/// A cancelled [`Client::call_buf`]: its lent buffer goes back to the connection, not to the
+/// caller, once released.
+struct KeepGuard<'a> {
+    shared: &'a Shared,
+    kept: Option<crate::proto::BufId>,
+}
+
+impl Drop for KeepGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.kept {
+            self.shared.state.lock().conn.stash.unkeep(id);
+        }
     }
 }
 
 impl State {
     /// Stages the payload (lent above the threshold), starts the call and posts its request.
-    fn start(&mut self, method: u32, payload: Vec<u8>, opts: CallOptions) -> Result<u32, RpcError> {
+    fn start(&mut self, method: u32, payload: Outgoing, opts: CallOptions) -> Result<(u32, Back), RpcError> {
         let conn = &mut self.conn;
         let mut staged = Vec::new();
+        let mut back = Back::Nothing;
         let result = (|| {
-            let p = if conn.session.is_rendezvous(payload.len()) {
-                let (desc, buf) = conn.stash.lend(&payload)?;
-                staged.push(buf);
-                Payload::Lent { desc, buf }
-            } else {
-                Payload::Eager(payload)
+            let p = match payload {
+                Outgoing::Vec(v) if conn.session.is_rendezvous(v.len()) => {
+                    let (desc, buf) = conn.stash.lend(&v)?;
+                    staged.push(buf);
+                    Payload::Lent { desc, buf }
+                }
+                Outgoing::Vec(v) => Payload::Eager(v),
+                Outgoing::Buf(b) if conn.session.is_rendezvous(b.len()) => {
+                    let len = b.len();
+                    match conn.stash.lend_user(b) {
+                        Ok((desc, buf)) => {
+                            staged.push(buf);
+                            back = Back::Kept { id: buf, len };
+                            Payload::Lent { desc, buf }
+                        }
+                        // Another connection's buffer: copied, as a Vec would be.
+                        Err(b) => {
+                            let (desc, buf) = conn.stash.lend(&b.bytes())?;
+                            staged.push(buf);
+                            back = Back::Own(b);
+                            Payload::Lent { desc, buf }
+                        }
+                    }
+                }
+                Outgoing::Buf(b) => {
+                    let v = b.to_vec();
+                    back = Back::Own(b);
+                    Payload::Eager(v)
+                }
             };
             let landing = match opts.response_hint {
                 Some(h) if conn.session.is_rendezvous(h) => {
@@ -190,11 +333,14 @@ impl State {
             Ok(call) => {
                 self.calls.insert(call, Slot::default());
                 self.conn.flush();
-                Ok(call)
+                Ok((call, back))
             }
             Err(e) => {
                 for b in staged {
                     conn.stash.release(b);
+                }
+                if let Back::Kept { id, .. } = back {
+                    conn.stash.unkeep(id);
                 }
                 Err(e)
             }
@@ -246,6 +392,18 @@ struct Pending<'a> {
     since: Instant,
     sleeping: bool,
     done: bool,
+}
+
+impl<'a> Pending<'a> {
+    fn new(shared: &'a Shared, call: u32) -> Self {
+        Self {
+            shared,
+            call,
+            since: Instant::now(),
+            sleeping: false,
+            done: false,
+        }
+    }
 }
 
 impl Future for Pending<'_> {

@@ -224,9 +224,16 @@ impl Conn {
                     Some(mr) => self.stash.put_back(local, mr),
                     None => return self.lose("a read buffer came back in pieces that do not join".into()),
                 }
-                let bytes = self.take_bytes(local, len);
-                if let Some(token) = token {
-                    self.session.handle_read_done(token, Ok(bytes), Instant::now());
+                match token {
+                    // A request stays in the buffer it was read into: the handler gets it as is.
+                    Some(Token::Request(call)) => {
+                        self.session.handle_request_read(call, Ok((local, len)), Instant::now());
+                    }
+                    Some(token) => {
+                        let bytes = self.take_bytes(local, len);
+                        self.session.handle_read_done(token, Ok(bytes), Instant::now());
+                    }
+                    None => self.stash.release(local),
                 }
             }
             WRITE => {

@@ -4,6 +4,7 @@
 //!   by RDMA Read and Write-with-immediate, call table, deadlines, cancellation, errors.
 //! - [`Client`] and [`Server`]: thin tokio drivers that run a session over a transport QP.
 
+mod buf;
 mod client;
 mod config;
 mod driver;
@@ -12,6 +13,7 @@ mod server;
 mod stash;
 mod status;
 
+pub use buf::{Body, BodyRef, RegisteredBuf};
 pub use client::Client;
 pub use config::{CallOptions, CompletionMode, Config, Isolation, DEFAULT_EAGER_THRESHOLD};
 pub use rdma_rpc_transport as transport;

@@ -11,14 +11,15 @@ use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 use tracing::Instrument;
 
+use crate::buf::Body;
 use crate::client::{agree, qp_caps, slot_size};
 use crate::config::{Config, Hello};
 use crate::driver::{self, Conn, Role, RoleInput};
-use crate::proto::{Event, Payload, Session};
+use crate::proto::{Event, Payload, RequestBody, Session};
 use crate::RpcError;
 
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Vec<u8>, RpcError>> + Send>>;
-type Handler = Arc<dyn Fn(Vec<u8>) -> BoxFuture + Send + Sync>;
+type Handler = Arc<dyn Fn(Body) -> BoxFuture + Send + Sync>;
 
 /// Collects handlers, then binds.
 pub struct ServerBuilder {
@@ -34,7 +35,35 @@ impl ServerBuilder {
         F: Fn(Vec<u8>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Vec<u8>, RpcError>> + Send + 'static,
     {
-        self.handlers.insert(method, Arc::new(move |req| Box::pin(f(req))));
+        self.handlers
+            .insert(method, Arc::new(move |req: Body| Box::pin(f(req.into_vec()))));
+        self
+    }
+
+    /// As [`ServerBuilder::handler`], with the request as a [`Body`]: a large request arrives
+    /// in the registered buffer the server read it into, without the copy into a `Vec`
+    /// ([`Body::into_vec`] makes one when wanted). Dropping the body gives the buffer back to
+    /// the connection.
+    ///
+    /// # Examples
+    /// ```
+    /// use rdma_rpc_core::{Body, Config, RpcError, Server};
+    /// // Answers with the request's length and first byte, without copying the request.
+    /// let builder = Server::builder(Config::default()).handler_body(7, |body: Body| async move {
+    ///     let first = body.bytes().first().copied().unwrap_or(0);
+    ///     let mut out = (body.len() as u64).to_le_bytes().to_vec();
+    ///     out.push(first);
+    ///     Ok::<_, RpcError>(out)
+    /// });
+    /// # drop(builder);
+    /// ```
+    pub fn handler_body<F, Fut>(mut self, method: u32, f: F) -> Self
+    where
+        F: Fn(Body) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Vec<u8>, RpcError>> + Send + 'static,
+    {
+        self.handlers
+            .insert(method, Arc::new(move |req: Body| Box::pin(f(req))));
         self
     }
 
@@ -219,12 +248,24 @@ impl Role for ServerRole {
                 payload,
                 budget,
             } => {
+                // First the body, so that a held buffer goes back even when no handler runs.
+                let body = match payload {
+                    RequestBody::Bytes(b) => Body::Bytes(b),
+                    RequestBody::Held { buf, len } => match conn.stash.hand_out(buf, len) {
+                        Some(r) => Body::Registered(r),
+                        None => {
+                            let e = RpcError::Internal("the request's buffer went missing".into());
+                            conn.session.respond(call, Err(e));
+                            return;
+                        }
+                    },
+                };
                 let Some(h) = self.handlers.get(&method).cloned() else {
                     conn.session.respond(call, Err(RpcError::UnknownMethod(method)));
                     return;
                 };
-                let span = tracing::debug_span!("rpc.serve", method, call, len = payload.len(), ?budget);
-                let mut fut = CatchUnwind(h(payload));
+                let span = tracing::debug_span!("rpc.serve", method, call, len = body.len(), ?budget);
+                let mut fut = CatchUnwind(h(body));
                 // A handler that finishes on its first poll (most do) is answered right here, with
                 // no task and no thread hop; the others continue in a task of their own.
                 let first = {

@@ -1,22 +1,50 @@
 //! Registered buffers for rendezvous, per connection: size classes, reused, never registered on
 //! the hot path once warm, and never reused while lent to the peer.
 
-use foldhash::HashMap;
+use std::sync::Arc;
+
+use foldhash::{HashMap, HashSet};
+use parking_lot::Mutex;
 
 use rdma_rpc_transport::{AccessFlags, MemoryRegion, ProtectionDomain, RemoteRegion};
 
+use crate::buf::RegisteredBuf;
 use crate::proto::{BufId, LANDING_PREFIX};
 use crate::{Isolation, RpcError};
 
-/// The buffers of one connection: free ones by size class, and those the session holds (lent to
-/// the peer, or being read into) by id.
+/// The buffers of one connection: free ones by size class (shared with the application's
+/// [`RegisteredBuf`]s, which come back to them when dropped), and those the session holds (lent
+/// to the peer, or being read into) by id.
 pub(crate) struct Stash {
     pd: ProtectionDomain,
-    free: HashMap<usize, Vec<MemoryRegion>>,
+    free: Arc<Mutex<Free>>,
     held: HashMap<BufId, MemoryRegion>,
+    /// Held buffers that belong to the application: on release they wait in `kept` for it.
+    keep: HashSet<BufId>,
+    kept: HashMap<BufId, MemoryRegion>,
     next: BufId,
-    registered: usize,
     isolation: Isolation,
+}
+
+/// Free buffers by size class.
+pub(crate) struct Free {
+    lists: HashMap<usize, Vec<MemoryRegion>>,
+    isolation: Isolation,
+}
+
+impl Free {
+    fn pop(&mut self, class: usize) -> Option<MemoryRegion> {
+        self.lists.get_mut(&class).and_then(Vec::pop)
+    }
+
+    /// A buffer no peer can reach through the session any more: kept for reuse, or (with
+    /// [`Isolation::Transfer`], or beyond [`KEEP`]) deregistered, so that its rkey dies.
+    pub(crate) fn put(&mut self, mr: MemoryRegion) {
+        let list = self.lists.entry(mr.len()).or_default();
+        if self.isolation == Isolation::Connection && list.len() < KEEP {
+            list.push(mr);
+        }
+    }
 }
 
 const MIN_CLASS: usize = 4096;
@@ -31,29 +59,91 @@ impl Stash {
     pub(crate) fn new(pd: &ProtectionDomain, isolation: Isolation) -> Self {
         Self {
             pd: pd.clone(),
-            free: HashMap::default(),
+            free: Arc::new(Mutex::new(Free {
+                lists: HashMap::default(),
+                isolation,
+            })),
             held: HashMap::default(),
+            keep: HashSet::default(),
+            kept: HashMap::default(),
             next: 1,
-            registered: 0,
             isolation,
         }
     }
 
+    /// A free buffer of `len` bytes' class, or a new registration.
+    fn fresh(&mut self, len: usize) -> Result<MemoryRegion, RpcError> {
+        let c = class(len);
+        if let Some(mr) = self.free.lock().pop(c) {
+            return Ok(mr);
+        }
+        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
+        self.pd
+            .register(c, access)
+            .map_err(|e| RpcError::Transport(format!("registering a {c}-byte rendezvous buffer: {e}")))
+    }
+
+    /// A buffer for the application to fill: `len` bytes after room for the length prefix.
+    pub(crate) fn user_buffer(&mut self, len: usize) -> Result<RegisteredBuf, RpcError> {
+        let mr = self.fresh(LANDING_PREFIX.saturating_add(len))?;
+        Ok(RegisteredBuf::new(mr, LANDING_PREFIX, len, &self.free))
+    }
+
+    /// Lends the application's buffer (see [`RegisteredBuf::lendable_on`]) without copying it:
+    /// writes its length prefix and holds it under a fresh id that [`Stash::reclaim`] gives back.
+    pub(crate) fn lend_user(&mut self, buf: RegisteredBuf) -> Result<(RemoteRegion, BufId), RegisteredBuf> {
+        if !buf.lendable_on(&self.free, LANDING_PREFIX) {
+            return Err(buf);
+        }
+        let len = buf.len();
+        let mut mr = buf.into_region();
+        mr.bytes_mut()[..LANDING_PREFIX].copy_from_slice(&(len as u64).to_le_bytes());
+        let whole = mr.remote();
+        let desc = RemoteRegion {
+            addr: whole.addr + LANDING_PREFIX as u64,
+            len: len as u64,
+            rkey: whole.rkey,
+        };
+        let id = self.next;
+        self.next += 1;
+        self.held.insert(id, mr);
+        self.keep.insert(id);
+        Ok((desc, id))
+    }
+
+    /// The application's lent buffer `id` of `len` bytes back, once no peer reaches it any more
+    /// (released, or about to be: its call finished). With [`Isolation::Transfer`] its bytes
+    /// move to a fresh registration, so that the old rkey dies.
+    pub(crate) fn reclaim(&mut self, id: BufId, len: usize) -> Option<RegisteredBuf> {
+        self.keep.remove(&id);
+        let mr = self.kept.remove(&id).or_else(|| self.held.remove(&id))?;
+        if self.isolation == Isolation::Transfer {
+            let mut fresh = self.fresh(mr.len()).ok()?;
+            fresh.bytes_mut().copy_from_slice(&mr.bytes());
+            return Some(RegisteredBuf::new(fresh, LANDING_PREFIX, len, &self.free));
+        }
+        Some(RegisteredBuf::new(mr, LANDING_PREFIX, len, &self.free))
+    }
+
+    /// The application gave up on its lent buffer `id` (the call was cancelled): it goes back
+    /// to the free lists once released.
+    pub(crate) fn unkeep(&mut self, id: BufId) {
+        if self.keep.remove(&id) {
+            if let Some(mr) = self.kept.remove(&id) {
+                self.recycle(mr);
+            }
+        }
+    }
+
+    /// Held buffer `id`, holding `len` bytes from its start, handed to the application.
+    pub(crate) fn hand_out(&mut self, id: BufId, len: usize) -> Option<RegisteredBuf> {
+        let mr = self.held.remove(&id)?;
+        (len <= mr.len()).then(|| RegisteredBuf::new(mr, 0, len, &self.free))
+    }
+
     /// A buffer of at least `len` bytes, held under a fresh id.
     pub(crate) fn take(&mut self, len: usize) -> Result<(BufId, &mut MemoryRegion), RpcError> {
-        let c = class(len);
-        let mr = match self.free.get_mut(&c).and_then(Vec::pop) {
-            Some(mr) => mr,
-            None => {
-                let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
-                let mr = self
-                    .pd
-                    .register(c, access)
-                    .map_err(|e| RpcError::Transport(format!("registering a {c}-byte rendezvous buffer: {e}")))?;
-                self.registered += c;
-                mr
-            }
-        };
+        let mr = self.fresh(len)?;
         let id = self.next;
         self.next += 1;
         let slot = self.held.entry(id).or_insert(mr);
@@ -113,18 +203,16 @@ impl Stash {
     /// The session says no peer can reach `id` any more: back to the free list.
     pub(crate) fn release(&mut self, id: BufId) {
         if let Some(mr) = self.held.remove(&id) {
-            self.recycle(mr);
+            if self.keep.contains(&id) {
+                self.kept.insert(id, mr);
+            } else {
+                self.recycle(mr);
+            }
         }
     }
 
-    /// A buffer no peer can reach through the session any more: kept for reuse, or (with
-    /// [`Isolation::Transfer`], or beyond [`KEEP`]) deregistered, so that its rkey dies.
+    /// A buffer no peer can reach through the session any more (see [`Free::put`]).
     pub(crate) fn recycle(&mut self, mr: MemoryRegion) {
-        let list = self.free.entry(mr.len()).or_default();
-        if self.isolation == Isolation::Connection && list.len() < KEEP {
-            list.push(mr);
-        } else {
-            self.registered -= mr.len();
-        }
+        self.free.lock().put(mr);
     }
 }

@@ -41,6 +41,11 @@ struct Side {
     requests: Vec<(u32, Vec<u8>)>,
     aborted: HashSet<u32>,
     rnr: u32,
+    /// Requests read by rendezvous stay in the driver's buffer (`handle_request_read`) instead
+    /// of being copied out (`handle_read_done`).
+    held_reads: bool,
+    /// Buffers this side read a request into that the session has not let go of yet.
+    reading: HashSet<BufId>,
 }
 
 impl Side {
@@ -57,7 +62,14 @@ impl Side {
             requests: Vec::new(),
             aborted: HashSet::new(),
             rnr: 0,
+            held_reads: false,
+            reading: HashSet::new(),
         }
+    }
+
+    fn holding_reads(mut self) -> Self {
+        self.held_reads = true;
+        self
     }
 
     fn stage(&mut self, data: Vec<u8>) -> (RemoteRegion, BufId) {
@@ -97,7 +109,24 @@ impl Side {
                     }
                     assert!(self.done.insert(call, result).is_none(), "call {call} completed twice");
                 }
-                Event::Request { call, payload, .. } => self.requests.push((call, payload)),
+                Event::Request {
+                    call,
+                    payload: RequestBody::Bytes(payload),
+                    ..
+                } => self.requests.push((call, payload)),
+                Event::Request {
+                    call,
+                    payload: RequestBody::Held { buf, len },
+                    ..
+                } => {
+                    // The handler owns the buffer now; the session must never mention it again.
+                    assert!(
+                        self.reading.remove(&buf),
+                        "request in buffer {buf} that was not read into"
+                    );
+                    let data = self.bufs.remove(&buf).expect("the read buffer");
+                    self.requests.push((call, data[..len].to_vec()));
+                }
                 Event::Abort { call } => {
                     self.aborted.insert(call);
                 }
@@ -118,6 +147,10 @@ fn pump(from: &mut Side, to: &mut Side) {
     while let Some(t) = from.s.poll_transmit() {
         match t {
             Transmit::Send(m) => to.inbox.push_back(Wire::Send(m)),
+            Transmit::Release(b) if from.reading.remove(&b) => {
+                // A request read for a handler that will not run.
+                from.bufs.remove(&b);
+            }
             Transmit::Release(b) => {
                 assert!(from.lent.remove(&b), "buffer {b} released twice or never lent");
                 from.bufs.remove(&b);
@@ -138,7 +171,17 @@ fn run_rdma(from: &mut Side, to: &mut Side, now: Instant) {
                 remote.addr
             );
             let data = to.bufs[&remote.addr][..remote.len as usize].to_vec();
-            from.s.handle_read_done(token, Ok(data), now);
+            match token {
+                Token::Request(call) if from.held_reads => {
+                    let id = from.next_buf;
+                    from.next_buf += 1;
+                    let len = data.len();
+                    from.bufs.insert(id, data);
+                    from.reading.insert(id);
+                    from.s.handle_request_read(call, Ok((id, len)), now);
+                }
+                _ => from.s.handle_read_done(token, Ok(data), now),
+            }
         }
         Transmit::WriteImm { buf, len, remote, imm } => {
             assert!(
@@ -233,8 +276,17 @@ fn reply_bytes(a: &Side, r: &Reply) -> Vec<u8> {
 
 #[test]
 fn eager_and_rendezvous_both_ways() {
+    eager_and_rendezvous(Side::new(2000));
+}
+
+#[test]
+fn eager_and_rendezvous_with_requests_held_in_their_read_buffers() {
+    eager_and_rendezvous(Side::new(2000).holding_reads());
+}
+
+fn eager_and_rendezvous(server: Side) {
     let now = Instant::now();
-    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    let (mut a, mut b) = (Side::new(1000), server);
     let cases = [
         (0, 0, None),
         (10, 64, None),
@@ -259,6 +311,7 @@ fn eager_and_rendezvous_both_ways() {
         }
     }
     assert!(a.lent.is_empty() && b.lent.is_empty(), "every lent buffer released");
+    assert!(b.reading.is_empty(), "every read buffer handed out or released");
     assert_eq!((a.rnr, b.rnr), (0, 0));
 }
 
@@ -314,8 +367,17 @@ fn deadline_fails_the_call_and_aborts_the_handler() {
 
 #[test]
 fn cancel_keeps_the_buffer_lent_until_the_server_is_done() {
+    cancel_keeps_the_buffer_lent(Side::new(2000));
+}
+
+#[test]
+fn a_request_held_for_a_cancelled_call_never_leaks_its_buffer() {
+    cancel_keeps_the_buffer_lent(Side::new(2000).holding_reads());
+}
+
+fn cancel_keeps_the_buffer_lent(server: Side) {
     let now = Instant::now();
-    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    let (mut a, mut b) = (Side::new(1000), server);
     let id = a.call(500, None, None, now);
     pump(&mut a, &mut b);
     deliver(&mut b, now).expect("ok"); // server now reads the request
@@ -332,6 +394,7 @@ fn cancel_keeps_the_buffer_lent_until_the_server_is_done() {
     assert!(!a.done.contains_key(&id), "a cancelled call reports nothing");
     assert_eq!(a.s.pending_calls(), 0);
     assert_eq!(b.s.serving(), 0);
+    assert!(b.reading.is_empty(), "the read buffer was released");
 }
 
 #[test]
@@ -459,9 +522,10 @@ proptest! {
     /// never RNR, credits within the ring, every live call answered once and correctly, and no
     /// buffer reached after its release.
     #[test]
-    fn random_mixes_keep_every_promise(ops in proptest::collection::vec((0u8..8, 0usize..400, 0usize..400), 1..120)) {
+    fn random_mixes_keep_every_promise(ops in proptest::collection::vec((0u8..8, 0usize..400, 0usize..400), 1..120), held in any::<bool>()) {
         let t0 = Instant::now();
-        let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+        let server = if held { Side::new(2000).holding_reads() } else { Side::new(2000) };
+        let (mut a, mut b) = (Side::new(1000), server);
         let mut started: HashMap<u32, (usize, usize)> = HashMap::new();
         let mut cancelled = HashSet::new();
         let mut now = t0;
@@ -501,6 +565,7 @@ proptest! {
         let landed: HashSet<BufId> = a.done.values().filter_map(|r| match r { Ok(Reply::Landed { buf }) => Some(*buf), _ => None }).collect();
         prop_assert!(a.lent.iter().all(|b| landed.contains(b)), "client buffers still lent: {:?}", a.lent);
         prop_assert!(b.lent.is_empty(), "server buffers still lent: {:?}", b.lent);
+        prop_assert!(b.reading.is_empty(), "server read buffers neither handed out nor released: {:?}", b.reading);
         prop_assert_eq!(a.s.pending_calls(), 0);
         prop_assert_eq!(b.s.serving(), 0);
     }

@@ -372,8 +372,28 @@ impl Deref for BufRef<'_> {
     }
 }
 
+impl<'a> BufRef<'a> {
+    /// Narrows to `range`; `None` when it is not inside.
+    pub fn slice(self, range: std::ops::Range<usize>) -> Option<BufRef<'a>> {
+        if range.start > range.end || range.end > self.0.len() {
+            return None;
+        }
+        Some(BufRef(MappedMutexGuard::map(self.0, |b| &mut b[range])))
+    }
+}
+
 /// Write access to a [`MemoryRegion`]'s bytes.
 pub struct BufMut<'a>(MappedMutexGuard<'a, [u8]>);
+
+impl<'a> BufMut<'a> {
+    /// Narrows to `range`; `None` when it is not inside.
+    pub fn slice(self, range: std::ops::Range<usize>) -> Option<BufMut<'a>> {
+        if range.start > range.end || range.end > self.0.len() {
+            return None;
+        }
+        Some(BufMut(MappedMutexGuard::map(self.0, |b| &mut b[range])))
+    }
+}
 
 impl Deref for BufMut<'_> {
     type Target = [u8];

@@ -103,6 +103,21 @@ pub enum Transmit {
     Release(BufId),
 }
 
+/// Where a request's bytes are.
+#[derive(Debug, PartialEq, Eq)]
+pub enum RequestBody {
+    /// Copied out of the message (or read and copied, see [`Session::handle_read_done`]).
+    Bytes(Vec<u8>),
+    /// In held buffer `buf`, from its start, after [`Session::handle_request_read`]: the
+    /// driver hands the buffer itself to the application.
+    Held {
+        /// The buffer the request was read into.
+        buf: BufId,
+        /// The request's length.
+        len: usize,
+    },
+}
+
 /// What the application must learn.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Event {
@@ -120,7 +135,7 @@ pub enum Event {
         /// The method id.
         method: u32,
         /// The request bytes.
-        payload: Vec<u8>,
+        payload: RequestBody,
         /// The caller's remaining budget, if it set a deadline.
         budget: Option<Duration>,
     },
@@ -433,7 +448,7 @@ impl Session {
         self.events.push_back(Event::Request {
             call,
             method: h.method,
-            payload: rest.to_vec(),
+            payload: RequestBody::Bytes(rest.to_vec()),
             budget,
         });
         Ok(())
@@ -590,27 +605,44 @@ impl Session {
                 self.queue_small(Kind::ReadDone, call, 0, Vec::new());
                 self.finish_call(call, result.map(Reply::Bytes));
             }
-            Token::Request(call) => {
-                let Some(sc) = self.served.get_mut(&call) else { return };
-                let (cancelled, method) = (sc.cancelled, sc.method);
-                sc.state = Serving::Running;
-                match result {
-                    _ if cancelled => self.reply_error(call, &RpcError::Cancelled),
-                    Err(e) => self.reply_error(call, &RpcError::Internal(format!("fetching the request: {e}"))),
-                    Ok(payload) => {
-                        let budget = self
-                            .served
-                            .get(&call)
-                            .and_then(|s| s.deadline)
-                            .map(|d| d.saturating_duration_since(now));
-                        self.events.push_back(Event::Request {
-                            call,
-                            method,
-                            payload,
-                            budget,
-                        });
-                    }
-                }
+            Token::Request(call) => self.request_fetched(call, result.map(RequestBody::Bytes), now),
+        }
+    }
+
+    /// As [`Session::handle_read_done`] for a [`Token::Request`] read, when the driver keeps the
+    /// request in held buffer `buf` (read into from its start, `len` bytes) to hand it to the
+    /// application without a copy. When no handler will run (cancelled, or the call is gone),
+    /// the buffer comes back as a [`Transmit::Release`].
+    pub fn handle_request_read(&mut self, call: u32, result: Result<(BufId, usize), RpcError>, now: Instant) {
+        let buf = result.as_ref().ok().map(|&(b, _)| b);
+        let runs = self.served.get(&call).is_some_and(|s| !s.cancelled);
+        if !runs || result.is_err() {
+            if let Some(b) = buf {
+                self.actions.push_back(Transmit::Release(b));
+            }
+        }
+        self.request_fetched(call, result.map(|(buf, len)| RequestBody::Held { buf, len }), now);
+    }
+
+    fn request_fetched(&mut self, call: u32, result: Result<RequestBody, RpcError>, now: Instant) {
+        let Some(sc) = self.served.get_mut(&call) else { return };
+        let (cancelled, method) = (sc.cancelled, sc.method);
+        sc.state = Serving::Running;
+        match result {
+            _ if cancelled => self.reply_error(call, &RpcError::Cancelled),
+            Err(e) => self.reply_error(call, &RpcError::Internal(format!("fetching the request: {e}"))),
+            Ok(payload) => {
+                let budget = self
+                    .served
+                    .get(&call)
+                    .and_then(|s| s.deadline)
+                    .map(|d| d.saturating_duration_since(now));
+                self.events.push_back(Event::Request {
+                    call,
+                    method,
+                    payload,
+                    budget,
+                });
             }
         }
     }

@@ -1,0 +1,278 @@
+//! Registered buffers held by the application: `Client::buffer` / `Client::call_buf` lend a
+//! buffer to the server as it is, and `ServerBuilder::handler_body` hands a large request to the
+//! handler in the buffer it was read into. Over `RDMA_RPC_PROVIDER` (default `tcp`).
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdma_rpc_core::transport::Device;
+use rdma_rpc_core::{Body, Client, Config, Isolation, RpcError, Server};
+
+/// Answers [len u64][checksum u64][1 if the body came in a registered buffer].
+const SUM: u32 = 1;
+/// Sleeps a little, then answers as SUM (for cancellations mid-call).
+const SLOW_SUM: u32 = 2;
+const THRESHOLD: usize = 16 * 1024;
+
+fn test_ip() -> IpAddr {
+    std::env::var("RDMA_RPC_TEST_IP")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(IpAddr::from([127, 0, 0, 1]))
+}
+
+fn checksum(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ u64::from(x)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn answer(body: &Body) -> Vec<u8> {
+    let mut out = (body.len() as u64).to_le_bytes().to_vec();
+    out.extend(checksum(&body.bytes()).to_le_bytes());
+    out.push(u8::from(matches!(body, Body::Registered(_))));
+    out
+}
+
+fn fill(buf: &mut [u8], seed: u64) {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    for b in buf {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+}
+
+/// The tests here compare `Device::registered_bytes`, which counts every registration of the
+/// process: they run one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+struct Setup {
+    dev: Device,
+    client: Client,
+    addr: SocketAddr,
+    cfg: Config,
+    handled: Arc<AtomicUsize>,
+}
+
+async fn setup(cfg: Config) -> (Setup, tokio::sync::MutexGuard<'static, ()>) {
+    let serial = SERIAL.lock().await;
+    let dev = Device::open_default().expect("open the provider named by RDMA_RPC_PROVIDER");
+    let handled = Arc::new(AtomicUsize::new(0));
+    let h = handled.clone();
+    let server = Server::builder(cfg.clone())
+        .handler_body(SUM, |body: Body| async move { Ok::<_, RpcError>(answer(&body)) })
+        .handler_body(SLOW_SUM, move |body: Body| {
+            let h = h.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                h.fetch_add(1, Ordering::SeqCst);
+                Ok(answer(&body))
+            }
+        })
+        .bind(&dev, SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    let client = Client::connect(&dev, addr, cfg.clone()).await.expect("connect");
+    let s = Setup {
+        dev,
+        client,
+        addr,
+        cfg,
+        handled,
+    };
+    (s, serial)
+}
+
+fn config() -> Config {
+    Config {
+        eager_threshold: THRESHOLD,
+        ..Config::default()
+    }
+}
+
+fn expect_answer(got: &[u8], want: &[u8], registered: bool) {
+    assert_eq!(got.len(), 17, "answer {got:?}");
+    assert_eq!(&got[..8], &(want.len() as u64).to_le_bytes(), "length");
+    assert_eq!(
+        &got[8..16],
+        &checksum(want).to_le_bytes(),
+        "checksum of {} bytes",
+        want.len()
+    );
+    assert_eq!(got[16] == 1, registered, "registered body for {} bytes", want.len());
+}
+
+async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(300), f)
+        .await
+        .expect("bounded: no hang")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_bodies_reach_the_handler_in_a_registered_buffer() {
+    let (s, _serial) = setup(config()).await;
+    for (i, len) in [0, 1, 100, THRESHOLD, THRESHOLD + 1, 1 << 20, 16 << 20]
+        .into_iter()
+        .enumerate()
+    {
+        let mut data = vec![0u8; len];
+        fill(&mut data, i as u64);
+        // A Vec request: copied into a lent buffer by the client, read in place by the server.
+        let got = bounded(s.client.call(SUM, data.clone())).await.expect("call");
+        expect_answer(&got, &data, len > THRESHOLD);
+        // A registered request: lent as it is, given back with the answer, bytes untouched.
+        let mut buf = s.client.buffer(len).expect("buffer");
+        buf.bytes_mut().copy_from_slice(&data);
+        let (got, back) = bounded(s.client.call_buf(SUM, buf)).await.expect("call_buf");
+        expect_answer(&got, &data, len > THRESHOLD);
+        assert_eq!(back.len(), len);
+        assert!(back.bytes()[..] == data[..], "the lent buffer came back changed");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffer_lent_again_and_again_costs_no_registration() {
+    let (s, _serial) = setup(config()).await;
+    let mut buf = s.client.buffer(1 << 20).expect("buffer");
+    let mut warm = 0;
+    for round in 0..40u64 {
+        fill(&mut buf.bytes_mut(), round);
+        let want = buf.to_vec();
+        let (got, back) = bounded(s.client.call_buf(SUM, buf)).await.expect("call_buf");
+        expect_answer(&got, &want, true);
+        buf = back;
+        if round == 4 {
+            warm = s.dev.registered_bytes();
+        }
+        if round > 4 {
+            assert_eq!(s.dev.registered_bytes(), warm, "round {round} registered more memory");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_connections_buffer_is_copied_and_given_back() {
+    let (s, _serial) = setup(config()).await;
+    let other = Client::connect(&s.dev, s.addr, s.cfg.clone())
+        .await
+        .expect("second client");
+    let mut buf = other.buffer(THRESHOLD * 3).expect("buffer");
+    fill(&mut buf.bytes_mut(), 9);
+    let want = buf.to_vec();
+    let (got, back) = bounded(s.client.call_buf(SUM, buf)).await.expect("call_buf");
+    expect_answer(&got, &want, true);
+    assert!(back.bytes()[..] == want[..]);
+    // Still usable on its own connection.
+    let (got, _) = bounded(other.call_buf(SUM, back)).await.expect("own connection");
+    expect_answer(&got, &want, true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_transfer_isolation_lent_buffers_come_back_intact_without_piling_up() {
+    let cfg = Config {
+        isolation: Isolation::Transfer,
+        ..config()
+    };
+    let (s, _serial) = setup(cfg).await;
+    let mut buf = s.client.buffer(THRESHOLD * 4).expect("buffer");
+    fill(&mut buf.bytes_mut(), 3);
+    let want = buf.to_vec();
+    let mut base = 0;
+    for round in 0..10 {
+        let (got, back) = bounded(s.client.call_buf(SUM, buf)).await.expect("call_buf");
+        expect_answer(&got, &want, true);
+        assert!(back.bytes()[..] == want[..], "round {round}: bytes changed");
+        buf = back;
+        if round == 1 {
+            base = s.dev.registered_bytes();
+        }
+        if round > 1 {
+            assert_eq!(s.dev.registered_bytes(), base, "round {round}: registrations pile up");
+        }
+    }
+}
+
+/// Callers that give up mid-call (their buffers stay lent until the server is done) and
+/// callers that finish, on one connection: every request the server sees is intact, and once
+/// everything settles the registered memory is back where it was after warm-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_calls_never_expose_a_lent_buffer_and_leak_nothing() {
+    let (s, _serial) = setup(config()).await;
+    let client = s.client.clone();
+    // At rest, each side's free lists keep at most 8 buffers of a size class: the client's of
+    // 256 KiB (128 KiB and the length prefix), the server's read buffers of 128 KiB. Every
+    // other buffer is deregistered; a lent buffer that leaked would stay registered.
+    // One small call first: the server's side of the connection is then fully set up.
+    bounded(client.call(SUM, vec![1; 8])).await.expect("first call");
+    let at_rest = s.dev.registered_bytes() + 8 * (256 << 10) + 8 * (128 << 10);
+    let mut tasks = Vec::new();
+    for caller in 0..8u64 {
+        let c = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = caller.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
+            let (mut done, mut dropped) = (0, 0);
+            let mut buf = Some(c.buffer(THRESHOLD * 8).expect("buffer"));
+            for i in 0..60u64 {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let mut b = match buf.take() {
+                    Some(b) => b,
+                    None => c.buffer(THRESHOLD * 8).expect("a new buffer"),
+                };
+                fill(&mut b.bytes_mut(), caller << 32 | i);
+                let want = b.to_vec();
+                let wait = Duration::from_micros(rng % 6_000);
+                match tokio::time::timeout(wait, c.call_buf(SLOW_SUM, b)).await {
+                    Ok(r) => {
+                        let (got, back) = r.expect("call_buf");
+                        expect_answer(&got, &want, true);
+                        assert!(back.bytes()[..] == want[..]);
+                        buf = Some(back);
+                        done += 1;
+                    }
+                    Err(_) => dropped += 1,
+                }
+            }
+            (done, dropped)
+        }));
+    }
+    let (mut done, mut dropped) = (0, 0);
+    for t in tasks {
+        let (d, x) = bounded(t).await.expect("caller");
+        done += d;
+        dropped += x;
+    }
+    println!("{done} calls completed, {dropped} dropped mid-flight");
+    assert!(dropped > 0, "no call was dropped: make the waits shorter");
+    assert!(done > 0, "no call completed: make the waits longer");
+    // Let the server finish what was cancelled: every buffer then goes back to a free list
+    // (which keeps as many as the warm-up needed) or is deregistered.
+    let mut settled = s.dev.registered_bytes();
+    for _ in 0..100 {
+        if settled <= at_rest {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Same size as the callers': taken from the free lists, never registered anew.
+        let mut b = client.buffer(THRESHOLD * 8).expect("a buffer");
+        b.bytes_mut().fill(1);
+        bounded(client.call_buf(SUM, b)).await.expect("healthy");
+        settled = s.dev.registered_bytes();
+    }
+    assert!(
+        settled <= at_rest,
+        "registered memory after the drops settled: {settled} > {at_rest} (a lent buffer leaked)"
+    );
+    let mut b = client.buffer(THRESHOLD * 8).expect("buffer");
+    fill(&mut b.bytes_mut(), 77);
+    let want = b.to_vec();
+    let (got, _) = bounded(client.call_buf(SUM, b)).await.expect("healthy");
+    expect_answer(&got, &want, true);
+    assert!(s.handled.load(Ordering::SeqCst) <= done + dropped);
+}
