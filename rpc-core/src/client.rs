@@ -75,6 +75,8 @@ struct State {
     sleeping: usize,
     /// The driver task waits on the CQ (it wakes sleeping calls without being kicked).
     driver_on_cq: bool,
+    /// The deadline the driver sleeps until (it fires deadlines of sleeping calls).
+    driver_until: Option<Instant>,
     closed: bool,
 }
 
@@ -116,6 +118,7 @@ impl Client {
                 calls: HashMap::default(),
                 sleeping: 0,
                 driver_on_cq: false,
+                driver_until: None,
                 closed: false,
             }),
             mode: config.mode,
@@ -452,7 +455,14 @@ impl Future for Pending<'_> {
             self.sleeping = true;
             st.sleeping += 1;
         }
-        let kick = !st.driver_on_cq;
+        // The driver must look again when it is not watching the CQ, or when a deadline
+        // earlier than the one it sleeps until has come (this call's).
+        let earlier = st
+            .conn
+            .session
+            .poll_timeout()
+            .is_some_and(|d| st.driver_until.is_none_or(|u| d < u));
+        let kick = !st.driver_on_cq || earlier;
         drop(st);
         if kick {
             shared.kick.notify_one();
@@ -495,8 +505,9 @@ async fn drive(shared: Arc<Shared>) {
                 return;
             }
             let watch = st.needs_watch();
-            st.driver_on_cq = watch;
             let deadline = if lost { None } else { st.conn.session.poll_timeout() };
+            st.driver_on_cq = watch;
+            st.driver_until = deadline;
             (watch, deadline)
         };
         let sleep = async move {

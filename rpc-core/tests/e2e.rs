@@ -244,6 +244,59 @@ async fn deadline_exceeded_fails_the_call_and_stops_the_handler() {
     );
 }
 
+/// A deadline must fire on the client's own clock even while another call sleeps with the
+/// driver watching the CQ and the server says nothing (found by the fault tests: the driver
+/// kept sleeping on the CQ and the late call waited for the connection's death instead). The
+/// server runs on a thread of its own, which its handler then blocks: no reply can come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_fires_while_another_call_sleeps_and_the_server_is_silent() {
+    use rdma_rpc_core::CompletionMode;
+    const BLOCK: u32 = 1;
+    const HANG: u32 = 2;
+    for mode in [CompletionMode::Event, CompletionMode::default(), CompletionMode::Spin] {
+        let cfg = Config { mode, ..config() };
+        let dev = device();
+        let server = Server::builder(cfg.clone())
+            .handler(BLOCK, |req| async move {
+                // Blocks the server's only thread: its driver cannot answer anything meanwhile.
+                std::thread::sleep(Duration::from_secs(8));
+                Ok(req)
+            })
+            .handler(HANG, |_req| async move {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Ok(Vec::new())
+            })
+            .bind(&dev, SocketAddr::new(test_ip(), 0))
+            .expect("bind");
+        let addr = server.local_addr().expect("addr");
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            let _ = rt.block_on(async move { tokio::time::timeout(Duration::from_secs(30), server.serve()).await });
+        });
+        let client = Client::connect(&dev, addr, cfg).await.expect("connect");
+        let c = client.clone();
+        let sleeper = tokio::spawn(async move { c.call(HANG, vec![2; 64]).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let opts = CallOptions {
+            deadline: Some(Duration::from_millis(200)),
+            ..Default::default()
+        };
+        let t0 = Instant::now();
+        let r = client.call_with(BLOCK, vec![3; 64], opts).await;
+        let took = t0.elapsed();
+        assert_eq!(r, Err(RpcError::DeadlineExceeded), "{mode:?}");
+        // The server is blocked for 8 s: only the client's own timer can end the call sooner.
+        assert!(
+            took < Duration::from_secs(6),
+            "{mode:?}: the deadline fired after {took:?}"
+        );
+        sleeper.abort();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_method_panic_application_error_and_too_large() {
     let cfg = Config {
