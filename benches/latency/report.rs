@@ -156,6 +156,9 @@ fn shm_targets(rows: &[Row]) {
                 "  this machine's wake-up floor (wake mode: a blocking round trip between the same two threads): p50 {:.2} us",
                 w.t_typical
             );
+            if w.t_typical > 15.0 {
+                println!("  no design that sleeps can beat that floor here; --cpus 0,0 puts both threads on one core");
+            }
         }
     }
     // The target is for 16 MiB; a sweep without that size reports its largest common one.
