@@ -282,7 +282,10 @@ impl Conn {
                 let Some(mut buf) = self.send_pool.take() else {
                     return Err(Transmit::Send(bytes));
                 };
-                buf.bytes_mut()[..bytes.len()].copy_from_slice(&bytes);
+                if !bytes.write_to(&mut buf.bytes_mut()) {
+                    self.lose(format!("a {}-byte message does not fit a send buffer", bytes.len()));
+                    return Ok(());
+                }
                 let mut wr = SendWr::send(SEND, buf).len(bytes.len());
                 // Only every SIGNAL_EVERY-th Send asks for a completion (as perftest and eRPC
                 // do): its completion also gives back the buffers of the unsignaled ones before

@@ -20,7 +20,9 @@ pub use credits::Credits;
 pub use header::{
     decode_desc, encode_desc, Header, Kind, DESC_LEN, FLAG_LANDING, FLAG_RENDEZVOUS, HEADER_LEN, VERSION,
 };
-pub use session::{BufId, Event, Payload, Reply, RequestBody, Session, SessionConfig, Token, Transmit, LANDING_PREFIX};
+pub use session::{
+    BufId, Event, Message, Payload, Reply, RequestBody, Session, SessionConfig, Token, Transmit, LANDING_PREFIX,
+};
 
 /// Bytes that are not a valid message, or a message that breaks the protocol.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

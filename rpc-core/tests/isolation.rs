@@ -110,7 +110,7 @@ impl Raw {
             match t {
                 Transmit::Send(bytes) => {
                     let mut buf = self.sends.take().expect("a send buffer");
-                    buf.bytes_mut()[..bytes.len()].copy_from_slice(&bytes);
+                    assert!(bytes.write_to(&mut buf.bytes_mut()), "a message fits a send buffer");
                     self.qp
                         .post_send(SendWr::send(SEND, buf).len(bytes.len()))
                         .map_err(|e| e.error)

@@ -146,7 +146,7 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 fn pump(from: &mut Side, to: &mut Side) {
     while let Some(t) = from.s.poll_transmit() {
         match t {
-            Transmit::Send(m) => to.inbox.push_back(Wire::Send(m)),
+            Transmit::Send(m) => to.inbox.push_back(Wire::Send(m.to_vec())),
             Transmit::Release(b) if from.reading.remove(&b) => {
                 // A request read for a handler that will not run.
                 from.bufs.remove(&b);

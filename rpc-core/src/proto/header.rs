@@ -69,15 +69,22 @@ pub struct Header {
 impl Header {
     /// Encodes into the first [`HEADER_LEN`] bytes of `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
-        out.push(VERSION);
-        out.push(self.kind as u8);
-        out.extend_from_slice(&self.flags.to_le_bytes());
-        out.extend_from_slice(&self.call_id.to_le_bytes());
-        out.extend_from_slice(&self.method.to_le_bytes());
-        out.extend_from_slice(&self.status.to_le_bytes());
-        out.extend_from_slice(&self.credits.to_le_bytes());
-        out.extend_from_slice(&self.body_len.to_le_bytes());
-        out.extend_from_slice(&self.budget_us.to_le_bytes());
+        out.extend_from_slice(&self.to_bytes());
+    }
+
+    /// The encoded header.
+    pub fn to_bytes(&self) -> [u8; HEADER_LEN] {
+        let mut h = [0u8; HEADER_LEN];
+        h[0] = VERSION;
+        h[1] = self.kind as u8;
+        h[2..4].copy_from_slice(&self.flags.to_le_bytes());
+        h[4..8].copy_from_slice(&self.call_id.to_le_bytes());
+        h[8..12].copy_from_slice(&self.method.to_le_bytes());
+        h[12..14].copy_from_slice(&self.status.to_le_bytes());
+        h[14..16].copy_from_slice(&self.credits.to_le_bytes());
+        h[16..20].copy_from_slice(&self.body_len.to_le_bytes());
+        h[20..24].copy_from_slice(&self.budget_us.to_le_bytes());
+        h
     }
 
     /// Decodes a whole message: the header, and the body it announces.
