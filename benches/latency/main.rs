@@ -57,7 +57,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "rpc,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,send,write,read,atomic,memcpy,tcp,tarpc"
+        default_value = "rpc,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,send,write,read,atomic,memcpy,tcp,tarpc,wake"
     )]
     modes: Vec<String>,
     /// Fixed iterations per size (default: as many as fit the time budget).

@@ -78,6 +78,9 @@ struct State {
     /// The deadline the driver sleeps until (it fires deadlines of sleeping calls).
     driver_until: Option<Instant>,
     closed: bool,
+    /// Passed as `now` to calls without a deadline (the session reads the clock's value only
+    /// to place a deadline), which saves a clock read per call.
+    epoch: Instant,
 }
 
 /// A started call: its result once known, and who to wake then.
@@ -119,6 +122,7 @@ impl Client {
                 sleeping: 0,
                 driver_on_cq: false,
                 driver_until: None,
+                epoch: Instant::now(),
                 closed: false,
             }),
             mode: config.mode,
@@ -284,6 +288,10 @@ impl Drop for KeepGuard<'_> {
 impl State {
     /// Stages the payload (lent above the threshold), starts the call and posts its request.
     fn start(&mut self, method: u32, payload: Outgoing, opts: CallOptions) -> Result<(u32, Back), RpcError> {
+        let now = match opts.deadline {
+            Some(_) => Instant::now(),
+            None => self.epoch,
+        };
         let conn = &mut self.conn;
         let mut staged = Vec::new();
         let mut back = Back::Nothing;
@@ -329,8 +337,7 @@ impl State {
                 }
                 _ => None,
             };
-            conn.session
-                .start_call(method, p, landing, opts.deadline, Instant::now())
+            conn.session.start_call(method, p, landing, opts.deadline, now)
         })();
         match result {
             Ok(call) => {
@@ -392,7 +399,8 @@ const INNER_SPINS: u32 = 256;
 struct Pending<'a> {
     shared: &'a Shared,
     call: u32,
-    since: Instant,
+    /// When the call started spinning (read from the clock only in adaptive mode).
+    since: Option<Instant>,
     sleeping: bool,
     done: bool,
 }
@@ -402,7 +410,7 @@ impl<'a> Pending<'a> {
         Self {
             shared,
             call,
-            since: Instant::now(),
+            since: None,
             sleeping: false,
             done: false,
         }
@@ -416,7 +424,15 @@ impl Future for Pending<'_> {
         let shared = self.shared;
         let mut st = shared.state.lock();
         st.progress();
-        let spin = !self.sleeping && driver::spins(shared.mode, &st.conn, self.since);
+        let spin = !self.sleeping
+            && match shared.mode {
+                CompletionMode::Adaptive { .. } => {
+                    let since = *self.since.get_or_insert_with(Instant::now);
+                    driver::spins(shared.mode, &st.conn, since)
+                }
+                CompletionMode::Spin => true,
+                _ => false,
+            };
         // The only call in flight spins right here for a while: giving way to the runtime
         // between polls costs more than a round trip on shm (a syscall per turn when the caller
         // is the runtime's `block_on`). With other calls in flight it gives way at once, so

@@ -462,7 +462,9 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
             return;
         }
         if busy {
-            last_active = Instant::now();
+            if matches!(mode, CompletionMode::Adaptive { .. }) {
+                last_active = Instant::now();
+            }
             continue;
         }
         if spins(mode, &conn, last_active) {

@@ -292,7 +292,8 @@ impl Session {
     // ------------------------------------------------------------------ client side
 
     /// Starts a call. `landing` is a registered buffer for a large response, if the caller
-    /// expects one; `budget` a deadline relative to `now`.
+    /// expects one; `budget` a deadline relative to `now` (which is read only to place that
+    /// deadline: without a budget any instant will do).
     ///
     /// # Errors
     /// [`RpcError::PayloadTooLarge`]; [`RpcError::ConnectionLost`] after the connection died.
