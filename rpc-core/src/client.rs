@@ -379,7 +379,9 @@ impl State {
                 }
             }
         }
-        self.conn.flush();
+        // Consumed receive slots are posted again by the next `flush` (the next call's, or the
+        // driver's): after the request it sends, off the path of this result.
+        self.conn.send_pending();
         if self.conn.lost().is_some() {
             self.conn.drain_flushed();
         }

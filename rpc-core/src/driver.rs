@@ -65,6 +65,8 @@ pub(crate) struct Conn {
     scratch: Vec<Completion>,
     /// Sends posted without a completion since the last signaled one.
     unsignaled: u32,
+    /// Receive slots consumed and not posted again yet.
+    unposted: Vec<RecvWr>,
     lost: Option<String>,
     /// The tcp provider, whose completions come from threads of this process (shm delivers
     /// into our receive queue directly, so polling finds them without any thread's help).
@@ -108,6 +110,7 @@ impl Conn {
             backlog: VecDeque::new(),
             scratch: Vec::with_capacity(64),
             unsignaled: 0,
+            unposted: Vec::with_capacity(64),
             lost: None,
             software: pd.device().provider() == "tcp",
         })
@@ -210,9 +213,8 @@ impl Conn {
                     self.lose(format!("peer broke the protocol: {e}"));
                     return;
                 }
-                if let Err(e) = self.qp.post_recv(RecvWr::new(c.wr_id, buf)) {
-                    self.lose(format!("reposting a receive: {}", e.error));
-                }
+                // Reposted after what this message causes is sent (see `flush`).
+                self.unposted.push(RecvWr::new(c.wr_id, buf));
             }
             SEND => {} // the send buffer returns to its pool as `c` drops
             READ => {
@@ -250,8 +252,39 @@ impl Conn {
         }
     }
 
-    /// Posts what the session wants sent.
+    /// Posts what the session wants sent, then reposts the receive slots consumed since: a
+    /// response goes out before its request's slot is posted again (the slot's credit goes with
+    /// a later message, so the peer never sends into a slot that is not posted).
     pub(crate) fn flush(&mut self) -> bool {
+        let mut any = self.send_pending();
+        if self.repost() {
+            any |= self.send_pending();
+        }
+        any
+    }
+
+    /// Reposts consumed receive slots and tells the session; true when there were any.
+    fn repost(&mut self) -> bool {
+        if self.unposted.is_empty() {
+            return false;
+        }
+        let mut wrs = std::mem::take(&mut self.unposted);
+        for wr in wrs.drain(..) {
+            if self.lost.is_some() {
+                break;
+            }
+            match self.qp.post_recv(wr) {
+                Ok(()) => self.session.reposted(),
+                Err(e) => self.lose(format!("reposting a receive: {}", e.error)),
+            }
+        }
+        wrs.clear();
+        self.unposted = wrs;
+        true
+    }
+
+    /// Posts what the session wants sent (and leaves consumed slots for a later `flush`).
+    pub(crate) fn send_pending(&mut self) -> bool {
         let mut any = false;
         loop {
             let t = match self.backlog.pop_front() {

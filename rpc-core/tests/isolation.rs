@@ -150,6 +150,7 @@ impl Raw {
                         .post_recv(RecvWr::new(c.wr_id, buf))
                         .map_err(|e| e.error)
                         .expect("repost");
+                    self.session.reposted();
                 }
             }
             if let Some(Event::CallDone { result, .. }) = self.session.poll_event() {

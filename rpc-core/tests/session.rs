@@ -46,6 +46,10 @@ struct Side {
     held_reads: bool,
     /// Buffers this side read a request into that the session has not let go of yet.
     reading: HashSet<BufId>,
+    /// Consumed receive slots are posted again only after the next pump (as the driver does:
+    /// what a message causes is sent first), not as soon as the message is decoded.
+    defer_reposts: bool,
+    unposted: u32,
 }
 
 impl Side {
@@ -64,6 +68,21 @@ impl Side {
             rnr: 0,
             held_reads: false,
             reading: HashSet::new(),
+            defer_reposts: false,
+            unposted: 0,
+        }
+    }
+
+    fn deferring_reposts(mut self) -> Self {
+        self.defer_reposts = true;
+        self
+    }
+
+    /// Posts the consumed slots again and reports them to the session.
+    fn repost(&mut self) {
+        for _ in 0..std::mem::take(&mut self.unposted) {
+            self.posted += 1;
+            self.s.reposted();
         }
     }
 
@@ -215,7 +234,12 @@ fn deliver(to: &mut Side, now: Instant) -> Result<(), ProtoError> {
         Wire::Send(m) => to.s.handle_message(&m, now),
         Wire::WriteImm { imm, len } => to.s.handle_write_imm(imm, len),
     };
-    to.posted += 1; // reposted as soon as decoded
+    if to.defer_reposts {
+        to.unposted += 1;
+    } else {
+        to.posted += 1; // reposted as soon as decoded, and reported
+        to.s.reposted();
+    }
     r
 }
 
@@ -251,8 +275,12 @@ fn settle(a: &mut Side, b: &mut Side, now: Instant, resp_len: impl Fn(usize) -> 
         a.drain_events();
         b.drain_events();
         serve(b, resp_len);
+        // Deferred reposts land after what the messages caused was sent, and after the peer
+        // had a chance to send into the slots the credits say are posted.
+        a.repost();
+        b.repost();
         let idle = a.inbox.is_empty() && b.inbox.is_empty() && a.rdma.is_empty() && b.rdma.is_empty();
-        if idle && b.requests.is_empty() {
+        if idle && b.requests.is_empty() && a.unposted == 0 && b.unposted == 0 {
             pump(a, b);
             pump(b, a);
             if a.inbox.is_empty() && b.inbox.is_empty() && a.rdma.is_empty() && b.rdma.is_empty() {
@@ -317,8 +345,17 @@ fn eager_and_rendezvous(server: Side) {
 
 #[test]
 fn credit_exhaustion_holds_the_sender_and_recovers() {
+    credit_exhaustion(Side::new(1000), Side::new(2000));
+}
+
+#[test]
+fn credits_come_back_only_for_slots_posted_again() {
+    credit_exhaustion(Side::new(1000).deferring_reposts(), Side::new(2000).deferring_reposts());
+}
+
+fn credit_exhaustion(a: Side, b: Side) {
     let now = Instant::now();
-    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    let (mut a, mut b) = (a, b);
     for _ in 0..100 {
         a.call(8, None, None, now);
     }
@@ -522,10 +559,14 @@ proptest! {
     /// never RNR, credits within the ring, every live call answered once and correctly, and no
     /// buffer reached after its release.
     #[test]
-    fn random_mixes_keep_every_promise(ops in proptest::collection::vec((0u8..8, 0usize..400, 0usize..400), 1..120), held in any::<bool>()) {
+    fn random_mixes_keep_every_promise(ops in proptest::collection::vec((0u8..8, 0usize..400, 0usize..400), 1..120), held in any::<bool>(), deferred in any::<bool>()) {
         let t0 = Instant::now();
         let server = if held { Side::new(2000).holding_reads() } else { Side::new(2000) };
-        let (mut a, mut b) = (Side::new(1000), server);
+        let (mut a, mut b) = if deferred {
+            (Side::new(1000).deferring_reposts(), server.deferring_reposts())
+        } else {
+            (Side::new(1000), server)
+        };
         let mut started: HashMap<u32, (usize, usize)> = HashMap::new();
         let mut cancelled = HashSet::new();
         let mut now = t0;
@@ -539,7 +580,8 @@ proptest! {
                     started.insert(id, (x, resp_for(x)));
                 }
                 2 => { if let Some(&id) = started.keys().nth(x % started.len().max(1)) { a.s.cancel(id); cancelled.insert(id); } }
-                3 => { pump(&mut a, &mut b); pump(&mut b, &mut a); }
+                3 if x % 2 == 0 => { pump(&mut a, &mut b); pump(&mut b, &mut a); }
+                3 => { a.repost(); b.repost(); }
                 4 => { deliver(&mut b, now).expect("server"); b.drain_events(); }
                 5 => { deliver(&mut a, now).expect("client"); a.drain_events(); }
                 6 => { run_rdma(&mut a, &mut b, now); run_rdma(&mut b, &mut a, now); }

@@ -102,10 +102,12 @@ pub fn session(data: &[u8]) {
         match op % 4 {
             0 | 1 => {
                 let _ = s.handle_message(chunk, now);
+                s.reposted();
             }
             2 => {
                 let imm = chunk.iter().fold(0u32, |a, b| a.rotate_left(8) ^ u32::from(*b));
                 let _ = s.handle_write_imm(imm, n * 100);
+                s.reposted();
             }
             _ => {
                 now += Duration::from_millis(u64::from(*len) % 8);

@@ -595,13 +595,14 @@ impl Session {
 
     // ------------------------------------------------------------------ inputs from the driver
 
-    /// A message arrived in a receive slot (which the driver reposts right after this returns).
+    /// A message arrived in a receive slot. The driver reposts the slot when it likes (after
+    /// sending what this message causes, say) and then calls [`Session::reposted`]: only then is
+    /// the slot's credit returned to the peer, so the peer never sends into a slot not posted.
     ///
     /// # Errors
     /// [`ProtoError`] for bytes that are not a valid message or that break the protocol; the
     /// driver should then close the connection. Never panics.
     pub fn handle_message(&mut self, msg: &[u8], now: Instant) -> Result<(), ProtoError> {
-        self.credits.reposted();
         let (h, body) = Header::decode(msg)?;
         self.credits.returned(h.credits).map_err(|()| ProtoError::Overrun)?;
         match h.kind {
@@ -616,13 +617,18 @@ impl Session {
         }
     }
 
+    /// A receive slot consumed by a message (or a Write-with-immediate) is posted again: its
+    /// credit goes back to the peer with our next message.
+    pub fn reposted(&mut self) {
+        self.credits.reposted();
+    }
+
     /// An RDMA Write-with-immediate landed `len` bytes for call `imm` (consuming a receive slot,
-    /// reposted by the driver).
+    /// which the driver reposts and reports with [`Session::reposted`]).
     ///
     /// # Errors
     /// [`ProtoError::UnknownCall`] when no call of ours advertised a landing buffer under `imm`.
     pub fn handle_write_imm(&mut self, imm: u32, len: usize) -> Result<(), ProtoError> {
-        self.credits.reposted();
         let _ = len; // the length travels in the landing buffer's prefix
         match self.calls.get(&imm) {
             Some(c) if c.landing.is_some() => {
