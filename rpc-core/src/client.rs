@@ -430,7 +430,7 @@ impl Future for Pending<'_> {
             && match shared.mode {
                 CompletionMode::Adaptive { .. } => {
                     let since = *self.since.get_or_insert_with(Instant::now);
-                    driver::spins(shared.mode, &st.conn, since)
+                    driver::spins(shared.mode, since)
                 }
                 CompletionMode::Spin => true,
                 _ => false,
@@ -462,6 +462,12 @@ impl Future for Pending<'_> {
                 st.sleeping -= 1;
             }
             self.done = true;
+            // The last spinning call leaving: whoever sleeps now needs the driver on the CQ.
+            let kick = !st.driver_on_cq && st.needs_watch();
+            drop(st);
+            if kick {
+                shared.kick.notify_one();
+            }
             return Poll::Ready(result);
         }
         if spin {
