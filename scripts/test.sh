@@ -86,9 +86,9 @@ fi
 step "summary"
 printf 'provider tcp:   conformance %d passed, %d failed; whole workspace %d passed, %d failed\n' \
     "$tcpc_pass" "$tcpc_fail" "$tcp_pass" "$tcp_fail"
-printf 'provider shm:   conformance %d passed, %d failed; with the RPC end-to-end, isolation, #[service] and examples suites %d passed, %d failed\n' \
+printf 'provider shm:   conformance %d passed, %d failed; with the RPC end-to-end, registered buffers, isolation, #[service] and examples suites %d passed, %d failed\n' \
     "$shmc_pass" "$shmc_fail" "$shm_pass" "$shm_fail"
-printf 'provider verbs: conformance %d passed, %d failed; with the RPC end-to-end, isolation, #[service] and examples suites %d passed, %d failed (rxe0, soft-RoCE in qemu)\n' \
+printf 'provider verbs: conformance %d passed, %d failed; with the RPC end-to-end, registered buffers, isolation, #[service] and examples suites %d passed, %d failed (rxe0, soft-RoCE in qemu)\n' \
     "$vconf_pass" "${vconf_fail:-0}" "$verbs_pass" "$verbs_fail"
 ((tcpc_pass == vconf_pass && tcpc_pass == shmc_pass)) || { echo "the providers passed different numbers of conformance cases"; fail=1; }
 echo "$((tcp_pass + shm_pass + verbs_pass)) passed, $((tcp_fail + shm_fail + verbs_fail)) failed"
