@@ -6,6 +6,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::bounded;
+
 use rdma_rpc_core::transport::Device;
 use rdma_rpc_core::{CallOptions, Client, Config, RpcError, Server};
 
@@ -128,12 +132,6 @@ async fn start(cfg: Config) -> (Client, Arc<Probe>) {
     tokio::spawn(server.serve());
     let client = Client::connect(&dev, addr, cfg).await.expect("connect");
     (client, probe)
-}
-
-async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(300), f)
-        .await
-        .expect("bounded: no hang")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -368,15 +366,7 @@ async fn random_drops_never_expose_a_reused_buffer() {
             (done, dropped)
         }));
     }
-    let (mut done, mut dropped) = (0, 0);
-    for t in tasks {
-        let (d, x) = bounded(t).await.expect("caller");
-        done += d;
-        dropped += x;
-    }
-    println!("{done} calls completed, {dropped} dropped mid-flight");
-    assert!(dropped > 0, "the test dropped no call: make the waits shorter");
-    assert!(done > 0, "the test completed no call: make the waits longer");
+    common::tally(tasks).await;
     assert_eq!(
         probe.corrupt.load(Ordering::SeqCst),
         0,

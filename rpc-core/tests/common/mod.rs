@@ -1,0 +1,25 @@
+//! What the end-to-end test files share.
+
+use std::time::Duration;
+
+/// Awaits `f`, failing the test after 300 s instead of hanging.
+pub async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(300), f)
+        .await
+        .expect("bounded: no hang")
+}
+
+/// Waits for callers that each report (calls completed, calls dropped mid-flight), checks that
+/// both happened (else the waits need tuning), prints and returns the totals.
+pub async fn tally(tasks: Vec<tokio::task::JoinHandle<(usize, usize)>>) -> (usize, usize) {
+    let (mut done, mut dropped) = (0, 0);
+    for t in tasks {
+        let (d, x) = bounded(t).await.expect("caller");
+        done += d;
+        dropped += x;
+    }
+    println!("{done} calls completed, {dropped} dropped mid-flight");
+    assert!(dropped > 0, "no call was dropped: make the waits shorter");
+    assert!(done > 0, "no call completed: make the waits longer");
+    (done, dropped)
+}
