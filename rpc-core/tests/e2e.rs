@@ -200,6 +200,34 @@ async fn sixty_four_callers_a_thousand_calls_each() {
     }
 }
 
+/// Concurrent callers in each completion mode: in event mode every call sleeps and the
+/// connection's task must watch the CQ for all of them; in spin mode none sleeps; the default
+/// (adaptive) mixes both. A lost wake-up hangs a caller (and fails `bounded`); the one found
+/// this way (the last spinning call leaving while others slept) needed the 64 callers above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_callers_in_every_completion_mode() {
+    use rdma_rpc_core::CompletionMode;
+    for mode in [CompletionMode::Event, CompletionMode::Spin, CompletionMode::default()] {
+        let (client, _) = start(Config { mode, ..config() }).await;
+        let tasks: Vec<_> = (0..16u64)
+            .map(|caller| {
+                let c = client.clone();
+                tokio::spawn(async move {
+                    for i in 0..200u64 {
+                        let seed = caller << 32 | i;
+                        let len = 8 + ((seed * 37) % 3000) as usize;
+                        let got = c.call(CHECK, tagged(len, seed)).await.expect("call");
+                        assert_eq!(got, seed.to_le_bytes(), "{mode:?}: caller {caller} call {i}");
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            bounded(t).await.expect("caller");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_a_call_cancels_the_handler() {
     let (client, probe) = start(config()).await;
