@@ -113,6 +113,7 @@ impl std::fmt::Debug for RegisteredBuf {
 /// inside the message (small requests), or in the registered buffer the request was read into
 /// (large ones), without a copy.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Body {
     /// A small request, copied out of its message.
     Bytes(Vec<u8>),
