@@ -449,6 +449,9 @@ impl Future for Pending<'_> {
                 if st.conn.poll_cq() {
                     st.settle();
                 }
+                // A caller on another thread waiting to start a call gets the lock now (one
+                // atomic load when nobody waits).
+                parking_lot::MutexGuard::bump(&mut st);
             }
         }
         let Some(slot) = st.calls.get_mut(&self.call) else {
