@@ -260,11 +260,12 @@ impl Role for ServerRole {
                         }
                     },
                 };
-                let Some(h) = self.handlers.get(&method).cloned() else {
+                let span = tracing::debug_span!("rpc.serve", method, call, len = body.len(), ?budget);
+                // Called through the shared table: no reference count touched per request.
+                let Some(h) = self.handlers.get(&method) else {
                     conn.session.respond(call, Err(RpcError::UnknownMethod(method)));
                     return;
                 };
-                let span = tracing::debug_span!("rpc.serve", method, call, len = body.len(), ?budget);
                 let mut fut = CatchUnwind(h(body));
                 // A handler that finishes on its first poll (most do) is answered right here, with
                 // no task and no thread hop; the others continue in a task of their own.

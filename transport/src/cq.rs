@@ -71,6 +71,8 @@ pub(crate) struct RawWc {
 struct Reaping {
     held: std::collections::VecDeque<Completion>,
     scratch: Vec<RawWc>,
+    /// Where `ready` reaps before holding (kept, so that no wait allocates).
+    spare: Vec<Completion>,
 }
 
 /// A completion queue, shareable by many queue pairs. Cheap to clone.
@@ -120,6 +122,7 @@ impl CompletionQueue {
                 reaping: Mutex::new(Reaping {
                     held: std::collections::VecDeque::new(),
                     scratch: Vec::with_capacity(64),
+                    spare: Vec::with_capacity(64),
                 }),
                 imp,
             }),
@@ -234,10 +237,9 @@ impl CompletionQueue {
         if !r.held.is_empty() {
             return Ok(true);
         }
-        let mut got = Vec::new();
-        let Reaping { scratch, held } = &mut *r;
-        self.reap(scratch, &mut got, 64)?;
-        held.extend(got);
+        let Reaping { scratch, held, spare } = &mut *r;
+        self.reap(scratch, spare, 64)?;
+        held.extend(spare.drain(..));
         Ok(!held.is_empty())
     }
 

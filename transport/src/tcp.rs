@@ -132,7 +132,8 @@ impl Cq {
             q.push_back(wc);
             self.queued.store(q.len(), Ordering::SeqCst);
         }
-        if self.armed.swap(false, Ordering::SeqCst) {
+        // A load first: the read-modify-write only when a waiter armed the CQ.
+        if self.armed.load(Ordering::SeqCst) && self.armed.swap(false, Ordering::SeqCst) {
             self.bell.ring();
         }
     }
