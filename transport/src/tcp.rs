@@ -10,6 +10,7 @@
 
 mod cm;
 mod engine;
+mod inbox;
 mod link;
 mod sender;
 mod wire;

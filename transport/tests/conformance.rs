@@ -486,6 +486,54 @@ async fn missing_access_flag_is_a_remote_access_error() {
     }
 }
 
+/// Bytes `i` of a pattern that differs per `seed` and has no short period.
+fn pattern(len: usize, seed: u32) -> Vec<u8> {
+    (0..len as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13 ^ seed) as u8)
+        .collect()
+}
+
+#[tokio::test]
+async fn large_transfers_land_intact_and_in_order() {
+    const MIB: usize = 1 << 20;
+    let (c, s) = pair();
+    let target = s.reg(2 * MIB, RW);
+    s.recv(1, MIB);
+    let (a, b) = (pattern(MIB, 1), pattern(MIB, 2));
+    let at = target.remote().at((MIB / 2 + 3) as u64);
+    // Pipelined: a Write, a Send, then a Read of what the Write put there (RC runs them in order).
+    c.post(SendWr::new(10, SendOp::Write { remote: at, imm: None }).buf(c.filled(&a, AccessFlags::NONE)));
+    c.post(SendWr::send(11, c.filled(&b, AccessFlags::NONE)));
+    c.post(SendWr::new(12, SendOp::Read { remote: at }).buf(c.reg(MIB, AccessFlags::LOCAL_WRITE)));
+    let done = c.take(3).await;
+    done.iter().for_each(ok);
+    assert_eq!(done.iter().map(|w| w.wr_id).collect::<Vec<_>>(), [10, 11, 12]);
+    assert!(
+        done[2].buf.as_ref().expect("read buf").bytes()[..] == a[..],
+        "the Read returns the Write's bytes"
+    );
+    let rc = s.one().await;
+    ok(&rc);
+    assert_eq!(rc.byte_len as usize, MIB);
+    assert!(
+        rc.buf.expect("recv buf").bytes()[..] == b[..],
+        "the Send's bytes arrive intact"
+    );
+    let t = target.bytes();
+    assert!(t[MIB / 2 + 3..MIB / 2 + 3 + MIB] == a[..] && t[..MIB / 2 + 3].iter().all(|&x| x == 0));
+
+    // A large Send that finds no receive waits (RNR) and lands once one is posted.
+    let late = pattern(300 << 10, 3);
+    c.post(SendWr::send(13, c.filled(&late, AccessFlags::NONE)));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    s.recv(2, 512 << 10);
+    ok(&c.one().await);
+    let rc = s.one().await;
+    ok(&rc);
+    assert_eq!(rc.byte_len as usize, late.len());
+    assert!(rc.buf.expect("recv buf").bytes()[..late.len()] == late[..]);
+}
+
 #[tokio::test]
 async fn receive_buffer_too_small_is_a_length_error() {
     let (c, s) = pair();

@@ -61,6 +61,10 @@ impl Link for ShmLink {
         self.rx.read_exact(buf).map_err(io_err)
     }
 
+    fn read_some(&self, buf: &mut [u8]) -> io::Result<usize> {
+        self.rx.read_some(buf).map_err(io_err)
+    }
+
     fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
         self.tx.try_write(buf).map_err(io_err)
     }

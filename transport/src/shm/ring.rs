@@ -163,9 +163,18 @@ impl Ring {
 
     /// Consumer: fills `buf`, waiting for bytes.
     pub(crate) fn read_exact(&self, buf: &mut [u8]) -> Result<(), RingError> {
-        let h = self.header();
         let mut got = 0;
         while got < buf.len() {
+            got += self.read_some(&mut buf[got..])?;
+        }
+        Ok(())
+    }
+
+    /// Consumer: takes what is in the ring, up to `buf.len()`, waiting until there is something;
+    /// returns how much (at least 1 for a non-empty `buf`).
+    pub(crate) fn read_some(&self, buf: &mut [u8]) -> Result<usize, RingError> {
+        let h = self.header();
+        loop {
             let (head, used) = self.used()?;
             if used == 0 {
                 if h.closed.load(Ordering::Acquire) != 0 || self.dead() {
@@ -174,24 +183,23 @@ impl Ring {
                 self.wait(|r| Ok(r.used()?.1 > 0), false)?;
                 continue;
             }
-            let n = (used as usize).min(buf.len() - got);
+            let n = (used as usize).min(buf.len());
             let at = (head % CAP as u64) as usize;
             let first = n.min(CAP - at);
             // SAFETY: the bytes `[head, head + n)` were published by the producer (tail moved
             // past them with Release, read with Acquire) and stay until `head` moves; both
             // copies are inside the data area and inside `buf`.
             unsafe {
-                std::ptr::copy_nonoverlapping(self.data().add(at), buf.as_mut_ptr().add(got), first);
-                std::ptr::copy_nonoverlapping(self.data(), buf.as_mut_ptr().add(got + first), n - first);
+                std::ptr::copy_nonoverlapping(self.data().add(at), buf.as_mut_ptr(), first);
+                std::ptr::copy_nonoverlapping(self.data(), buf.as_mut_ptr().add(first), n - first);
             }
             h.head.store(head.wrapping_add(n as u64), Ordering::Release);
             if h.producer_sleeping.load(Ordering::SeqCst) != 0 {
                 h.space_seq.fetch_add(1, Ordering::AcqRel);
                 sys::futex_wake(&h.space_seq);
             }
-            got += n;
+            return Ok(n);
         }
-        Ok(())
     }
 
     /// Spins, then sleeps on the futex until `ready` or an end.

@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use super::inbox::Inbox;
 use super::link::Link;
 use super::sender::Sender;
-use super::wire::{AtomicOp, Encoder, Frame, MAX_BODY};
+use super::wire::{AtomicOp, DataHead, Encoder, Frame, WireError, MAX_BODY};
 use super::Cq;
 use crate::cq::RawWc;
 use crate::mr::{Region, Rmw};
@@ -25,6 +26,26 @@ use crate::{AccessFlags, Error, SendOp, WcOpcode, WcStatus};
 /// How long a Send waits at the target for a receive before the initiator gets
 /// RNR_RETRY_EXC_ERR: seven retries of a 10 ms RNR timer.
 const RNR_BUDGET: Duration = Duration::from_millis(70);
+
+/// Why the reader thread stops.
+enum Stop {
+    /// The link ended or failed.
+    Link,
+    TooLong(usize),
+    Malformed(WireError),
+}
+
+impl From<std::io::Error> for Stop {
+    fn from(_: std::io::Error) -> Self {
+        Stop::Link
+    }
+}
+
+impl From<WireError> for Stop {
+    fn from(e: WireError) -> Self {
+        Stop::Malformed(e)
+    }
+}
 
 /// A piece of registered memory that a request in flight names.
 struct View {
@@ -179,8 +200,7 @@ impl Qp {
                 }
                 st.outstanding.push_back(pending);
             }
-            let frame = request_frame(d);
-            if e.out.send(&frame).is_err() {
+            if send_request(&e.out, d).is_err() {
                 // The reader sees the broken connection too and fails what is outstanding.
                 e.link.shutdown();
             }
@@ -229,21 +249,20 @@ impl Qp {
     }
 }
 
-/// Builds the wire frame of a request, copying its payload out of registered memory once.
-fn request_frame(d: &SendDesc<'_>) -> Vec<u8> {
+/// Sends the wire frame of a request, its payload straight from registered memory.
+fn send_request(out: &Sender, d: &SendDesc<'_>) -> Result<(), ()> {
     let with_data = |enc: Encoder| match &d.local {
-        Some(l) if d.len > 0 => enc.data(&l.region.lock_range(l.off, d.len)).finish(),
-        _ => enc.finish(),
+        Some(l) if d.len > 0 => out.send_parts(&enc.head(d.len), &l.region.lock_range(l.off, d.len)),
+        _ => out.send(&enc.finish()),
     };
     match d.op {
-        SendOp::Send { imm } => with_data(Encoder::send(d.seq, imm, d.len)),
-        SendOp::Write { remote, imm } => with_data(Encoder::write(d.seq, remote.addr, remote.rkey, imm, d.len)),
-        SendOp::Read { remote } => Encoder::read_req(d.seq, remote.addr, remote.rkey, d.len as u32).finish(),
-        SendOp::CompareSwap { remote, compare, swap } => {
-            Encoder::atomic(d.seq, remote.addr, remote.rkey, AtomicOp::CompareSwap { compare, swap }).finish()
-        }
+        SendOp::Send { imm } => with_data(Encoder::send(d.seq, imm)),
+        SendOp::Write { remote, imm } => with_data(Encoder::write(d.seq, remote.addr, remote.rkey, imm)),
+        SendOp::Read { remote } => out.send(&Encoder::read_req(d.seq, remote.addr, remote.rkey, d.len as u32).finish()),
+        SendOp::CompareSwap { remote, compare, swap } => out
+            .send(&Encoder::atomic(d.seq, remote.addr, remote.rkey, AtomicOp::CompareSwap { compare, swap }).finish()),
         SendOp::FetchAdd { remote, add } => {
-            Encoder::atomic(d.seq, remote.addr, remote.rkey, AtomicOp::FetchAdd { add }).finish()
+            out.send(&Encoder::atomic(d.seq, remote.addr, remote.rkey, AtomicOp::FetchAdd { add }).finish())
         }
     }
 }
@@ -355,23 +374,16 @@ fn needs_recv(f: &Frame) -> bool {
 
 impl Engine {
     fn run_reader(self: Arc<Self>) {
-        let mut len = [0u8; 4];
+        let mut inbox = Inbox::new(self.link.clone());
         loop {
-            if self.link.read_exact(&mut len).is_err() {
-                break;
-            }
-            let n = u32::from_le_bytes(len) as usize;
-            if n > MAX_BODY {
-                tracing::warn!(qp = self.qp_num, n, "frame longer than any message: closing");
-                break;
-            }
-            let mut body = vec![0u8; n];
-            if self.link.read_exact(&mut body).is_err() {
-                break;
-            }
-            match Frame::decode(&body) {
-                Ok(f) => self.handle(f),
-                Err(err) => {
+            match self.next_frame(&mut inbox) {
+                Ok(()) => {}
+                Err(Stop::Link) => break,
+                Err(Stop::TooLong(n)) => {
+                    tracing::warn!(qp = self.qp_num, n, "frame longer than any message: closing");
+                    break;
+                }
+                Err(Stop::Malformed(err)) => {
                     tracing::warn!(qp = self.qp_num, %err, "malformed frame: closing");
                     break;
                 }
@@ -382,6 +394,103 @@ impl Engine {
         self.enter_error(&mut st, Some(WcStatus::RetryExcErr));
         drop(st);
         self.link.shutdown();
+    }
+
+    /// Reads and handles one frame. A payload whose destination is known from the frame's
+    /// fields (a read response, a write, a send into a posted receive) is read straight into
+    /// that registered memory, as a NIC's DMA would; anything else is read whole and decoded.
+    fn next_frame(self: &Arc<Self>, inbox: &mut Inbox) -> Result<(), Stop> {
+        let len: [u8; 4] = inbox.fill(4)?.try_into().map_err(|_| Stop::Link)?;
+        inbox.consume(4);
+        let n = u32::from_le_bytes(len) as usize;
+        if n > MAX_BODY {
+            return Err(Stop::TooLong(n));
+        }
+        let kind = if n > 0 { inbox.fill(1)?[0] } else { 0 };
+        if let Some(h) = DataHead::len(kind).filter(|&h| n > h) {
+            let head = DataHead::decode(inbox.fill(h)?)?;
+            if let Some((region, off)) = self.landing(head, n - h) {
+                inbox.consume(h);
+                inbox.read_into(&mut region.lock_range(off, n - h))?;
+                self.landed(head, n - h);
+                return Ok(());
+            }
+        }
+        let frame = if n <= Inbox::capacity() {
+            let f = Frame::decode(inbox.fill(n)?)?;
+            inbox.consume(n);
+            f
+        } else {
+            let mut body = vec![0u8; n];
+            inbox.read_into(&mut body)?;
+            Frame::decode(&body)?
+        };
+        self.handle(frame);
+        Ok(())
+    }
+
+    /// Where the `len`-byte payload of a frame with these fields lands, if the frame will
+    /// succeed as it stands; `None` sends it down the general path (errors, stalls, shm).
+    fn landing(&self, head: DataHead, len: usize) -> Option<(Arc<Region>, usize)> {
+        let st = self.state.lock();
+        if st.error || st.discarding {
+            return None;
+        }
+        match head {
+            DataHead::ReadResp { ssn } => {
+                let p = st.outstanding.front().filter(|p| p.seq == ssn && p.done.is_none())?;
+                let v = p.local.as_ref().filter(|v| v.len == len)?;
+                Some((v.region.clone(), v.off))
+            }
+            DataHead::Write { addr, rkey, imm, .. } => {
+                // Behind a stalled request, or needing a receive there is not: general path.
+                let wants_recv = imm.is_some() && (st.recvs.is_empty() || self.own_rq.is_some());
+                if !st.stalled.is_empty() || wants_recv {
+                    return None;
+                }
+                let region = self.check_remote(addr, rkey, len, AccessFlags::REMOTE_WRITE).ok()?;
+                let off = (addr - region.addr) as usize;
+                Some((region, off))
+            }
+            DataHead::Send { .. } => {
+                if !st.stalled.is_empty() || self.own_rq.is_some() {
+                    return None;
+                }
+                let v = st.recvs.front()?.local.as_ref()?;
+                let fits = Arc::ptr_eq(&v.region.pd, &self.pd)
+                    && v.region.access.contains(AccessFlags::LOCAL_WRITE)
+                    && len <= v.len;
+                fits.then(|| (v.region.clone(), v.off))
+            }
+        }
+    }
+
+    /// Completes a frame whose payload [`landing`](Self::landing) placed, as `handle` would.
+    fn landed(&self, head: DataHead, len: usize) {
+        let mut st = self.state.lock();
+        self.drain_rq(&mut st);
+        match head {
+            DataHead::ReadResp { ssn } => self.complete_head(&mut st, ssn, WcStatus::Success, |_| Ok(len as u32)),
+            DataHead::Write { .. } | DataHead::Send { .. } if st.error || st.discarding => {}
+            DataHead::Write { ssn, imm, .. } => {
+                if let Some(imm) = imm {
+                    let Some(r) = st.recvs.pop_front() else { return };
+                    self.push_recv(
+                        r.seq,
+                        WcStatus::Success,
+                        WcOpcode::RecvRdmaWithImm,
+                        len as u32,
+                        Some(imm),
+                    );
+                }
+                self.respond(Encoder::ack(ssn));
+            }
+            DataHead::Send { ssn, imm } => {
+                let Some(r) = st.recvs.pop_front() else { return };
+                self.push_recv(r.seq, WcStatus::Success, WcOpcode::Recv, len as u32, imm);
+                self.respond(Encoder::ack(ssn));
+            }
+        }
     }
 
     fn respond(&self, frame: Encoder) {
@@ -709,13 +818,13 @@ impl Engine {
             Frame::ReadReq { ssn, addr, rkey, len } => {
                 let len = len as usize;
                 if len == 0 {
-                    return self.respond(Encoder::read_resp(ssn, 0));
+                    return self.respond(Encoder::read_resp(ssn));
                 }
                 match self.check_remote(addr, rkey, len, AccessFlags::REMOTE_READ) {
                     Ok(region) => {
                         let off = (addr - region.addr) as usize;
                         let bytes = region.lock_range(off, len);
-                        self.respond(Encoder::read_resp(ssn, len).data(&bytes));
+                        let _ = self.out.send_parts(&Encoder::read_resp(ssn).head(len), &bytes);
                     }
                     Err(status) => fail(st, ssn, status),
                 }

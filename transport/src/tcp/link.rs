@@ -11,8 +11,19 @@ use socket2::SockRef;
 pub(crate) trait Link: Send + Sync + 'static {
     /// Fills `buf` (reader thread only); an error ends the link.
     fn read_exact(&self, buf: &mut [u8]) -> io::Result<()>;
+    /// Reads what is there, up to `buf.len()`, waiting for at least one byte (reader thread
+    /// only); the end of the link is an error.
+    fn read_some(&self, buf: &mut [u8]) -> io::Result<usize>;
     /// Writes what fits without waiting; `Ok(0)` when nothing does.
     fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
+    /// Writes what fits of `a` then `b` without waiting; the count of bytes taken from both.
+    fn try_write2(&self, a: &[u8], b: &[u8]) -> io::Result<usize> {
+        let n = self.try_write(a)?;
+        if n < a.len() || b.is_empty() {
+            return Ok(n);
+        }
+        Ok(n + self.try_write(b)?)
+    }
     /// Writes everything, waiting for room (writer thread only).
     fn write_all(&self, buf: &[u8]) -> io::Result<()>;
     /// No more bytes from this side (the peer reads to the end, then sees the end).
@@ -29,9 +40,31 @@ impl Link for TcpLink {
         (&self.0).read_exact(buf)
     }
 
+    fn read_some(&self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            match (&self.0).read(buf) {
+                Ok(0) if !buf.is_empty() => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
         let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
         match SockRef::from(&self.0).send_with_flags(buf, flags) {
+            Ok(n) => Ok(n),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => Ok(0),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn try_write2(&self, a: &[u8], b: &[u8]) -> io::Result<usize> {
+        // One sendmsg for a frame's header and its payload, straight from registered memory.
+        let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
+        let parts = [io::IoSlice::new(a), io::IoSlice::new(b)];
+        match SockRef::from(&self.0).send_vectored_with_flags(&parts, flags) {
             Ok(n) => Ok(n),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => Ok(0),
             Err(e) => Err(e),

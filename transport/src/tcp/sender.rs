@@ -12,9 +12,14 @@ use parking_lot::{Condvar, Mutex};
 
 use super::link::Link;
 
+/// The largest emptied backlog buffer kept for reuse.
+const SPARE_MAX: usize = 4 << 20;
+
 #[derive(Default)]
 struct State {
     backlog: Vec<u8>,
+    /// The writer's last batch, emptied, kept for the next backlog (no allocation per batch).
+    spare: Vec<u8>,
     /// The writer thread is writing a taken backlog: new frames must queue behind it.
     flushing: bool,
     /// Close the sending side once the backlog is out.
@@ -39,22 +44,33 @@ impl Sender {
 
     /// Sends or queues one whole frame. Fails only once the connection is closed.
     pub(crate) fn send(&self, frame: &[u8]) -> Result<(), ()> {
+        self.send_parts(frame, &[])
+    }
+
+    /// Sends or queues one frame given as its header and its payload (borrowed from registered
+    /// memory: only what the link does not take at once is copied, into the backlog).
+    pub(crate) fn send_parts(&self, head: &[u8], data: &[u8]) -> Result<(), ()> {
         let mut st = self.state.lock();
         if st.closed || st.close_after {
             return Err(());
         }
-        let mut rest = frame;
+        let mut sent = 0;
         if st.backlog.is_empty() && !st.flushing {
-            match self.link.try_write(frame) {
-                Ok(n) => rest = &frame[n..],
+            match self.link.try_write2(head, data) {
+                Ok(n) => sent = n,
                 Err(_) => {
                     st.closed = true;
                     return Err(());
                 }
             }
         }
-        if !rest.is_empty() {
-            st.backlog.extend_from_slice(rest);
+        if sent < head.len() + data.len() {
+            if st.backlog.is_empty() && st.backlog.capacity() == 0 {
+                st.backlog = std::mem::take(&mut st.spare);
+            }
+            let (h, d) = (sent.min(head.len()), sent.saturating_sub(head.len()));
+            st.backlog.extend_from_slice(&head[h..]);
+            st.backlog.extend_from_slice(&data[d..]);
             self.cv.notify_one();
         }
         Ok(())
@@ -91,14 +107,19 @@ impl Sender {
                 self.cv.wait(&mut st);
                 continue;
             }
-            let batch = std::mem::take(&mut st.backlog);
+            let mut batch = std::mem::take(&mut st.backlog);
             st.flushing = true;
             drop(st);
             let ok = self.link.write_all(&batch).is_ok();
+            batch.clear();
             st = self.state.lock();
             if !ok {
                 st.closed = true;
                 return;
+            }
+            // Kept for the next backlog unless it grew past what is worth holding on to.
+            if batch.capacity() <= SPARE_MAX {
+                st.spare = batch;
             }
         }
     }

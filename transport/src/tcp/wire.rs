@@ -99,21 +99,26 @@ impl Encoder {
             None => self.u8(0).u32(0),
         }
     }
+    #[cfg(test)]
     pub(crate) fn data(mut self, d: &[u8]) -> Self {
         self.buf.extend_from_slice(d);
         self
     }
-    pub(crate) fn finish(mut self) -> Vec<u8> {
-        let body = (self.buf.len() - 4) as u32;
+    pub(crate) fn finish(self) -> Vec<u8> {
+        self.head(0)
+    }
+    /// The frame up to its payload of `data_len` bytes, which the caller sends right after.
+    pub(crate) fn head(mut self, data_len: usize) -> Vec<u8> {
+        let body = (self.buf.len() - 4 + data_len) as u32;
         self.buf[..4].copy_from_slice(&body.to_le_bytes());
         self.buf
     }
 
-    pub(crate) fn send(ssn: u64, imm: Option<u32>, len: usize) -> Self {
-        Self::new(SEND, len).u64(ssn).imm(imm)
+    pub(crate) fn send(ssn: u64, imm: Option<u32>) -> Self {
+        Self::new(SEND, 0).u64(ssn).imm(imm)
     }
-    pub(crate) fn write(ssn: u64, addr: u64, rkey: u32, imm: Option<u32>, len: usize) -> Self {
-        Self::new(WRITE, len).u64(ssn).u64(addr).u32(rkey).imm(imm)
+    pub(crate) fn write(ssn: u64, addr: u64, rkey: u32, imm: Option<u32>) -> Self {
+        Self::new(WRITE, 0).u64(ssn).u64(addr).u32(rkey).imm(imm)
     }
     pub(crate) fn read_req(ssn: u64, addr: u64, rkey: u32, len: u32) -> Self {
         Self::new(READ_REQ, 0).u64(ssn).u64(addr).u32(rkey).u32(len)
@@ -131,14 +136,67 @@ impl Encoder {
     pub(crate) fn nak(ssn: u64, status: WcStatus) -> Self {
         Self::new(NAK, 0).u64(ssn).u8(status as u8)
     }
-    pub(crate) fn read_resp(ssn: u64, len: usize) -> Self {
-        Self::new(READ_RESP, len).u64(ssn)
+    pub(crate) fn read_resp(ssn: u64) -> Self {
+        Self::new(READ_RESP, 0).u64(ssn)
     }
     pub(crate) fn atomic_resp(ssn: u64, old: u64) -> Self {
         Self::new(ATOMIC_RESP, 0).u64(ssn).u64(old)
     }
     pub(crate) fn fatal() -> Self {
         Self::new(FATAL, 0)
+    }
+}
+
+/// The fields of a frame that carries a payload, decoded before the payload is read so that
+/// the payload can be read straight into the memory it is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DataHead {
+    Send {
+        ssn: u64,
+        imm: Option<u32>,
+    },
+    Write {
+        ssn: u64,
+        addr: u64,
+        rkey: u32,
+        imm: Option<u32>,
+    },
+    ReadResp {
+        ssn: u64,
+    },
+}
+
+impl DataHead {
+    /// Bytes of the kind and fields of a payload-carrying frame of `kind`; `None` for others.
+    pub(crate) fn len(kind: u8) -> Option<usize> {
+        match kind {
+            SEND => Some(1 + 8 + 5),
+            WRITE => Some(1 + 8 + 8 + 4 + 5),
+            READ_RESP => Some(1 + 8),
+            _ => None,
+        }
+    }
+
+    /// Decodes exactly [`len`](Self::len) bytes, kind first.
+    pub(crate) fn decode(head: &[u8]) -> Result<DataHead, WireError> {
+        let (&kind, rest) = head.split_first().ok_or(WireError::Truncated)?;
+        let mut r = Reader(rest);
+        let h = match kind {
+            SEND => DataHead::Send {
+                ssn: r.u64()?,
+                imm: r.imm()?,
+            },
+            WRITE => DataHead::Write {
+                ssn: r.u64()?,
+                addr: r.u64()?,
+                rkey: r.u32()?,
+                imm: r.imm()?,
+            },
+            READ_RESP => DataHead::ReadResp { ssn: r.u64()? },
+            k => return Err(WireError::UnknownKind(k)),
+        };
+        r.end()?;
+        Ok(h)
     }
 }
 
@@ -273,7 +331,7 @@ mod tests {
     #[test]
     fn frames_roundtrip() {
         assert_eq!(
-            roundtrip(Encoder::write(3, 0x1000, 77, Some(9), 3).data(b"abc").finish()),
+            roundtrip(Encoder::write(3, 0x1000, 77, Some(9)).data(b"abc").finish()),
             Frame::Write {
                 ssn: 3,
                 addr: 0x1000,
@@ -298,6 +356,34 @@ mod tests {
                 status: WcStatus::RemAccessErr
             }
         );
+    }
+
+    #[test]
+    fn a_payload_head_decodes_as_the_whole_frame_does() {
+        let frame = Encoder::write(3, 0x1000, 77, None).head(5);
+        let len = u32::from_le_bytes(frame[..4].try_into().expect("4 bytes")) as usize;
+        let body = &frame[4..];
+        assert_eq!(DataHead::len(body[0]), Some(body.len()));
+        assert_eq!(len, body.len() + 5);
+        assert_eq!(
+            DataHead::decode(body),
+            Ok(DataHead::Write {
+                ssn: 3,
+                addr: 0x1000,
+                rkey: 77,
+                imm: None
+            })
+        );
+        let send = Encoder::send(9, Some(4)).finish();
+        assert_eq!(DataHead::len(send[4]), Some(send.len() - 4));
+        assert_eq!(
+            DataHead::decode(&send[4..]),
+            Ok(DataHead::Send { ssn: 9, imm: Some(4) })
+        );
+        let resp = Encoder::read_resp(2).finish();
+        assert_eq!(DataHead::decode(&resp[4..]), Ok(DataHead::ReadResp { ssn: 2 }));
+        assert_eq!(DataHead::len(ACK), None);
+        assert_eq!(DataHead::decode(&[SEND, 1, 2]), Err(WireError::Truncated));
     }
 
     #[test]
