@@ -182,8 +182,8 @@ async fn every_method_shape_works_end_to_end() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bulk_arguments_and_results_cross_the_rendezvous_threshold_intact() {
-    let (lab, _dev) = lab().await;
-    let t = rdma_rpc::core::DEFAULT_EAGER_THRESHOLD;
+    let (lab, dev) = lab().await;
+    let t = rdma_rpc::core::Config::default().eager_threshold_on(&dev);
     for len in [0, 1, t - 64, t, t + 1, 3 * t + 5, 4 << 20] {
         let data = pattern(len, len as u8);
         let want = digest_of(9, &data);

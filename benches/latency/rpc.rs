@@ -23,13 +23,13 @@ pub fn config(mode: &str, size: usize, completion: CompletionMode) -> Config {
     match mode {
         // Everything inside Sends: the slots must hold the whole payload; fewer of them when big.
         "rpc-eager" => Config {
-            eager_threshold: size.max(1),
+            eager_threshold: Some(size.max(1)),
             ring: ((64 << 20) / size.max(1)).clamp(4, 64) as u32,
             ..base
         },
         // Everything above 0 bytes by rendezvous.
         "rpc-rendezvous" => Config {
-            eager_threshold: 0,
+            eager_threshold: Some(0),
             ..base
         },
         "rpc-spin" => Config {

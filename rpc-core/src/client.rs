@@ -98,6 +98,7 @@ impl Client {
     /// [`RpcError::Transport`] when the connection cannot be made; [`RpcError::Protocol`]
     /// when the peer is not an rdma-rpc server of this version.
     pub async fn connect(device: &Device, addr: SocketAddr, config: Config) -> Result<Client, RpcError> {
+        let config = config.on(device);
         let tr = |e: rdma_rpc_transport::Error| RpcError::Transport(e.to_string());
         let pd = device.alloc_pd().map_err(tr)?;
         let cq = device.create_cq(config.ring * 4 + 64).map_err(tr)?;
@@ -560,7 +561,8 @@ async fn drive(shared: Arc<Shared>) {
 pub(crate) fn slot_size(c: &Config) -> usize {
     SessionConfig {
         ring: c.ring,
-        eager_max: c.eager_threshold,
+        eager_max: c.eager(),
+        fragment: crate::proto::FRAGMENT,
         max_payload: c.max_payload,
     }
     .slot_size()
@@ -579,6 +581,7 @@ pub(crate) fn agree(mine: &Hello, theirs: &Hello) -> SessionConfig {
     SessionConfig {
         ring: theirs.ring,
         eager_max: mine.eager_threshold.min(theirs.eager_threshold) as usize,
+        fragment: crate::proto::FRAGMENT,
         max_payload: mine.max_payload.min(theirs.max_payload),
     }
 }

@@ -49,16 +49,20 @@ pub enum Isolation {
 ///
 /// # Examples
 /// ```
-/// let cfg = rdma_rpc_core::Config { eager_threshold: 4096, ..Default::default() };
+/// let cfg = rdma_rpc_core::Config { eager_threshold: Some(4096), ..Default::default() };
 /// assert_eq!(cfg.ring, 64);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
     /// Receive slots each side keeps posted (the credit window).
     pub ring: u32,
-    /// Payloads up to this size travel inside a Send; larger ones by rendezvous (RDMA Read of a
-    /// lent buffer, or Write-with-immediate into a landing buffer).
-    pub eager_threshold: usize,
+    /// Payloads up to this size travel inside Sends (one per
+    /// [`FRAGMENT`](crate::proto::FRAGMENT) bytes: receive slots stay that small whatever the
+    /// threshold); larger ones by rendezvous (RDMA Read of a lent buffer, or
+    /// Write-with-immediate into a landing buffer). `None`, the default, takes the provider's
+    /// measured switch point, [`DeviceCaps::eager_hint`](rdma_rpc_transport::DeviceCaps):
+    /// 16 KiB on verbs and shm, 256 KiB on tcp.
+    pub eager_threshold: Option<usize>,
     /// Largest request or response accepted.
     pub max_payload: u64,
     /// How completions are waited for.
@@ -69,20 +73,47 @@ pub struct Config {
     pub isolation: Isolation,
 }
 
-/// The default eager/rendezvous switch point. See the README for how it was chosen and how to
-/// measure your own.
+/// The eager/rendezvous switch point of verbs and shm (the tcp provider suggests a higher one:
+/// see [`Config::eager_threshold`]). See the README for how it was measured and how to measure
+/// your own.
 pub const DEFAULT_EAGER_THRESHOLD: usize = 16 * 1024;
 
 impl Default for Config {
     fn default() -> Self {
         Self {
             ring: 64,
-            eager_threshold: DEFAULT_EAGER_THRESHOLD,
+            eager_threshold: None,
             max_payload: 256 << 20,
             mode: CompletionMode::default(),
             connect_timeout: Duration::from_secs(10),
             isolation: Isolation::Connection,
         }
+    }
+}
+
+impl Config {
+    /// The eager threshold this configuration gives on `device`: its own, or the provider's.
+    ///
+    /// # Examples
+    /// ```
+    /// let tcp = rdma_rpc_core::transport::Device::open("tcp")?;
+    /// let cfg = rdma_rpc_core::Config::default();
+    /// assert_eq!(cfg.eager_threshold_on(&tcp), tcp.caps().eager_hint);
+    /// # Ok::<(), rdma_rpc_core::transport::Error>(())
+    /// ```
+    pub fn eager_threshold_on(&self, device: &rdma_rpc_transport::Device) -> usize {
+        self.eager_threshold.unwrap_or(device.caps().eager_hint)
+    }
+
+    /// This configuration with the threshold fixed for `device`.
+    pub(crate) fn on(mut self, device: &rdma_rpc_transport::Device) -> Config {
+        self.eager_threshold = Some(self.eager_threshold_on(device));
+        self
+    }
+
+    /// The threshold (of a configuration fixed with [`Config::on`]).
+    pub(crate) fn eager(&self) -> usize {
+        self.eager_threshold.unwrap_or(DEFAULT_EAGER_THRESHOLD)
     }
 }
 
@@ -115,7 +146,7 @@ impl Hello {
     pub fn from_config(c: &Config) -> Self {
         Self {
             ring: c.ring,
-            eager_threshold: c.eager_threshold.min(u32::MAX as usize) as u32,
+            eager_threshold: c.eager().min(u32::MAX as usize) as u32,
             max_payload: c.max_payload,
         }
     }

@@ -18,10 +18,12 @@ mod session;
 pub use crate::config::Hello;
 pub use credits::Credits;
 pub use header::{
-    decode_desc, encode_desc, Header, Kind, DESC_LEN, FLAG_LANDING, FLAG_RENDEZVOUS, HEADER_LEN, VERSION,
+    decode_desc, encode_desc, Header, Kind, DESC_LEN, FLAG_FRAGMENT, FLAG_LANDING, FLAG_RENDEZVOUS, FRAG_PREFIX,
+    HEADER_LEN, VERSION,
 };
 pub use session::{
-    BufId, Event, Message, Payload, Reply, RequestBody, Session, SessionConfig, Token, Transmit, LANDING_PREFIX,
+    BufId, Event, Message, Payload, Reply, RequestBody, Session, SessionConfig, Token, Transmit, FRAGMENT,
+    LANDING_PREFIX,
 };
 
 /// Bytes that are not a valid message, or a message that breaks the protocol.
@@ -57,4 +59,8 @@ pub enum ProtoError {
     /// A lent buffer longer than the configured maximum payload.
     #[error("payload of {0} bytes above the maximum")]
     TooLarge(u64),
+    /// A fragment out of place: out of order, too long, of another message, or a message
+    /// between the pieces of one.
+    #[error("bad fragment: {0}")]
+    BadFragment(&'static str),
 }

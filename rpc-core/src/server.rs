@@ -145,6 +145,7 @@ async fn serve_connection(
     handlers: Arc<HashMap<u32, Handler>>,
     req: rdma_rpc_transport::ConnectRequest,
 ) -> Result<(), RpcError> {
+    let config = config.on(&device);
     let mine = Hello::from_config(&config);
     let Some(theirs) = Hello::decode(req.private_data()) else {
         req.reject();

@@ -74,7 +74,7 @@ impl Drop for DropFlag {
 
 fn config() -> Config {
     Config {
-        eager_threshold: THRESHOLD,
+        eager_threshold: Some(THRESHOLD),
         ..Config::default()
     }
 }
@@ -169,6 +169,46 @@ async fn payloads_from_zero_to_64_mib_both_ways() {
                 "response of {n} bytes (hint {hint:?}) differs"
             );
         }
+    }
+}
+
+/// With an eager threshold far above the receive slots, a long request and its echo travel in
+/// pieces of `FRAGMENT` bytes; in a ring of 8 a 1 MiB message needs credits back mid-message,
+/// and eight callers' pieces must never interleave.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eager_messages_longer_than_a_slot_travel_in_pieces() {
+    use rdma_rpc_core::proto::FRAGMENT;
+    let cfg = Config {
+        eager_threshold: Some(1 << 20),
+        ring: 8,
+        ..Config::default()
+    };
+    let (client, _) = start(cfg).await;
+    let sizes = [
+        FRAGMENT - 40,
+        FRAGMENT,
+        FRAGMENT + 1,
+        3 * FRAGMENT + 7,
+        (1 << 20) - 3,
+        1 << 20,
+    ];
+    let tasks: Vec<_> = (0..8u64)
+        .map(|caller| {
+            let c = client.clone();
+            tokio::spawn(async move {
+                for (i, &n) in sizes.iter().cycle().take(18).enumerate() {
+                    let seed = caller << 32 | i as u64;
+                    let req = pattern(n, seed);
+                    let got = c.call(ECHO, req.clone()).await.expect("echo");
+                    assert!(got == req, "caller {caller}: echo of {n} bytes differs");
+                    let got = c.call(CHECK, tagged(n, seed)).await.expect("check");
+                    assert_eq!(got, seed.to_le_bytes(), "caller {caller}: {n} bytes arrived broken");
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        bounded(t).await.expect("caller");
     }
 }
 

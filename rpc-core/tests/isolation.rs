@@ -8,7 +8,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use rdma_rpc_core::proto::{Event, Hello, Payload, Reply, Session, SessionConfig, Token, Transmit};
+use rdma_rpc_core::proto::{Event, Hello, Payload, Reply, Session, SessionConfig, Token, Transmit, FRAGMENT};
 use rdma_rpc_core::transport::{
     self, AccessFlags, BufferPool, Completion, CompletionQueue, Device, MemoryRegion, QpOptions, QueuePair, RecvWr,
     RemoteAddr, RemoteRegion, SendOp, SendWr, WcStatus,
@@ -18,6 +18,7 @@ use rdma_rpc_core::{Config, Isolation, RpcError, Server};
 const BIG: u32 = 1;
 const ECHO: u32 = 2;
 const RESPONSE: usize = 64 * 1024;
+const THRESHOLD: usize = 16 * 1024;
 const WAIT: Duration = Duration::from_secs(20);
 const RECV: u64 = 1 << 60;
 const SEND: u64 = 2 << 60;
@@ -41,6 +42,8 @@ fn response(tag: u8) -> Vec<u8> {
 async fn server(isolation: Isolation) -> SocketAddr {
     let config = Config {
         isolation,
+        // Below RESPONSE on every provider, so that the response is lent.
+        eager_threshold: Some(THRESHOLD),
         ..Config::default()
     };
     let server = Server::builder(config)
@@ -68,11 +71,16 @@ struct Raw {
 
 impl Raw {
     async fn connect(dev: &Device, addr: SocketAddr) -> Raw {
-        let config = Config::default();
+        let eager = THRESHOLD;
+        let config = Config {
+            eager_threshold: Some(eager),
+            ..Config::default()
+        };
         let mine = Hello::from_config(&config);
         let slot = SessionConfig {
             ring: config.ring,
-            eager_max: config.eager_threshold,
+            eager_max: eager,
+            fragment: FRAGMENT,
             max_payload: config.max_payload,
         }
         .slot_size();
@@ -91,7 +99,8 @@ impl Raw {
         let theirs = Hello::decode(&reply).expect("an rdma-rpc server");
         let session = Session::new(SessionConfig {
             ring: theirs.ring,
-            eager_max: config.eager_threshold.min(theirs.eager_threshold as usize),
+            eager_max: eager.min(theirs.eager_threshold as usize),
+            fragment: FRAGMENT,
             max_payload: config.max_payload.min(theirs.max_payload),
         });
         let sends = BufferPool::new(&pd, slot, 128, AccessFlags::LOCAL_WRITE).expect("sends");

@@ -94,7 +94,7 @@ async fn setup(cfg: Config) -> (Setup, tokio::sync::MutexGuard<'static, ()>) {
 
 fn config() -> Config {
     Config {
-        eager_threshold: THRESHOLD,
+        eager_threshold: Some(THRESHOLD),
         ..Config::default()
     }
 }

@@ -17,6 +17,8 @@ fn cfg() -> SessionConfig {
     SessionConfig {
         ring: RING,
         eager_max: 64,
+        // Messages with more than 24 bytes of body go in pieces (up to 4, in a ring of 8).
+        fragment: 24,
         max_payload: 1 << 20,
     }
 }
@@ -231,7 +233,15 @@ fn deliver(to: &mut Side, now: Instant) -> Result<(), ProtoError> {
     }
     to.posted -= 1;
     let r = match w {
-        Wire::Send(m) => to.s.handle_message(&m, now),
+        Wire::Send(m) => {
+            assert!(
+                m.len() <= cfg().slot_size(),
+                "a {}-byte Send into a {}-byte slot",
+                m.len(),
+                cfg().slot_size()
+            );
+            to.s.handle_message(&m, now)
+        }
         Wire::WriteImm { imm, len } => to.s.handle_write_imm(imm, len),
     };
     if to.defer_reposts {
@@ -481,6 +491,75 @@ fn duplicate_and_unknown_call_ids_are_errors() {
     .encode(&mut resp);
     assert_eq!(a.s.handle_message(&resp, now), Err(ProtoError::UnknownCall(99)));
     assert_eq!(a.s.handle_write_imm(77, 8), Err(ProtoError::UnknownCall(77)));
+}
+
+/// The Sends a fresh session emits for one call with a `len`-byte eager request.
+fn request_sends(len: usize, call_seed: u8) -> Vec<Vec<u8>> {
+    let mut s = Session::new(cfg());
+    s.start_call(7, Payload::Eager(pattern(len, call_seed)), None, None, Instant::now())
+        .expect("start");
+    std::iter::from_fn(|| s.poll_transmit())
+        .map(|t| match t {
+            Transmit::Send(m) => m.to_vec(),
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect()
+}
+
+#[test]
+fn long_messages_travel_in_pieces_joined_in_order_only() {
+    let now = Instant::now();
+    let pieces = request_sends(60, 3);
+    assert_eq!(pieces.len(), 3, "60 bytes of body in pieces of 24");
+    assert!(pieces.iter().all(|m| m.len() <= cfg().slot_size()));
+
+    let mut b = Session::new(cfg());
+    for m in &pieces {
+        assert!(b.poll_event().is_none(), "no request before its last piece");
+        b.handle_message(m, now).expect("piece");
+    }
+    match b.poll_event() {
+        Some(Event::Request {
+            method: 7,
+            payload: RequestBody::Bytes(p),
+            ..
+        }) => assert_eq!(p, pattern(60, 3)),
+        other => panic!("expected the joined request, got {other:?}"),
+    }
+
+    let bad = |steps: &[&[u8]]| {
+        let mut b = Session::new(cfg());
+        let (last, first) = steps.split_last().expect("steps");
+        for m in first {
+            b.handle_message(m, now).expect("accepted before the bad one");
+        }
+        b.handle_message(last, now)
+    };
+    let other = request_sends(8, 4).remove(0); // a whole message of another call (id 1 too)
+    let mut credit = Vec::new();
+    Header {
+        kind: Kind::Credit,
+        flags: 0,
+        call_id: 0,
+        method: 0,
+        status: 0,
+        credits: 0,
+        body_len: 0,
+        budget_us: 0,
+    }
+    .encode(&mut credit);
+    let err = |r: Result<(), ProtoError>| assert!(matches!(r, Err(ProtoError::BadFragment(_))), "{r:?}");
+    err(bad(&[&pieces[1]]));
+    err(bad(&[&pieces[0], &pieces[2]]));
+    err(bad(&[&pieces[0], &pieces[0]]));
+    err(bad(&[&pieces[0], &other]));
+    let mut longer = pieces[2].clone();
+    longer.extend_from_slice(&[0; 13]); // past the message's announced length
+    let n = (longer.len() - HEADER_LEN) as u32;
+    longer[16..20].copy_from_slice(&n.to_le_bytes());
+    err(bad(&[&pieces[0], &pieces[1], &longer]));
+    // Credits may come between the pieces.
+    assert_eq!(bad(&[&pieces[0], &credit, &pieces[1], &pieces[2]]), Ok(()));
 }
 
 #[test]

@@ -62,6 +62,7 @@ impl ProviderSpec {
 
 /// Limits and capabilities read from the device when it is opened, and honoured by posts.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeviceCaps {
     /// Largest inline send a QP may ask for.
     pub max_inline_data: u32,
@@ -75,7 +76,16 @@ pub struct DeviceCaps {
     pub max_cqe: u32,
     /// Largest memory region.
     pub max_mr_size: u64,
+    /// Payloads up to this size are cheaper to copy through a Send than to move one-sided (an
+    /// RDMA Read of a registered buffer) on this provider, as the benchmark harness measures
+    /// it (`recommended eager_threshold`): 16 KiB on verbs and shm, where a Read moves bytes
+    /// without the peer's CPU, and 256 KiB on tcp, where a Read is one more software round trip.
+    /// RPC layers take it as their default switch point.
+    pub eager_hint: usize,
 }
+
+/// The switch point the providers with a hardware-like Read suggest ([`DeviceCaps::eager_hint`]).
+pub(crate) const EAGER_HINT: usize = 16 * 1024;
 
 /// An opened RDMA device of some provider. Cheap to clone.
 ///

@@ -106,6 +106,7 @@ pub(crate) fn caps() -> DeviceCaps {
         max_qp_wr: 16384,
         max_cqe: 1 << 20,
         max_mr_size: arena::MAX_MR,
+        eager_hint: crate::device::EAGER_HINT,
     }
 }
 

@@ -76,6 +76,7 @@ pub fn session(data: &[u8]) {
     let cfg = SessionConfig {
         ring: RING,
         eager_max: 256,
+        fragment: 64,
         max_payload: MAX,
     };
     let mut s = Session::new(cfg);

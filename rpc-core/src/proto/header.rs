@@ -5,7 +5,7 @@ use rdma_rpc_transport::RemoteRegion;
 use super::ProtoError;
 
 /// Protocol version carried in every header.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Bytes of the fixed header.
 pub const HEADER_LEN: usize = 24;
 /// Bytes of an encoded [`RemoteRegion`] (addr, len, rkey).
@@ -44,6 +44,13 @@ impl Kind {
 pub const FLAG_RENDEZVOUS: u16 = 1;
 /// Header flag (requests): a landing-buffer descriptor follows, for a large response.
 pub const FLAG_LANDING: u16 = 2;
+/// Header flag: one piece of an eager message longer than one receive slot. The body starts
+/// with [`FRAG_PREFIX`] bytes (the whole body's length, then this piece's offset in it, both
+/// little-endian u32); the pieces of a message travel back to back, in order, each in its own
+/// Send (and slot, and credit), and the receiver joins them before reading the message.
+pub const FLAG_FRAGMENT: u16 = 4;
+/// Bytes in front of a fragment's piece of the body.
+pub const FRAG_PREFIX: usize = 8;
 
 /// The fixed header of every message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,6 +1,8 @@
 //! The session: one side of a connection, as a state machine.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use foldhash::HashMap;
 use std::time::{Duration, Instant};
@@ -8,7 +10,10 @@ use std::time::{Duration, Instant};
 use rdma_rpc_transport::RemoteRegion;
 
 use super::credits::Credits;
-use super::header::{decode_desc, encode_desc, Header, Kind, DESC_LEN, FLAG_LANDING, FLAG_RENDEZVOUS, HEADER_LEN};
+use super::header::{
+    decode_desc, encode_desc, Header, Kind, DESC_LEN, FLAG_FRAGMENT, FLAG_LANDING, FLAG_RENDEZVOUS, FRAG_PREFIX,
+    HEADER_LEN,
+};
 use super::ProtoError;
 use crate::{RpcError, Status};
 
@@ -25,14 +30,37 @@ pub struct SessionConfig {
     pub ring: u32,
     /// Largest payload sent eagerly (inside a Send); larger ones go by rendezvous.
     pub eager_max: usize,
+    /// Largest piece of a message body one Send carries; a longer eager message goes in
+    /// pieces ([`FLAG_FRAGMENT`]). Both sides must use the same value: drivers use [`FRAGMENT`].
+    pub fragment: usize,
     /// Largest payload accepted at all.
     pub max_payload: u64,
 }
 
+/// The piece size drivers use ([`SessionConfig::fragment`]): receive slots hold at most this
+/// much of a body, so an eager threshold above it costs no more memory per slot.
+pub const FRAGMENT: usize = 32 * 1024;
+
 impl SessionConfig {
-    /// Bytes a receive slot needs for the largest eager message.
+    /// Longest body of a message: an eager payload after a landing descriptor, or descriptors.
+    fn body_max(&self) -> usize {
+        DESC_LEN + self.eager_max.max(DESC_LEN * 2)
+    }
+
+    /// The piece size (at least 16 bytes).
+    fn piece(&self) -> usize {
+        self.fragment.max(16)
+    }
+
+    /// Bytes a receive slot needs: the longest message, or the longest fragment of one.
     pub fn slot_size(&self) -> usize {
-        HEADER_LEN + DESC_LEN + self.eager_max.max(DESC_LEN * 2)
+        let body = self.body_max();
+        HEADER_LEN
+            + if body <= self.piece() {
+                body
+            } else {
+                FRAG_PREFIX + self.piece()
+            }
     }
 }
 
@@ -118,18 +146,39 @@ pub enum RequestBody {
     },
 }
 
-/// A message to send: its encoded header and its body, kept apart so that the driver copies
-/// them once, straight into a registered send buffer.
+/// A message to send: its encoded header and its body (for a fragment: the prefix and its
+/// piece of the shared body), kept apart so that the driver copies them once, straight into a
+/// registered send buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
     head: [u8; HEADER_LEN],
-    body: Vec<u8>,
+    frag: Option<[u8; FRAG_PREFIX]>,
+    body: Bytes,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Bytes {
+    Own(Vec<u8>),
+    Piece(Arc<Vec<u8>>, std::ops::Range<usize>),
+}
+
+impl Bytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Bytes::Own(v) => v,
+            Bytes::Piece(v, r) => &v[r.clone()],
+        }
+    }
 }
 
 impl Message {
+    fn prefix(&self) -> &[u8] {
+        self.frag.as_ref().map_or(&[], |f| &f[..])
+    }
+
     /// Bytes on the wire.
     pub fn len(&self) -> usize {
-        HEADER_LEN + self.body.len()
+        HEADER_LEN + self.prefix().len() + self.body.as_slice().len()
     }
 
     /// Never empty (a header at least); for clippy's sake.
@@ -142,8 +191,11 @@ impl Message {
         let Some(out) = out.get_mut(..self.len()) else {
             return false;
         };
-        out[..HEADER_LEN].copy_from_slice(&self.head);
-        out[HEADER_LEN..].copy_from_slice(&self.body);
+        let (head, rest) = out.split_at_mut(HEADER_LEN);
+        head.copy_from_slice(&self.head);
+        let (pre, body) = rest.split_at_mut(self.prefix().len());
+        pre.copy_from_slice(self.prefix());
+        body.copy_from_slice(self.body.as_slice());
         true
     }
 
@@ -151,7 +203,8 @@ impl Message {
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(self.len());
         v.extend_from_slice(&self.head);
-        v.extend_from_slice(&self.body);
+        v.extend_from_slice(self.prefix());
+        v.extend_from_slice(self.body.as_slice());
         v
     }
 }
@@ -216,6 +269,12 @@ enum Out {
         header: Header,
         body: Vec<u8>,
     },
+    /// A message longer than one piece, `sent` bytes of its body on the way.
+    Pieces {
+        header: Header,
+        body: Arc<Vec<u8>>,
+        sent: usize,
+    },
     WriteImm {
         buf: BufId,
         len: usize,
@@ -234,7 +293,15 @@ pub struct Session {
     queue: VecDeque<Out>,
     actions: VecDeque<Transmit>,
     events: VecDeque<Event>,
+    /// The message whose pieces are arriving (at most one: pieces travel back to back).
+    joining: Option<Joining>,
     lost: Option<String>,
+}
+
+struct Joining {
+    header: Header,
+    total: usize,
+    body: Vec<u8>,
 }
 
 impl Session {
@@ -249,6 +316,7 @@ impl Session {
             queue: VecDeque::new(),
             actions: VecDeque::new(),
             events: VecDeque::new(),
+            joining: None,
             lost: None,
         }
     }
@@ -410,13 +478,13 @@ impl Session {
         }
     }
 
-    fn handle_response(&mut self, h: &Header, body: &[u8]) -> Result<(), ProtoError> {
+    fn handle_response(&mut self, h: &Header, body: Cow<'_, [u8]>) -> Result<(), ProtoError> {
         let call = h.call_id;
         let Some(c) = self.calls.get(&call) else {
             return Err(ProtoError::UnknownCall(call));
         };
         if h.flags & FLAG_RENDEZVOUS != 0 {
-            let (desc, _) = decode_desc(body)?;
+            let (desc, _) = decode_desc(&body)?;
             if desc.len > self.cfg.max_payload {
                 return Err(ProtoError::TooLarge(desc.len));
             }
@@ -432,8 +500,8 @@ impl Session {
             return Ok(());
         }
         let result = match Status::from_u16(h.status) {
-            Status::Ok => Ok(Reply::Bytes(body.to_vec())),
-            s => Err(RpcError::from_wire(s, c.method, body)),
+            Status::Ok => Ok(Reply::Bytes(body.into_owned())),
+            s => Err(RpcError::from_wire(s, c.method, &body)),
         };
         self.finish_call(call, result);
         Ok(())
@@ -441,19 +509,17 @@ impl Session {
 
     // ------------------------------------------------------------------ server side
 
-    fn handle_request(&mut self, h: &Header, body: &[u8], now: Instant) -> Result<(), ProtoError> {
+    fn handle_request(&mut self, h: &Header, body: Cow<'_, [u8]>, now: Instant) -> Result<(), ProtoError> {
         let call = h.call_id;
         if self.served.contains_key(&call) {
             return Err(ProtoError::DuplicateCall(call));
         }
-        let mut rest = body;
-        let landing = if h.flags & FLAG_LANDING != 0 {
-            let (d, r) = decode_desc(rest)?;
-            rest = r;
-            Some(d)
+        let (landing, skip) = if h.flags & FLAG_LANDING != 0 {
+            (Some(decode_desc(&body)?.0), DESC_LEN)
         } else {
-            None
+            (None, 0)
         };
+        let rest = &body[skip..];
         let budget = (h.budget_us > 0).then(|| Duration::from_micros(u64::from(h.budget_us)));
         let mut sc = ServerCall {
             method: h.method,
@@ -484,10 +550,17 @@ impl Session {
             return Ok(());
         }
         self.served.insert(call, sc);
+        let payload = match body {
+            Cow::Borrowed(b) => b[skip..].to_vec(),
+            Cow::Owned(mut v) => {
+                v.drain(..skip);
+                v
+            }
+        };
         self.events.push_back(Event::Request {
             call,
             method: h.method,
-            payload: RequestBody::Bytes(rest.to_vec()),
+            payload: RequestBody::Bytes(payload),
             budget,
         });
         Ok(())
@@ -605,9 +678,70 @@ impl Session {
     pub fn handle_message(&mut self, msg: &[u8], now: Instant) -> Result<(), ProtoError> {
         let (h, body) = Header::decode(msg)?;
         self.credits.returned(h.credits).map_err(|()| ProtoError::Overrun)?;
+        if h.flags & FLAG_FRAGMENT != 0 {
+            return match self.join(&h, body)? {
+                Some((h, whole)) => self.dispatch(&h, Cow::Owned(whole), now),
+                None => Ok(()),
+            };
+        }
+        if self.joining.is_some() && h.kind != Kind::Credit {
+            return Err(ProtoError::BadFragment("a message between the pieces of another"));
+        }
+        self.dispatch(&h, Cow::Borrowed(body), now)
+    }
+
+    /// Adds a piece to the message being joined; the header and whole body once complete.
+    fn join(&mut self, h: &Header, body: &[u8]) -> Result<Option<(Header, Vec<u8>)>, ProtoError> {
+        let (pre, piece) = body
+            .split_first_chunk::<FRAG_PREFIX>()
+            .ok_or(ProtoError::BadFragment("no prefix"))?;
+        let total = u32::from_le_bytes([pre[0], pre[1], pre[2], pre[3]]) as usize;
+        let off = u32::from_le_bytes([pre[4], pre[5], pre[6], pre[7]]) as usize;
+        if piece.is_empty() || piece.len() > self.cfg.piece() {
+            return Err(ProtoError::BadFragment("piece length"));
+        }
+        let j = match &mut self.joining {
+            Some(j) => {
+                if (j.header.kind, j.header.call_id, j.total) != (h.kind, h.call_id, total) || off != j.body.len() {
+                    return Err(ProtoError::BadFragment(
+                        "not the next piece of the message being joined",
+                    ));
+                }
+                j
+            }
+            None => {
+                if off != 0 || !matches!(h.kind, Kind::Request | Kind::Response) {
+                    return Err(ProtoError::BadFragment("not the first piece of a request or response"));
+                }
+                if total <= self.cfg.piece() || total > self.cfg.body_max() {
+                    return Err(ProtoError::BadFragment("message length"));
+                }
+                let header = Header {
+                    flags: h.flags & !FLAG_FRAGMENT,
+                    body_len: total as u32,
+                    ..*h
+                };
+                self.joining.insert(Joining {
+                    header,
+                    total,
+                    body: Vec::with_capacity(total),
+                })
+            }
+        };
+        if j.body.len() + piece.len() > j.total {
+            return Err(ProtoError::BadFragment("pieces longer than the message"));
+        }
+        j.body.extend_from_slice(piece);
+        if j.body.len() < j.total {
+            return Ok(None);
+        }
+        Ok(self.joining.take().map(|j| (j.header, j.body)))
+    }
+
+    fn dispatch(&mut self, h: &Header, body: Cow<'_, [u8]>, now: Instant) -> Result<(), ProtoError> {
         match h.kind {
-            Kind::Request => self.handle_request(&h, body, now),
-            Kind::Response => self.handle_response(&h, body),
+            Kind::Request => self.handle_request(h, body, now),
+            Kind::Response => self.handle_response(h, body),
             Kind::Cancel => {
                 self.handle_cancel(h.call_id);
                 Ok(())
@@ -743,6 +877,7 @@ impl Session {
         }
         self.lost = Some(why.to_owned());
         self.queue.clear();
+        self.joining = None;
         let calls: Vec<u32> = self.calls.keys().copied().collect();
         for call in calls {
             self.finish_call(call, Err(RpcError::ConnectionLost(why.to_owned())));
@@ -795,11 +930,30 @@ impl Session {
             return None;
         }
         if !self.queue.is_empty() && self.credits.can_send_data() {
+            let piece = self.cfg.piece();
+            if let Some(Out::Msg { header, body }) = self.queue.front_mut() {
+                if body.len() > piece {
+                    // Too long for one slot: from now on it leaves in pieces, one per poll.
+                    let (header, body) = (*header, Arc::new(std::mem::take(body)));
+                    self.queue[0] = Out::Pieces { header, body, sent: 0 };
+                }
+            }
+            if let Some(Out::Pieces { header, body, sent }) = self.queue.front_mut() {
+                let credits = self.credits.spend()?;
+                let (off, n) = (*sent, (body.len() - *sent).min(piece));
+                let m = encode_piece(*header, credits, body, off, n);
+                *sent += n;
+                if *sent == body.len() {
+                    self.queue.pop_front();
+                }
+                return Some(Transmit::Send(m));
+            }
             return match self.queue.pop_front()? {
                 Out::Msg { header, body } => {
                     let credits = self.credits.spend()?;
                     Some(Transmit::Send(encode(header, credits, body)))
                 }
+                Out::Pieces { .. } => None,
                 Out::WriteImm { buf, len, remote, imm } => {
                     self.credits.spend_silent()?;
                     Some(Transmit::WriteImm { buf, len, remote, imm })
@@ -834,6 +988,22 @@ fn encode(mut h: Header, credits: u16, body: Vec<u8>) -> Message {
     h.body_len = body.len() as u32;
     Message {
         head: h.to_bytes(),
-        body,
+        frag: None,
+        body: Bytes::Own(body),
+    }
+}
+
+/// The piece `[off, off + n)` of a long message's body, as a fragment.
+fn encode_piece(mut h: Header, credits: u16, body: &Arc<Vec<u8>>, off: usize, n: usize) -> Message {
+    h.credits = credits;
+    h.flags |= FLAG_FRAGMENT;
+    h.body_len = (FRAG_PREFIX + n) as u32;
+    let mut frag = [0u8; FRAG_PREFIX];
+    frag[..4].copy_from_slice(&(body.len() as u32).to_le_bytes());
+    frag[4..].copy_from_slice(&(off as u32).to_le_bytes());
+    Message {
+        head: h.to_bytes(),
+        frag: Some(frag),
+        body: Bytes::Piece(body.clone(), off..off + n),
     }
 }

@@ -78,6 +78,10 @@ struct State {
     /// Responder frames waiting for a receive; the head one is the RNR-stalled request.
     stalled: VecDeque<Frame>,
     stall_gen: u64,
+    /// The last Send or Write executed and not acknowledged yet: acks coalesce, as RC's do.
+    /// It goes out before any other response, when the reader finds no further frame waiting,
+    /// and after requests a post_recv let run.
+    ack_due: Option<u64>,
 }
 
 struct Engine {
@@ -234,6 +238,7 @@ impl Qp {
             }
         }
         e.drain_stalled(&mut st);
+        e.flush_ack(&mut st);
         Ok(())
     }
 
@@ -412,7 +417,7 @@ impl Engine {
             if let Some((region, off)) = self.landing(head, n - h) {
                 inbox.consume(h);
                 inbox.read_into(&mut region.lock_range(off, n - h))?;
-                self.landed(head, n - h);
+                self.landed(head, n - h, inbox.has_frame());
                 return Ok(());
             }
         }
@@ -425,7 +430,7 @@ impl Engine {
             inbox.read_into(&mut body)?;
             Frame::decode(&body)?
         };
-        self.handle(frame);
+        self.handle(frame, inbox.has_frame());
         Ok(())
     }
 
@@ -465,8 +470,9 @@ impl Engine {
         }
     }
 
-    /// Completes a frame whose payload [`landing`](Self::landing) placed, as `handle` would.
-    fn landed(&self, head: DataHead, len: usize) {
+    /// Completes a frame whose payload [`landing`](Self::landing) placed, as `handle` would;
+    /// `more`: another frame is already here (the ack may wait for it).
+    fn landed(&self, head: DataHead, len: usize, more: bool) {
         let mut st = self.state.lock();
         self.drain_rq(&mut st);
         match head {
@@ -483,18 +489,30 @@ impl Engine {
                         Some(imm),
                     );
                 }
-                self.respond(Encoder::ack(ssn));
+                st.ack_due = Some(ssn);
             }
             DataHead::Send { ssn, imm } => {
                 let Some(r) = st.recvs.pop_front() else { return };
                 self.push_recv(r.seq, WcStatus::Success, WcOpcode::Recv, len as u32, imm);
-                self.respond(Encoder::ack(ssn));
+                st.ack_due = Some(ssn);
             }
+        }
+        if !more {
+            self.flush_ack(&mut st);
         }
     }
 
-    fn respond(&self, frame: Encoder) {
+    /// Sends a response frame, after the ack it must not overtake.
+    fn respond(&self, st: &mut State, frame: Encoder) {
+        self.flush_ack(st);
         let _ = self.out.send(&frame.finish());
+    }
+
+    /// Acknowledges every Send and Write executed so far (the peer completes them all).
+    fn flush_ack(&self, st: &mut State) {
+        if let Some(ssn) = st.ack_due.take() {
+            let _ = self.out.send(&Encoder::ack(ssn).finish());
+        }
     }
 
     fn push_send(&self, p: &Pending, status: WcStatus, byte_len: u32) {
@@ -551,17 +569,26 @@ impl Engine {
             self.push_recv(r.seq, FLUSH, WcOpcode::Recv, 0, None);
         }
         st.stalled.clear();
+        self.flush_ack(st);
         let _ = self.out.send(&Encoder::fatal().finish());
         self.out.close_after_flush();
     }
 
-    fn handle(self: &Arc<Self>, frame: Frame) {
+    /// Handles one frame; `more`: another frame is already here (the ack may wait for it).
+    fn handle(self: &Arc<Self>, frame: Frame, more: bool) {
         let mut st = self.state.lock();
         // Receives the peer completed directly come first: they were before this frame.
         self.drain_rq(&mut st);
+        self.dispatch(&mut st, frame);
+        if !more {
+            self.flush_ack(&mut st);
+        }
+    }
+
+    fn dispatch(self: &Arc<Self>, st: &mut State, frame: Frame) {
         match frame {
-            Frame::Ack { ssn } => self.complete_head(&mut st, ssn, WcStatus::Success, |_| Ok(0)),
-            Frame::ReadResp { ssn, data } => self.complete_head(&mut st, ssn, WcStatus::Success, |p| match &p.local {
+            Frame::Ack { ssn } => self.complete_acked(st, ssn),
+            Frame::ReadResp { ssn, data } => self.complete_head(st, ssn, WcStatus::Success, |p| match &p.local {
                 Some(v) if v.len == data.len() => {
                     v.region.lock_range(v.off, v.len).copy_from_slice(&data);
                     Ok(data.len() as u32)
@@ -569,15 +596,15 @@ impl Engine {
                 None if data.is_empty() => Ok(0),
                 _ => Err(WcStatus::BadRespErr),
             }),
-            Frame::AtomicResp { ssn, old } => self.complete_head(&mut st, ssn, WcStatus::Success, |p| match &p.local {
+            Frame::AtomicResp { ssn, old } => self.complete_head(st, ssn, WcStatus::Success, |p| match &p.local {
                 Some(v) if v.len >= 8 => {
                     v.region.lock_range(v.off, 8).copy_from_slice(&old.to_ne_bytes());
                     Ok(8)
                 }
                 _ => Err(WcStatus::BadRespErr),
             }),
-            Frame::Nak { ssn, status } => self.complete_head(&mut st, ssn, status, |_| Ok(0)),
-            Frame::Fatal => self.enter_error(&mut st, None),
+            Frame::Nak { ssn, status } => self.complete_head(st, ssn, status, |_| Ok(0)),
+            Frame::Fatal => self.enter_error(st, None),
             request => {
                 if st.error || st.discarding {
                     return;
@@ -585,9 +612,9 @@ impl Engine {
                 if !st.stalled.is_empty() {
                     st.stalled.push_back(request);
                 } else if needs_recv(&request) && st.recvs.is_empty() {
-                    self.start_stall(&mut st, request);
+                    self.start_stall(st, request);
                 } else {
-                    self.execute(&mut st, request);
+                    self.execute(st, request);
                 }
             }
         }
@@ -647,6 +674,30 @@ impl Engine {
                     self.enter_error(st, None);
                     return;
                 }
+            }
+        }
+    }
+
+    /// An Ack for `ssn` completes every outstanding Send and Write up to it (acks coalesce);
+    /// anything else before it, or nothing outstanding with that number, breaks RC.
+    fn complete_acked(&self, st: &mut State, ssn: u64) {
+        loop {
+            self.retire(st);
+            if st.error {
+                return;
+            }
+            let acked = st
+                .outstanding
+                .front()
+                .is_some_and(|p| p.seq <= ssn && matches!(p.opcode, WcOpcode::Send | WcOpcode::RdmaWrite));
+            let Some(p) = st.outstanding.pop_front().filter(|_| acked) else {
+                tracing::warn!(qp = self.qp_num, ssn, "ack for no outstanding Send or Write");
+                self.enter_error(st, Some(WcStatus::BadRespErr));
+                return;
+            };
+            self.push_send(&p, WcStatus::Success, 0);
+            if p.seq == ssn {
+                return self.retire(st);
             }
         }
     }
@@ -711,7 +762,7 @@ impl Engine {
         }
         if let Some(head) = st.stalled.pop_front() {
             if let Frame::Send { ssn, .. } | Frame::Write { ssn, .. } = head {
-                self.respond(Encoder::nak(ssn, WcStatus::RnrRetryExcErr));
+                self.respond(&mut st, Encoder::nak(ssn, WcStatus::RnrRetryExcErr));
             }
             st.stalled.clear();
             st.discarding = true;
@@ -759,7 +810,7 @@ impl Engine {
     /// The responder: executes one request whose receive (if it needs one) is available.
     fn execute(self: &Arc<Self>, st: &mut State, frame: Frame) {
         let fail = |st: &mut State, ssn: u64, status: WcStatus| {
-            self.respond(Encoder::nak(ssn, status));
+            self.respond(st, Encoder::nak(ssn, status));
             self.enter_error(st, None);
         };
         match frame {
@@ -771,7 +822,7 @@ impl Engine {
                 match deliver(&r, &data, &self.pd) {
                     Ok(()) => {
                         self.push_recv(r.seq, WcStatus::Success, WcOpcode::Recv, data.len() as u32, imm);
-                        self.respond(Encoder::ack(ssn));
+                        st.ack_due = Some(ssn);
                     }
                     Err(status) => {
                         self.push_recv(r.seq, status, WcOpcode::Recv, 0, None);
@@ -813,16 +864,17 @@ impl Engine {
                         Some(imm),
                     );
                 }
-                self.respond(Encoder::ack(ssn));
+                st.ack_due = Some(ssn);
             }
             Frame::ReadReq { ssn, addr, rkey, len } => {
                 let len = len as usize;
                 if len == 0 {
-                    return self.respond(Encoder::read_resp(ssn));
+                    return self.respond(st, Encoder::read_resp(ssn));
                 }
                 match self.check_remote(addr, rkey, len, AccessFlags::REMOTE_READ) {
                     Ok(region) => {
                         let off = (addr - region.addr) as usize;
+                        self.flush_ack(st);
                         let bytes = region.lock_range(off, len);
                         let _ = self.out.send_parts(&Encoder::read_resp(ssn).head(len), &bytes);
                     }
@@ -841,7 +893,7 @@ impl Engine {
                             AtomicOp::FetchAdd { add } => Rmw::FetchAdd { add },
                         };
                         let old = region.atomic(off, rmw);
-                        self.respond(Encoder::atomic_resp(ssn, old));
+                        self.respond(st, Encoder::atomic_resp(ssn, old));
                     }
                     Err(status) => fail(st, ssn, status),
                 }

@@ -47,6 +47,13 @@ impl Inbox {
         Ok(&self.buf[self.start..self.start + k])
     }
 
+    /// Whether a whole frame (length prefix and body) is already here.
+    pub(crate) fn has_frame(&self) -> bool {
+        let have = &self.buf[self.start..self.end];
+        have.first_chunk::<4>()
+            .is_some_and(|n| have.len() - 4 >= u32::from_le_bytes(*n) as usize)
+    }
+
     /// Marks `k` filled bytes read.
     pub(crate) fn consume(&mut self, k: usize) {
         self.start = (self.start + k).min(self.end);
