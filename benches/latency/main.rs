@@ -35,6 +35,7 @@ const ALL_MODES: &[&str] = &[
     "rpc-upload-vec",
     "memcpy",
     "send",
+    "send-copy",
     "write",
     "read",
     "atomic",
@@ -57,7 +58,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "rpc,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,send,write,read,atomic,memcpy,tcp,tarpc,wake"
+        default_value = "rpc,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,send,send-copy,write,read,atomic,memcpy,tcp,tarpc,wake"
     )]
     modes: Vec<String>,
     /// Fixed iterations per size (default: as many as fit the time budget).
@@ -239,9 +240,14 @@ async fn measure(
             (Convention::Rtt, size, s)
         }
         "memcpy" => (Convention::Rtt, size, baseline::memcpy(size, plan).await),
-        "send" => {
+        "send" | "send-copy" => {
             let (c, s) = raw::pair(dev, ip);
-            (Convention::HalfRtt, size, raw::send(srv, c, s, size, plan).await)
+            let copy_out = mode == "send-copy";
+            (
+                Convention::HalfRtt,
+                size,
+                raw::send(srv, c, s, size, copy_out, plan).await,
+            )
         }
         "write" => {
             let (c, s) = raw::pair(dev, ip);

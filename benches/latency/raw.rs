@@ -100,8 +100,9 @@ fn inline(size: usize, qp: &QueuePair, wr: SendWr) -> SendWr {
     }
 }
 
-/// Send/Recv ping-pong; reports half the round trip.
-pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, plan: Plan) -> Samples {
+/// Send/Recv ping-pong; reports half the round trip. With `copy_out` each side copies what it
+/// receives into a new `Vec` before it answers, as an RPC's `Vec` API hands bytes over.
+pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, copy_out: bool, plan: Plan) -> Samples {
     let len = size.max(1);
     for s in [&client, &server] {
         for i in 0..RING {
@@ -126,7 +127,11 @@ pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, plan: Pl
             }
             if c.opcode == WcOpcode::Recv {
                 owed += 1;
-                let wr = RecvWr::new(c.wr_id, c.buf.expect("buf"));
+                let buf = c.buf.expect("buf");
+                if copy_out {
+                    std::hint::black_box(buf.bytes()[..size].to_vec());
+                }
+                let wr = RecvWr::new(c.wr_id, buf);
                 srv.qp.post_recv(wr).map_err(|e| e.error).expect("recv");
             } else {
                 drop(c); // the send buffer goes back to the pool
@@ -154,7 +159,11 @@ pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, plan: Pl
             match c.opcode {
                 WcOpcode::Recv => {
                     got = true;
-                    let wr = RecvWr::new(c.wr_id, c.buf.expect("buf"));
+                    let buf = c.buf.expect("buf");
+                    if copy_out {
+                        std::hint::black_box(buf.bytes()[..size].to_vec());
+                    }
+                    let wr = RecvWr::new(c.wr_id, buf);
                     client.qp.post_recv(wr).map_err(|e| e.error).expect("recv");
                 }
                 _ => buf = c.buf,

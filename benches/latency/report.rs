@@ -112,6 +112,20 @@ pub fn summary(rows: &[Row], provider: &str) {
             verdict(w <= 1.5)
         );
     }
+    let mut worst_copy: Option<(usize, f64)> = None;
+    for r in rows.iter().filter(|r| r.mode == "rpc" && r.bytes <= 4096) {
+        if let Some(raw) = find(rows, "send-copy", r.bytes) {
+            let ratio = r.t_typical / (2.0 * raw.t_typical);
+            if worst_copy.is_none_or(|(_, w)| ratio > w) {
+                worst_copy = Some((r.bytes, ratio));
+            }
+        }
+    }
+    if let Some((b, w)) = worst_copy {
+        println!(
+            "  for reference, the same against a ping-pong that copies what it receives into a Vec, as the RPC's Vec API does (send-copy): worst {w:.2}x at {b} B"
+        );
+    }
     let mut worst_tarpc: Option<(usize, f64)> = None;
     for r in rows.iter().filter(|r| r.mode == "rpc") {
         if let Some(t) = find(rows, "tarpc", r.bytes) {

@@ -398,12 +398,18 @@ impl Session {
         }
         let call = self.fresh_call_id();
         let mut flags = 0;
-        let mut body = Vec::with_capacity(HEADER_LEN + DESC_LEN * 2);
+        let mut body = Vec::new();
         if let Some((d, _)) = &landing {
             flags |= FLAG_LANDING;
+            body.reserve(DESC_LEN * 2);
             encode_desc(d, &mut body);
         }
         let lent = match payload {
+            // The payload is the body as it stands: moved, not copied.
+            Payload::Eager(b) if body.is_empty() => {
+                body = b;
+                None
+            }
             Payload::Eager(b) => {
                 body.extend_from_slice(&b);
                 None
