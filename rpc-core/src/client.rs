@@ -21,7 +21,7 @@ use tracing::Instrument;
 
 use crate::config::{CallOptions, CompletionMode, Config, Hello};
 use crate::driver::{self, Conn};
-use crate::proto::{Event, Payload, Reply, Session, SessionConfig, LANDING_PREFIX};
+use crate::proto::{Event, Payload, Reply, Session, SessionConfig, FRAGMENT, LANDING_PREFIX};
 use crate::RpcError;
 
 /// A connection to a server, for byte-level calls (method id and bytes in, bytes out).
@@ -304,7 +304,9 @@ impl State {
                     Payload::Lent { desc, buf }
                 }
                 Outgoing::Vec(v) => Payload::Eager(v),
-                Outgoing::Buf(b) if conn.session.is_rendezvous(b.len()) => {
+                // Lending a registered buffer costs no copy: it goes by rendezvous as soon as it
+                // would take more than one piece eagerly, whatever the threshold.
+                Outgoing::Buf(b) if conn.session.is_rendezvous(b.len()) || b.len() > FRAGMENT => {
                     let len = b.len();
                     match conn.stash.lend_user(b) {
                         Ok((desc, buf)) => {
@@ -562,7 +564,7 @@ pub(crate) fn slot_size(c: &Config) -> usize {
     SessionConfig {
         ring: c.ring,
         eager_max: c.eager(),
-        fragment: crate::proto::FRAGMENT,
+        fragment: FRAGMENT,
         max_payload: c.max_payload,
     }
     .slot_size()
@@ -581,7 +583,7 @@ pub(crate) fn agree(mine: &Hello, theirs: &Hello) -> SessionConfig {
     SessionConfig {
         ring: theirs.ring,
         eager_max: mine.eager_threshold.min(theirs.eager_threshold) as usize,
-        fragment: crate::proto::FRAGMENT,
+        fragment: FRAGMENT,
         max_payload: mine.max_payload.min(theirs.max_payload),
     }
 }

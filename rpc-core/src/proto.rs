@@ -8,6 +8,11 @@
 //! never sees RNR) and [`Session::poll_event`] for what the application must learn (a call
 //! finished, a request arrived, a handler must stop). After any input, drain both.
 //!
+//! A message whose body is longer than [`SessionConfig::fragment`] bytes travels in pieces
+//! ([`FLAG_FRAGMENT`]): back-to-back Sends, one receive slot and one credit each, which the
+//! receiving session joins before reading the message; receive slots are never longer than one
+//! piece ([`SessionConfig::slot_size`]).
+//!
 //! Buffers are named by [`BufId`]s the driver gives: the session never frees memory, it tells the
 //! driver when a buffer a peer could reach may be released ([`Transmit::Release`]).
 

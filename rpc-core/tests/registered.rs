@@ -133,6 +133,29 @@ async fn large_bodies_reach_the_handler_in_a_registered_buffer() {
     }
 }
 
+/// Under a threshold far above it, a registered buffer longer than one piece is still lent
+/// (no copy), while a `Vec` of the same size travels eagerly, in pieces.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registered_buffer_longer_than_a_piece_is_lent_whatever_the_threshold() {
+    let cfg = Config {
+        eager_threshold: Some(4 << 20),
+        ..config()
+    };
+    let (s, _serial) = setup(cfg).await;
+    let piece = rdma_rpc_core::proto::FRAGMENT;
+    for (i, len) in [piece, piece + 1, 1 << 20].into_iter().enumerate() {
+        let mut data = vec![0u8; len];
+        fill(&mut data, 7 + i as u64);
+        let got = bounded(s.client.call(SUM, data.clone())).await.expect("call");
+        expect_answer(&got, &data, false);
+        let mut buf = s.client.buffer(len).expect("buffer");
+        buf.bytes_mut().copy_from_slice(&data);
+        let (got, back) = bounded(s.client.call_buf(SUM, buf)).await.expect("call_buf");
+        expect_answer(&got, &data, len > piece);
+        assert!(back.bytes()[..] == data[..], "the lent buffer came back changed");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_buffer_lent_again_and_again_costs_no_registration() {
     let (s, _serial) = setup(config()).await;

@@ -76,16 +76,15 @@ pub struct DeviceCaps {
     pub max_cqe: u32,
     /// Largest memory region.
     pub max_mr_size: u64,
-    /// Payloads up to this size are cheaper to copy through a Send than to move one-sided (an
-    /// RDMA Read of a registered buffer) on this provider, as the benchmark harness measures
-    /// it (`recommended eager_threshold`): 16 KiB on verbs and shm, where a Read moves bytes
-    /// without the peer's CPU, and 256 KiB on tcp, where a Read is one more software round trip.
-    /// RPC layers take it as their default switch point.
+    /// Payloads up to this size are cheaper to copy through Sends than to copy into a buffer
+    /// the peer moves one-sided (an RDMA Read) on this provider, as the benchmark harness
+    /// measures it (`recommended eager_threshold`); RPC layers take it as their default switch
+    /// point. 16 KiB on verbs, where a NIC's Read spares the CPUs the copies; 1 MiB on shm, where
+    /// both are CPU copies and the Read adds round trips (eager won at every size up to 8 MiB
+    /// in our runs; the cap keeps one message from holding the send queue for long); 256 KiB
+    /// on tcp, where a Read is one more software round trip.
     pub eager_hint: usize,
 }
-
-/// The switch point the providers with a hardware-like Read suggest ([`DeviceCaps::eager_hint`]).
-pub(crate) const EAGER_HINT: usize = 16 * 1024;
 
 /// An opened RDMA device of some provider. Cheap to clone.
 ///

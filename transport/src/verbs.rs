@@ -16,6 +16,10 @@ use rdma_sys::*;
 
 use crate::{AccessFlags, DeviceCaps, Error, Result};
 
+/// The switch point a NIC suggests ([`DeviceCaps::eager_hint`]): above it an RDMA Read moves the
+/// bytes and spares both CPUs the copies.
+const EAGER_HINT: usize = 16 * 1024;
+
 pub(crate) use cm::{connect, Listener, Pending, Request};
 pub(crate) use cq::Cq;
 pub(crate) use qp::Qp;
@@ -104,7 +108,7 @@ impl Context {
                 max_qp_wr: 0,
                 max_cqe: 0,
                 max_mr_size: 0,
-                eager_hint: crate::device::EAGER_HINT,
+                eager_hint: EAGER_HINT,
             },
             max_rd_atom: 0,
             max_init_rd_atom: 0,
@@ -133,7 +137,7 @@ impl Context {
             max_qp_wr: attr.max_qp_wr.max(0) as u32,
             max_cqe: attr.max_cqe.max(0) as u32,
             max_mr_size: attr.max_mr_size,
-            eager_hint: crate::device::EAGER_HINT,
+            eager_hint: EAGER_HINT,
         };
         self.max_rd_atom = attr.max_qp_rd_atom.clamp(0, 16) as u8;
         self.max_init_rd_atom = attr.max_qp_init_rd_atom.clamp(0, 16) as u8;
