@@ -477,6 +477,13 @@ impl Future for Pending<'_> {
             return Poll::Ready(result);
         }
         if spin {
+            // Spinning on: through the runtime, and off the core for a moment when the
+            // provider's own threads need it.
+            let yield_cpu = st.conn.yield_cpu;
+            drop(st);
+            if yield_cpu {
+                std::thread::yield_now();
+            }
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }

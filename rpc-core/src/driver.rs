@@ -56,6 +56,8 @@ pub(crate) struct Conn {
     cq: CompletionQueue,
     send_pool: BufferPool,
     max_inline: usize,
+    /// The provider needs CPU of its own (`DeviceCaps::progress_threads`): pollers give way.
+    pub(crate) yield_cpu: bool,
     reads: HashMap<u64, Job>,
     writes: HashMap<BufId, Job>,
     next_read: u64,
@@ -92,6 +94,7 @@ impl Conn {
         let send_pool = BufferPool::new(pd, slot, ring + 8, rdma_rpc_transport::AccessFlags::LOCAL_WRITE)
             .map_err(|e| RpcError::Transport(e.to_string()))?;
         let max_inline = qp.caps().max_inline_data as usize;
+        let yield_cpu = qp.pd().device().caps().progress_threads;
         let chunk = qp.pd().device().caps().max_msg_size.clamp(4096, 1 << 30) as usize;
         Ok(Self {
             session,
@@ -100,6 +103,7 @@ impl Conn {
             cq,
             send_pool,
             max_inline,
+            yield_cpu,
             reads: HashMap::default(),
             writes: HashMap::default(),
             next_read: 0,
@@ -512,8 +516,12 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
                     break;
                 }
             }
-            // What the polls found is handled at once; only an idle round gives way.
+            // What the polls found is handled at once; only an idle round gives way (and its
+            // core too, when the provider's own threads need it).
             if !found {
+                if conn.yield_cpu {
+                    std::thread::yield_now();
+                }
                 reschedule().await;
             }
             continue;

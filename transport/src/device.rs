@@ -84,6 +84,11 @@ pub struct DeviceCaps {
     /// in our runs; the cap keeps one message from holding the send queue for long); 256 KiB
     /// on tcp, where a Read is one more software round trip.
     pub eager_hint: usize,
+    /// The provider moves data on threads of its own (tcp: a reader and a writer per QP), as
+    /// libfabric's auto progress: a thread that polls the CQ should give up its core between
+    /// rounds of polls, or it takes the CPU those threads need. False for verbs (the NIC) and
+    /// shm (the poster itself moves the bytes).
+    pub progress_threads: bool,
 }
 
 /// An opened RDMA device of some provider. Cheap to clone.

@@ -109,6 +109,7 @@ pub(crate) fn caps() -> DeviceCaps {
         // Measured (bench, provider shm): eager (in pieces) beats rendezvous of a copied Vec
         // at every size to 8 MiB; capped so one message holds the send queue ~0.3 ms at most.
         eager_hint: 1 << 20,
+        progress_threads: false,
     }
 }
 

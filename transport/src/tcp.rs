@@ -42,6 +42,7 @@ pub(crate) fn caps() -> DeviceCaps {
         max_mr_size: 1 << 40,
         // Measured (bench --provider tcp): eager (in pieces) beats rendezvous up to 256 KiB.
         eager_hint: 256 * 1024,
+        progress_threads: true,
     }
 }
 

@@ -109,6 +109,7 @@ impl Context {
                 max_cqe: 0,
                 max_mr_size: 0,
                 eager_hint: EAGER_HINT,
+                progress_threads: false,
             },
             max_rd_atom: 0,
             max_init_rd_atom: 0,
@@ -138,6 +139,7 @@ impl Context {
             max_cqe: attr.max_cqe.max(0) as u32,
             max_mr_size: attr.max_mr_size,
             eager_hint: EAGER_HINT,
+            progress_threads: false,
         };
         self.max_rd_atom = attr.max_qp_rd_atom.clamp(0, 16) as u8;
         self.max_init_rd_atom = attr.max_qp_init_rd_atom.clamp(0, 16) as u8;
