@@ -81,8 +81,9 @@ pub struct DeviceCaps {
     /// measures it (`recommended eager_threshold`); RPC layers take it as their default switch
     /// point. 16 KiB on verbs, where a NIC's Read spares the CPUs the copies; 1 MiB on shm, where
     /// both are CPU copies and the Read adds round trips (eager won at every size up to 8 MiB
-    /// in our runs; the cap keeps one message from holding the send queue for long); 256 KiB
-    /// on tcp, where a Read is one more software round trip.
+    /// in our runs; the cap keeps one message from holding the send queue for long); 8 MiB
+    /// on tcp, where a Read is one more software round trip through the same byte stream
+    /// (eager won at every size to 8 MiB).
     pub eager_hint: usize,
     /// The provider moves data on threads of its own (tcp: a reader and a writer per QP), as
     /// libfabric's auto progress: a thread that polls the CQ should give up its core between

@@ -804,6 +804,45 @@ async fn unsignaled_buffers_return_with_a_later_signaled_completion() {
     assert_eq!(pool.available(), 10);
 }
 
+/// Unsignaled Sends and Writes followed by a Read and an atomic: each response completes
+/// what came before it (RC executes in order), and their buffers come back with it.
+#[tokio::test]
+async fn a_response_completes_the_unsignaled_requests_before_it() {
+    let (c, s) = pair();
+    let target = s.reg(64, RW);
+    let pool = BufferPool::new(&c.pd, 8, 6, AccessFlags::NONE).expect("pool");
+    for i in 0..3 {
+        s.recv(i, 8);
+    }
+    for i in 0..3 {
+        c.post(SendWr::send(i, pool.take().expect("buf")).unsignaled());
+    }
+    let write = SendOp::Write {
+        remote: target.remote().at(8),
+        imm: None,
+    };
+    c.post(SendWr::new(3, write).buf(pool.take().expect("buf")).unsignaled());
+    let read = SendOp::Read {
+        remote: target.remote().at(0),
+    };
+    c.post(SendWr::new(4, read).buf(c.reg(16, AccessFlags::LOCAL_WRITE)));
+    let wc = c.one().await;
+    ok(&wc);
+    assert_eq!((wc.wr_id, wc.opcode), (4, WcOpcode::RdmaRead));
+    assert_eq!(pool.available(), 6, "the four unsignaled requests' buffers came back");
+    assert_eq!(s.take(3).await.iter().filter(|w| w.status.is_success()).count(), 3);
+    c.post(SendWr::new(5, write).buf(pool.take().expect("buf")).unsignaled());
+    let faa = SendOp::FetchAdd {
+        remote: target.remote().at(0),
+        add: 1,
+    };
+    c.post(SendWr::new(6, faa).buf(c.reg(8, AccessFlags::LOCAL_WRITE)));
+    let wc = c.one().await;
+    ok(&wc);
+    assert_eq!(wc.wr_id, 6);
+    quiet(&c.cq).await;
+}
+
 #[tokio::test]
 async fn dropping_a_qp_with_requests_in_flight_is_safe() {
     let (c, s) = pair();

@@ -65,6 +65,14 @@ impl Link for ShmLink {
         self.rx.read_some(buf).map_err(io_err)
     }
 
+    fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        self.rx.try_read(buf).map_err(io_err)
+    }
+
+    fn wait_readable(&self) -> io::Result<()> {
+        self.rx.wait_data().map_err(io_err)
+    }
+
     fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
         self.tx.try_write(buf).map_err(io_err)
     }

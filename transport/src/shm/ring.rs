@@ -173,33 +173,46 @@ impl Ring {
     /// Consumer: takes what is in the ring, up to `buf.len()`, waiting until there is something;
     /// returns how much (at least 1 for a non-empty `buf`).
     pub(crate) fn read_some(&self, buf: &mut [u8]) -> Result<usize, RingError> {
-        let h = self.header();
         loop {
-            let (head, used) = self.used()?;
-            if used == 0 {
-                if h.closed.load(Ordering::Acquire) != 0 || self.dead() {
-                    return Err(RingError::Closed);
-                }
-                self.wait(|r| Ok(r.used()?.1 > 0), false)?;
-                continue;
+            let n = self.try_read(buf)?;
+            if n > 0 || buf.is_empty() {
+                return Ok(n);
             }
-            let n = (used as usize).min(buf.len());
-            let at = (head % CAP as u64) as usize;
-            let first = n.min(CAP - at);
-            // SAFETY: the bytes `[head, head + n)` were published by the producer (tail moved
-            // past them with Release, read with Acquire) and stay until `head` moves; both
-            // copies are inside the data area and inside `buf`.
-            unsafe {
-                std::ptr::copy_nonoverlapping(self.data().add(at), buf.as_mut_ptr(), first);
-                std::ptr::copy_nonoverlapping(self.data(), buf.as_mut_ptr().add(first), n - first);
-            }
-            h.head.store(head.wrapping_add(n as u64), Ordering::Release);
-            if h.producer_sleeping.load(Ordering::SeqCst) != 0 {
-                h.space_seq.fetch_add(1, Ordering::AcqRel);
-                sys::futex_wake(&h.space_seq);
-            }
-            return Ok(n);
+            self.wait_data()?;
         }
+    }
+
+    /// Consumer: waits until there are bytes to read (or the ring ended).
+    pub(crate) fn wait_data(&self) -> Result<(), RingError> {
+        self.wait(|r| Ok(r.used()?.1 > 0), false)
+    }
+
+    /// Consumer: takes what is in the ring now, up to `buf.len()`; 0 when it is empty.
+    pub(crate) fn try_read(&self, buf: &mut [u8]) -> Result<usize, RingError> {
+        let h = self.header();
+        let (head, used) = self.used()?;
+        if used == 0 {
+            if h.closed.load(Ordering::Acquire) != 0 || self.dead() {
+                return Err(RingError::Closed);
+            }
+            return Ok(0);
+        }
+        let n = (used as usize).min(buf.len());
+        let at = (head % CAP as u64) as usize;
+        let first = n.min(CAP - at);
+        // SAFETY: the bytes `[head, head + n)` were published by the producer (tail moved
+        // past them with Release, read with Acquire) and stay until `head` moves; both
+        // copies are inside the data area and inside `buf`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data().add(at), buf.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data(), buf.as_mut_ptr().add(first), n - first);
+        }
+        h.head.store(head.wrapping_add(n as u64), Ordering::Release);
+        if h.producer_sleeping.load(Ordering::SeqCst) != 0 {
+            h.space_seq.fetch_add(1, Ordering::AcqRel);
+            sys::futex_wake(&h.space_seq);
+        }
+        Ok(n)
     }
 
     /// Spins, then sleeps on the futex until `ready` or an end.

@@ -82,6 +82,10 @@ struct State {
     /// It goes out before any other response, when the reader finds no further frame waiting,
     /// and after requests a post_recv let run.
     ack_due: Option<u64>,
+    /// The last Send or Write executed, and the last one acknowledged: before a Fatal the peer
+    /// learns how far we got, asked or not.
+    executed: Option<u64>,
+    acked: Option<u64>,
 }
 
 struct Engine {
@@ -261,8 +265,9 @@ fn send_request(out: &Sender, d: &SendDesc<'_>) -> Result<(), ()> {
         _ => out.send(&enc.finish()),
     };
     match d.op {
-        SendOp::Send { imm } => with_data(Encoder::send(d.seq, imm)),
-        SendOp::Write { remote, imm } => with_data(Encoder::write(d.seq, remote.addr, remote.rkey, imm)),
+        // Only a request whose completion someone waits for asks to be acknowledged.
+        SendOp::Send { imm } => with_data(Encoder::send(d.seq, imm, d.signaled)),
+        SendOp::Write { remote, imm } => with_data(Encoder::write(d.seq, remote.addr, remote.rkey, imm, d.signaled)),
         SendOp::Read { remote } => out.send(&Encoder::read_req(d.seq, remote.addr, remote.rkey, d.len as u32).finish()),
         SendOp::CompareSwap { remote, compare, swap } => out
             .send(&Encoder::atomic(d.seq, remote.addr, remote.rkey, AtomicOp::CompareSwap { compare, swap }).finish()),
@@ -373,6 +378,19 @@ fn atomic(
     }
 }
 
+/// A Send or Write of ours the peer ran, acknowledged by any later response (not executed here).
+fn acked_by_later(p: &Pending) -> bool {
+    p.done.is_none() && matches!(p.opcode, WcOpcode::Send | WcOpcode::RdmaWrite)
+}
+
+/// The responder ran Send or Write `ssn`; `ack`: its initiator asked to hear so.
+fn executed(st: &mut State, ssn: u64, ack: bool) {
+    st.executed = Some(ssn);
+    if ack {
+        st.ack_due = Some(ssn);
+    }
+}
+
 fn needs_recv(f: &Frame) -> bool {
     matches!(f, Frame::Send { .. } | Frame::Write { imm: Some(_), .. })
 }
@@ -416,7 +434,7 @@ impl Engine {
             let head = DataHead::decode(inbox.fill(h)?)?;
             if let Some((region, off)) = self.landing(head, n - h) {
                 inbox.consume(h);
-                inbox.read_into(&mut region.lock_range(off, n - h))?;
+                inbox.read_into_region(&region, off, n - h)?;
                 self.landed(head, n - h, inbox.has_frame());
                 return Ok(());
             }
@@ -443,7 +461,11 @@ impl Engine {
         }
         match head {
             DataHead::ReadResp { ssn } => {
-                let p = st.outstanding.front().filter(|p| p.seq == ssn && p.done.is_none())?;
+                let p = st
+                    .outstanding
+                    .iter()
+                    .find(|p| !(p.seq < ssn && acked_by_later(p)))
+                    .filter(|p| p.seq == ssn && p.done.is_none())?;
                 let v = p.local.as_ref().filter(|v| v.len == len)?;
                 Some((v.region.clone(), v.off))
             }
@@ -478,7 +500,7 @@ impl Engine {
         match head {
             DataHead::ReadResp { ssn } => self.complete_head(&mut st, ssn, WcStatus::Success, |_| Ok(len as u32)),
             DataHead::Write { .. } | DataHead::Send { .. } if st.error || st.discarding => {}
-            DataHead::Write { ssn, imm, .. } => {
+            DataHead::Write { ssn, imm, ack, .. } => {
                 if let Some(imm) = imm {
                     let Some(r) = st.recvs.pop_front() else { return };
                     self.push_recv(
@@ -489,12 +511,12 @@ impl Engine {
                         Some(imm),
                     );
                 }
-                st.ack_due = Some(ssn);
+                executed(&mut st, ssn, ack);
             }
-            DataHead::Send { ssn, imm } => {
+            DataHead::Send { ssn, imm, ack } => {
                 let Some(r) = st.recvs.pop_front() else { return };
                 self.push_recv(r.seq, WcStatus::Success, WcOpcode::Recv, len as u32, imm);
-                st.ack_due = Some(ssn);
+                executed(&mut st, ssn, ack);
             }
         }
         if !more {
@@ -511,6 +533,7 @@ impl Engine {
     /// Acknowledges every Send and Write executed so far (the peer completes them all).
     fn flush_ack(&self, st: &mut State) {
         if let Some(ssn) = st.ack_due.take() {
+            st.acked = Some(ssn);
             let _ = self.out.send(&Encoder::ack(ssn).finish());
         }
     }
@@ -569,6 +592,10 @@ impl Engine {
             self.push_recv(r.seq, FLUSH, WcOpcode::Recv, 0, None);
         }
         st.stalled.clear();
+        // Everything executed is acknowledged before the Fatal, asked for or not.
+        if st.executed > st.acked {
+            st.ack_due = st.executed;
+        }
         self.flush_ack(st);
         let _ = self.out.send(&Encoder::fatal().finish());
         self.out.close_after_flush();
@@ -713,6 +740,12 @@ impl Engine {
         if st.error {
             return;
         }
+        // A response acknowledges every Send and Write before it (RC executes in order).
+        while st.outstanding.front().is_some_and(|p| p.seq < ssn && acked_by_later(p)) {
+            if let Some(p) = st.outstanding.pop_front() {
+                self.push_send(&p, WcStatus::Success, 0);
+            }
+        }
         let Some(p) = st.outstanding.pop_front() else {
             tracing::warn!(qp = self.qp_num, ssn, "response with nothing outstanding");
             self.enter_error(st, None);
@@ -814,7 +847,7 @@ impl Engine {
             self.enter_error(st, None);
         };
         match frame {
-            Frame::Send { ssn, imm, data } => {
+            Frame::Send { ssn, imm, ack, data } => {
                 if !self.take_for_frame(st) {
                     return fail(st, ssn, WcStatus::RemOpErr);
                 }
@@ -822,7 +855,7 @@ impl Engine {
                 match deliver(&r, &data, &self.pd) {
                     Ok(()) => {
                         self.push_recv(r.seq, WcStatus::Success, WcOpcode::Recv, data.len() as u32, imm);
-                        st.ack_due = Some(ssn);
+                        executed(st, ssn, ack);
                     }
                     Err(status) => {
                         self.push_recv(r.seq, status, WcOpcode::Recv, 0, None);
@@ -840,6 +873,7 @@ impl Engine {
                 addr,
                 rkey,
                 imm,
+                ack,
                 data,
             } => {
                 if !data.is_empty() {
@@ -864,7 +898,7 @@ impl Engine {
                         Some(imm),
                     );
                 }
-                st.ack_due = Some(ssn);
+                executed(st, ssn, ack);
             }
             Frame::ReadReq { ssn, addr, rkey, len } => {
                 let len = len as usize;

@@ -5,6 +5,7 @@ use std::io;
 use std::sync::Arc;
 
 use super::link::Link;
+use crate::mr::Region;
 
 /// Bytes read ahead at most: room for every frame without a payload, and for small payloads.
 const CAP: usize = 64 << 10;
@@ -60,6 +61,27 @@ impl Inbox {
         if self.start == self.end {
             (self.start, self.end) = (0, 0);
         }
+    }
+
+    /// Fills `len` bytes of `region` from `off` with the next bytes: what was read ahead, then
+    /// straight from the link. The region's lock is held only while bytes are copied (never
+    /// while waiting for the peer), so a stalled peer cannot block the application's access
+    /// to its memory.
+    pub(crate) fn read_into_region(&mut self, region: &Region, off: usize, len: usize) -> io::Result<()> {
+        let have = (self.end - self.start).min(len);
+        region
+            .lock_range(off, have)
+            .copy_from_slice(&self.buf[self.start..self.start + have]);
+        self.consume(have);
+        let mut got = have;
+        while got < len {
+            let n = self.link.try_read(&mut region.lock_range(off + got, len - got))?;
+            if n == 0 {
+                self.link.wait_readable()?;
+            }
+            got += n;
+        }
+        Ok(())
     }
 
     /// Fills `dst` with the next bytes: what was read ahead, then straight from the link.

@@ -14,6 +14,11 @@ pub(crate) trait Link: Send + Sync + 'static {
     /// Reads what is there, up to `buf.len()`, waiting for at least one byte (reader thread
     /// only); the end of the link is an error.
     fn read_some(&self, buf: &mut [u8]) -> io::Result<usize>;
+    /// Reads what is there now, up to `buf.len()`, without waiting: `Ok(0)` when nothing is
+    /// (reader thread only); the end of the link is an error.
+    fn try_read(&self, buf: &mut [u8]) -> io::Result<usize>;
+    /// Waits until there is something to read, or the link ended (reader thread only).
+    fn wait_readable(&self) -> io::Result<()>;
     /// Writes what fits without waiting; `Ok(0)` when nothing does.
     fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
     /// Writes what fits of `a` then `b` without waiting; the count of bytes taken from both.
@@ -57,6 +62,29 @@ impl Link for TcpLink {
             Ok(n) => Ok(n),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => Ok(0),
             Err(e) => Err(e),
+        }
+    }
+
+    fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        use rustix::io::Errno;
+        let want = buf.len();
+        match rustix::net::recv(&self.0, buf, rustix::net::RecvFlags::DONTWAIT) {
+            Ok((0, _)) if want > 0 => Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok((n, _)) => Ok(n),
+            Err(Errno::AGAIN | Errno::INTR) => Ok(0),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn wait_readable(&self) -> io::Result<()> {
+        use rustix::event::{poll, PollFd, PollFlags};
+        let mut fds = [PollFd::new(&self.0, PollFlags::IN)];
+        loop {
+            match poll(&mut fds, None) {
+                Ok(_) => return Ok(()),
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
         }
     }
 

@@ -12,6 +12,8 @@ pub(crate) enum Frame {
     Send {
         ssn: u64,
         imm: Option<u32>,
+        /// The initiator wants this acknowledged (it asked for a completion).
+        ack: bool,
         data: Vec<u8>,
     },
     Write {
@@ -19,6 +21,7 @@ pub(crate) enum Frame {
         addr: u64,
         rkey: u32,
         imm: Option<u32>,
+        ack: bool,
         data: Vec<u8>,
     },
     ReadReq {
@@ -68,6 +71,11 @@ const READ_RESP: u8 = 12;
 const ATOMIC_RESP: u8 = 13;
 const FATAL: u8 = 20;
 
+/// Send and Write flag: the initiator asks for an acknowledgement (as IB's AckReq bit). Acks
+/// are cumulative, and any later response acknowledges too, so only requests whose completion
+/// someone waits for ask.
+const ACK_REQ: u8 = 2;
+
 /// Encodes a frame whose payload, if any, is appended by `data` (copied straight from the
 /// registered buffer, once).
 pub(crate) struct Encoder {
@@ -93,10 +101,12 @@ impl Encoder {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
-    fn imm(self, imm: Option<u32>) -> Self {
+    /// Flags (bit 0: an immediate follows, bit 1: acknowledge this), then the immediate.
+    fn imm(self, imm: Option<u32>, ack: bool) -> Self {
+        let a = if ack { ACK_REQ } else { 0 };
         match imm {
-            Some(v) => self.u8(1).u32(v),
-            None => self.u8(0).u32(0),
+            Some(v) => self.u8(1 | a).u32(v),
+            None => self.u8(a).u32(0),
         }
     }
     #[cfg(test)]
@@ -114,11 +124,11 @@ impl Encoder {
         self.buf
     }
 
-    pub(crate) fn send(ssn: u64, imm: Option<u32>) -> Self {
-        Self::new(SEND, 0).u64(ssn).imm(imm)
+    pub(crate) fn send(ssn: u64, imm: Option<u32>, ack: bool) -> Self {
+        Self::new(SEND, 0).u64(ssn).imm(imm, ack)
     }
-    pub(crate) fn write(ssn: u64, addr: u64, rkey: u32, imm: Option<u32>) -> Self {
-        Self::new(WRITE, 0).u64(ssn).u64(addr).u32(rkey).imm(imm)
+    pub(crate) fn write(ssn: u64, addr: u64, rkey: u32, imm: Option<u32>, ack: bool) -> Self {
+        Self::new(WRITE, 0).u64(ssn).u64(addr).u32(rkey).imm(imm, ack)
     }
     pub(crate) fn read_req(ssn: u64, addr: u64, rkey: u32, len: u32) -> Self {
         Self::new(READ_REQ, 0).u64(ssn).u64(addr).u32(rkey).u32(len)
@@ -154,12 +164,14 @@ pub(crate) enum DataHead {
     Send {
         ssn: u64,
         imm: Option<u32>,
+        ack: bool,
     },
     Write {
         ssn: u64,
         addr: u64,
         rkey: u32,
         imm: Option<u32>,
+        ack: bool,
     },
     ReadResp {
         ssn: u64,
@@ -182,16 +194,22 @@ impl DataHead {
         let (&kind, rest) = head.split_first().ok_or(WireError::Truncated)?;
         let mut r = Reader(rest);
         let h = match kind {
-            SEND => DataHead::Send {
-                ssn: r.u64()?,
-                imm: r.imm()?,
-            },
-            WRITE => DataHead::Write {
-                ssn: r.u64()?,
-                addr: r.u64()?,
-                rkey: r.u32()?,
-                imm: r.imm()?,
-            },
+            SEND => {
+                let ssn = r.u64()?;
+                let (imm, ack) = r.imm()?;
+                DataHead::Send { ssn, imm, ack }
+            }
+            WRITE => {
+                let (ssn, addr, rkey) = (r.u64()?, r.u64()?, r.u32()?);
+                let (imm, ack) = r.imm()?;
+                DataHead::Write {
+                    ssn,
+                    addr,
+                    rkey,
+                    imm,
+                    ack,
+                }
+            }
             READ_RESP => DataHead::ReadResp { ssn: r.u64()? },
             k => return Err(WireError::UnknownKind(k)),
         };
@@ -230,14 +248,13 @@ impl Reader<'_> {
     fn u64(&mut self) -> Result<u64, WireError> {
         Ok(u64::from_le_bytes(self.take()?))
     }
-    fn imm(&mut self) -> Result<Option<u32>, WireError> {
+    fn imm(&mut self) -> Result<(Option<u32>, bool), WireError> {
         let flag = self.u8()?;
         let v = self.u32()?;
-        match flag {
-            0 => Ok(None),
-            1 => Ok(Some(v)),
-            _ => Err(WireError::BadValue),
+        if flag & !(1 | ACK_REQ) != 0 {
+            return Err(WireError::BadValue);
         }
+        Ok(((flag & 1 != 0).then_some(v), flag & ACK_REQ != 0))
     }
     fn end(self) -> Result<(), WireError> {
         if self.0.is_empty() {
@@ -256,21 +273,23 @@ impl Frame {
         let f = match kind {
             SEND => {
                 let ssn = r.u64()?;
-                let imm = r.imm()?;
+                let (imm, ack) = r.imm()?;
                 return Ok(Frame::Send {
                     ssn,
                     imm,
+                    ack,
                     data: r.0.to_vec(),
                 });
             }
             WRITE => {
                 let (ssn, addr, rkey) = (r.u64()?, r.u64()?, r.u32()?);
-                let imm = r.imm()?;
+                let (imm, ack) = r.imm()?;
                 return Ok(Frame::Write {
                     ssn,
                     addr,
                     rkey,
                     imm,
+                    ack,
                     data: r.0.to_vec(),
                 });
             }
@@ -331,12 +350,13 @@ mod tests {
     #[test]
     fn frames_roundtrip() {
         assert_eq!(
-            roundtrip(Encoder::write(3, 0x1000, 77, Some(9)).data(b"abc").finish()),
+            roundtrip(Encoder::write(3, 0x1000, 77, Some(9), true).data(b"abc").finish()),
             Frame::Write {
                 ssn: 3,
                 addr: 0x1000,
                 rkey: 77,
                 imm: Some(9),
+                ack: true,
                 data: b"abc".to_vec()
             }
         );
@@ -360,7 +380,7 @@ mod tests {
 
     #[test]
     fn a_payload_head_decodes_as_the_whole_frame_does() {
-        let frame = Encoder::write(3, 0x1000, 77, None).head(5);
+        let frame = Encoder::write(3, 0x1000, 77, None, false).head(5);
         let len = u32::from_le_bytes(frame[..4].try_into().expect("4 bytes")) as usize;
         let body = &frame[4..];
         assert_eq!(DataHead::len(body[0]), Some(body.len()));
@@ -371,14 +391,19 @@ mod tests {
                 ssn: 3,
                 addr: 0x1000,
                 rkey: 77,
-                imm: None
+                imm: None,
+                ack: false
             })
         );
-        let send = Encoder::send(9, Some(4)).finish();
+        let send = Encoder::send(9, Some(4), true).finish();
         assert_eq!(DataHead::len(send[4]), Some(send.len() - 4));
         assert_eq!(
             DataHead::decode(&send[4..]),
-            Ok(DataHead::Send { ssn: 9, imm: Some(4) })
+            Ok(DataHead::Send {
+                ssn: 9,
+                imm: Some(4),
+                ack: true
+            })
         );
         let resp = Encoder::read_resp(2).finish();
         assert_eq!(DataHead::decode(&resp[4..]), Ok(DataHead::ReadResp { ssn: 2 }));
