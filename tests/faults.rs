@@ -243,7 +243,7 @@ fn fault_server() {
     rt.block_on(async {
         let dev = Device::open("tcp").expect("tcp");
         let stats_dev = dev.clone();
-        let server = Server::builder(Config::default())
+        let server = Server::builder(fault_config())
             .handler(ECHO, |r| async move { Ok(r) })
             .handler(SLOW, |r: Vec<u8>| async move {
                 let (id, ms) = (u64_of(&r), u64_of(&r[8.min(r.len())..]));
@@ -270,6 +270,15 @@ fn fault_server() {
     });
 }
 
+/// Both sides: 64 KiB and up go by rendezvous (the tcp provider's own default would send even
+/// 8 MiB eagerly), so that the faults hit RDMA Reads in flight; 32-64 KiB go in pieces.
+fn fault_config() -> Config {
+    Config {
+        eager_threshold: Some(64 << 10),
+        ..Config::default()
+    }
+}
+
 fn with_deadline(ms: u64) -> CallOptions {
     CallOptions {
         deadline: Some(Duration::from_millis(ms)),
@@ -282,7 +291,7 @@ async fn connect(dev: &Device, addr: SocketAddr) -> Client {
     loop {
         let config = Config {
             connect_timeout: Duration::from_secs(3),
-            ..Config::default()
+            ..fault_config()
         };
         match Client::connect(dev, addr, config).await {
             Ok(c) => return c,

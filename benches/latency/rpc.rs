@@ -21,10 +21,9 @@ pub fn config(mode: &str, size: usize, completion: CompletionMode) -> Config {
         ..Config::default()
     };
     match mode {
-        // Everything inside Sends: the slots must hold the whole payload; fewer of them when big.
+        // Everything inside Sends (in pieces of at most 32 KiB: the ring keeps its size).
         "rpc-eager" => Config {
             eager_threshold: Some(size.max(1)),
-            ring: ((64 << 20) / size.max(1)).clamp(4, 64) as u32,
             ..base
         },
         // Everything above 0 bytes by rendezvous.
