@@ -97,51 +97,36 @@ pub fn summary(rows: &[Row], provider: &str) {
             rpc.t_typical, tcp.t_typical,
         );
     }
-    let mut worst_layer: Option<(usize, f64)> = None;
-    for r in rows.iter().filter(|r| r.mode == "rpc" && r.bytes <= 4096) {
-        if let Some(raw) = find(rows, "send", r.bytes) {
-            let ratio = r.t_typical / (2.0 * raw.t_typical);
-            if worst_layer.is_none_or(|(_, w)| ratio > w) {
-                worst_layer = Some((r.bytes, ratio));
-            }
-        }
-    }
-    if let Some((b, w)) = worst_layer {
+    if let Some((b, w)) = worst(rows, "send", 2.0, 4096) {
         println!(
             "RPC p50 / raw send-recv round trip p50 (2 x RTT/2), sizes <= 4 KiB: worst {w:.2}x at {b} B (target <= 1.5x): {}",
             verdict(w <= 1.5)
         );
     }
-    let mut worst_copy: Option<(usize, f64)> = None;
-    for r in rows.iter().filter(|r| r.mode == "rpc" && r.bytes <= 4096) {
-        if let Some(raw) = find(rows, "send-copy", r.bytes) {
-            let ratio = r.t_typical / (2.0 * raw.t_typical);
-            if worst_copy.is_none_or(|(_, w)| ratio > w) {
-                worst_copy = Some((r.bytes, ratio));
-            }
-        }
-    }
-    if let Some((b, w)) = worst_copy {
+    if let Some((b, w)) = worst(rows, "send-copy", 2.0, 4096) {
         println!(
             "  for reference, the same against a ping-pong that copies what it receives into a Vec, as the RPC's Vec API does (send-copy): worst {w:.2}x at {b} B"
         );
     }
-    let mut worst_tarpc: Option<(usize, f64)> = None;
-    for r in rows.iter().filter(|r| r.mode == "rpc") {
-        if let Some(t) = find(rows, "tarpc", r.bytes) {
-            let ratio = r.t_typical / t.t_typical;
-            if worst_tarpc.is_none_or(|(_, w)| ratio > w) {
-                worst_tarpc = Some((r.bytes, ratio));
-            }
-        }
-    }
-    if let Some((b, w)) = worst_tarpc {
+    if let Some((b, w)) = worst(rows, "tarpc", 1.0, usize::MAX) {
         println!(
             "RPC p50 / tarpc p50, every size: worst {w:.2}x at {b} B (target <= 1.0x, never behind): {}",
             verdict(w <= 1.0)
         );
     }
     shm_targets(rows);
+}
+
+/// The largest `rpc / (k × other)` ratio of medians over the sizes up to `max_bytes` that both
+/// modes measured, with its size.
+fn worst(rows: &[Row], other: &str, k: f64, max_bytes: usize) -> Option<(usize, f64)> {
+    rows.iter()
+        .filter(|r| r.mode == "rpc" && r.bytes <= max_bytes)
+        .filter_map(|r| find(rows, other, r.bytes).map(|o| (r.bytes, r.t_typical / (k * o.t_typical))))
+        .fold(None, |acc, (b, x)| match acc {
+            Some((_, w)) if w >= x => acc,
+            _ => Some((b, x)),
+        })
 }
 
 /// The shm provider's targets, from the rows that measure them.

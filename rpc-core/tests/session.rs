@@ -537,17 +537,7 @@ fn long_messages_travel_in_pieces_joined_in_order_only() {
     };
     let other = request_sends(8, 4).remove(0); // a whole message of another call (id 1 too)
     let mut credit = Vec::new();
-    Header {
-        kind: Kind::Credit,
-        flags: 0,
-        call_id: 0,
-        method: 0,
-        status: 0,
-        credits: 0,
-        body_len: 0,
-        budget_us: 0,
-    }
-    .encode(&mut credit);
+    Header::credit(0).encode(&mut credit);
     let err = |r: Result<(), ProtoError>| assert!(matches!(r, Err(ProtoError::BadFragment(_))), "{r:?}");
     err(bad(&[&pieces[1]]));
     err(bad(&[&pieces[0], &pieces[2]]));
@@ -588,17 +578,7 @@ fn malformed_headers_are_errors() {
     m[0] = 9;
     assert_eq!(s.handle_message(&m, now), Err(ProtoError::BadVersion(9)));
     let mut c = Vec::new();
-    Header {
-        kind: Kind::Credit,
-        flags: 0,
-        call_id: 0,
-        method: 0,
-        status: 0,
-        credits: 1000,
-        body_len: 0,
-        budget_us: 0,
-    }
-    .encode(&mut c);
+    Header::credit(1000).encode(&mut c);
     assert_eq!(
         s.handle_message(&c, now),
         Err(ProtoError::Overrun),

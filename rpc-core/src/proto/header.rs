@@ -74,6 +74,20 @@ pub struct Header {
 }
 
 impl Header {
+    /// The header of a message that only returns `credits`.
+    pub fn credit(credits: u16) -> Header {
+        Header {
+            kind: Kind::Credit,
+            flags: 0,
+            call_id: 0,
+            method: 0,
+            status: 0,
+            credits,
+            body_len: 0,
+            budget_us: 0,
+        }
+    }
+
     /// Encodes into the first [`HEADER_LEN`] bytes of `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.to_bytes());

@@ -968,17 +968,7 @@ impl Session {
         }
         if self.credits.credit_message_due() {
             let credits = self.credits.spend()?;
-            let h = Header {
-                kind: Kind::Credit,
-                flags: 0,
-                call_id: 0,
-                method: 0,
-                status: 0,
-                credits: 0,
-                body_len: 0,
-                budget_us: 0,
-            };
-            return Some(Transmit::Send(encode(h, credits, Vec::new())));
+            return Some(Transmit::Send(encode(Header::credit(0), credits, Vec::new())));
         }
         None
     }

@@ -271,33 +271,28 @@ impl Frame {
         let (&kind, rest) = body.split_first().ok_or(WireError::Truncated)?;
         let mut r = Reader(rest);
         let f = match kind {
-            SEND => {
-                let ssn = r.u64()?;
-                let (imm, ack) = r.imm()?;
-                return Ok(Frame::Send {
-                    ssn,
-                    imm,
-                    ack,
-                    data: r.0.to_vec(),
-                });
-            }
-            WRITE => {
-                let (ssn, addr, rkey) = (r.u64()?, r.u64()?, r.u32()?);
-                let (imm, ack) = r.imm()?;
-                return Ok(Frame::Write {
-                    ssn,
-                    addr,
-                    rkey,
-                    imm,
-                    ack,
-                    data: r.0.to_vec(),
-                });
-            }
-            READ_RESP => {
-                let ssn = r.u64()?;
-                return Ok(Frame::ReadResp {
-                    ssn,
-                    data: r.0.to_vec(),
+            // A payload-carrying frame: its fields as the reader decodes them ahead, then the rest.
+            SEND | WRITE | READ_RESP => {
+                let h = DataHead::len(kind).unwrap_or(0);
+                let (head, data) = body.split_at_checked(h).ok_or(WireError::Truncated)?;
+                let data = data.to_vec();
+                return Ok(match DataHead::decode(head)? {
+                    DataHead::Send { ssn, imm, ack } => Frame::Send { ssn, imm, ack, data },
+                    DataHead::Write {
+                        ssn,
+                        addr,
+                        rkey,
+                        imm,
+                        ack,
+                    } => Frame::Write {
+                        ssn,
+                        addr,
+                        rkey,
+                        imm,
+                        ack,
+                        data,
+                    },
+                    DataHead::ReadResp { ssn } => Frame::ReadResp { ssn, data },
                 });
             }
             READ_REQ => Frame::ReadReq {
