@@ -75,9 +75,9 @@ pub struct Config {
     pub isolation: Isolation,
 }
 
-/// The eager/rendezvous switch point of verbs and shm (the tcp provider suggests a higher one:
-/// see [`Config::eager_threshold`]). See the README for how it was measured and how to measure
-/// your own.
+/// The switch point verbs suggests, and the one a configuration falls back to where no device
+/// resolved it (shm and tcp suggest higher ones: see [`Config::eager_threshold`]). See the
+/// README for how they were measured and how to measure your own.
 pub const DEFAULT_EAGER_THRESHOLD: usize = 16 * 1024;
 
 impl Default for Config {
