@@ -78,9 +78,9 @@ struct State {
     /// Responder frames waiting for a receive; the head one is the RNR-stalled request.
     stalled: VecDeque<Frame>,
     stall_gen: u64,
-    /// The last Send or Write executed and not acknowledged yet: acks coalesce, as RC's do.
-    /// It goes out before any other response, when the reader finds no further frame waiting,
-    /// and after requests a post_recv let run.
+    /// The last Send or Write executed that asked for an acknowledgement and has not had it
+    /// yet (acks are cumulative, as RC's): it goes out before any other response, when the
+    /// reader finds no further frame waiting, and after requests a post_recv let run.
     ack_due: Option<u64>,
     /// The last Send or Write executed, and the last one acknowledged: before a Fatal the peer
     /// learns how far we got, asked or not.
