@@ -392,7 +392,13 @@ fn executed(st: &mut State, ssn: u64, ack: bool) {
 }
 
 fn needs_recv(f: &Frame) -> bool {
-    matches!(f, Frame::Send { .. } | Frame::Write { imm: Some(_), .. })
+    matches!(
+        f,
+        Frame::Data {
+            head: DataHead::Send { .. } | DataHead::Write { imm: Some(_), .. },
+            ..
+        }
+    )
 }
 
 impl Engine {
@@ -615,7 +621,10 @@ impl Engine {
     fn dispatch(self: &Arc<Self>, st: &mut State, frame: Frame) {
         match frame {
             Frame::Ack { ssn } => self.complete_acked(st, ssn),
-            Frame::ReadResp { ssn, data } => self.complete_head(st, ssn, WcStatus::Success, |p| match &p.local {
+            Frame::Data {
+                head: DataHead::ReadResp { ssn },
+                data,
+            } => self.complete_head(st, ssn, WcStatus::Success, |p| match &p.local {
                 Some(v) if v.len == data.len() => {
                     v.region.lock_range(v.off, v.len).copy_from_slice(&data);
                     Ok(data.len() as u32)
@@ -794,7 +803,11 @@ impl Engine {
             return;
         }
         if let Some(head) = st.stalled.pop_front() {
-            if let Frame::Send { ssn, .. } | Frame::Write { ssn, .. } = head {
+            if let Frame::Data {
+                head: DataHead::Send { ssn, .. } | DataHead::Write { ssn, .. },
+                ..
+            } = head
+            {
                 self.respond(&mut st, Encoder::nak(ssn, WcStatus::RnrRetryExcErr));
             }
             st.stalled.clear();
@@ -847,7 +860,10 @@ impl Engine {
             self.enter_error(st, None);
         };
         match frame {
-            Frame::Send { ssn, imm, ack, data } => {
+            Frame::Data {
+                head: DataHead::Send { ssn, imm, ack },
+                data,
+            } => {
                 if !self.take_for_frame(st) {
                     return fail(st, ssn, WcStatus::RemOpErr);
                 }
@@ -868,12 +884,15 @@ impl Engine {
                     }
                 }
             }
-            Frame::Write {
-                ssn,
-                addr,
-                rkey,
-                imm,
-                ack,
+            Frame::Data {
+                head:
+                    DataHead::Write {
+                        ssn,
+                        addr,
+                        rkey,
+                        imm,
+                        ack,
+                    },
                 data,
             } => {
                 if !data.is_empty() {
@@ -934,7 +953,10 @@ impl Engine {
             }
             Frame::Ack { .. }
             | Frame::Nak { .. }
-            | Frame::ReadResp { .. }
+            | Frame::Data {
+                head: DataHead::ReadResp { .. },
+                ..
+            }
             | Frame::AtomicResp { .. }
             | Frame::Fatal => {}
         }

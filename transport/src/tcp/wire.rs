@@ -9,19 +9,9 @@ pub(crate) const MAX_BODY: usize = super::MAX_MSG as usize + 64;
 
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Frame {
-    Send {
-        ssn: u64,
-        imm: Option<u32>,
-        /// The initiator wants this acknowledged (it asked for a completion).
-        ack: bool,
-        data: Vec<u8>,
-    },
-    Write {
-        ssn: u64,
-        addr: u64,
-        rkey: u32,
-        imm: Option<u32>,
-        ack: bool,
+    /// A Send, a Write or a read response: its fields, then its payload.
+    Data {
+        head: DataHead,
         data: Vec<u8>,
     },
     ReadReq {
@@ -42,10 +32,6 @@ pub(crate) enum Frame {
     Nak {
         ssn: u64,
         status: WcStatus,
-    },
-    ReadResp {
-        ssn: u64,
-        data: Vec<u8>,
     },
     AtomicResp {
         ssn: u64,
@@ -164,6 +150,7 @@ pub(crate) enum DataHead {
     Send {
         ssn: u64,
         imm: Option<u32>,
+        /// The initiator wants this acknowledged (it asked for a completion).
         ack: bool,
     },
     Write {
@@ -275,24 +262,9 @@ impl Frame {
             SEND | WRITE | READ_RESP => {
                 let h = DataHead::len(kind).unwrap_or(0);
                 let (head, data) = body.split_at_checked(h).ok_or(WireError::Truncated)?;
-                let data = data.to_vec();
-                return Ok(match DataHead::decode(head)? {
-                    DataHead::Send { ssn, imm, ack } => Frame::Send { ssn, imm, ack, data },
-                    DataHead::Write {
-                        ssn,
-                        addr,
-                        rkey,
-                        imm,
-                        ack,
-                    } => Frame::Write {
-                        ssn,
-                        addr,
-                        rkey,
-                        imm,
-                        ack,
-                        data,
-                    },
-                    DataHead::ReadResp { ssn } => Frame::ReadResp { ssn, data },
+                return Ok(Frame::Data {
+                    head: DataHead::decode(head)?,
+                    data: data.to_vec(),
                 });
             }
             READ_REQ => Frame::ReadReq {
@@ -346,12 +318,14 @@ mod tests {
     fn frames_roundtrip() {
         assert_eq!(
             roundtrip(Encoder::write(3, 0x1000, 77, Some(9), true).data(b"abc").finish()),
-            Frame::Write {
-                ssn: 3,
-                addr: 0x1000,
-                rkey: 77,
-                imm: Some(9),
-                ack: true,
+            Frame::Data {
+                head: DataHead::Write {
+                    ssn: 3,
+                    addr: 0x1000,
+                    rkey: 77,
+                    imm: Some(9),
+                    ack: true
+                },
                 data: b"abc".to_vec()
             }
         );
