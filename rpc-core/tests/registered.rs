@@ -133,6 +133,22 @@ async fn large_bodies_reach_the_handler_in_a_registered_buffer() {
     }
 }
 
+/// With no threshold set, both sides take the provider's (`DeviceCaps::eager_hint`): a `Vec`
+/// of exactly that many bytes travels eagerly, one byte more by rendezvous (read into a
+/// registered buffer on the server).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_threshold_is_the_providers() {
+    let (s, _serial) = setup(Config::default()).await;
+    let hint = s.dev.caps().eager_hint;
+    assert_eq!(Config::default().eager_threshold_on(&s.dev), hint);
+    for (len, registered) in [(hint, false), (hint + 1, true)] {
+        let mut data = vec![0u8; len];
+        fill(&mut data, len as u64);
+        let got = bounded(s.client.call(SUM, data.clone())).await.expect("call");
+        expect_answer(&got, &data, registered);
+    }
+}
+
 /// Under a threshold far above it, a registered buffer longer than one piece is still lent
 /// (no copy), while a `Vec` of the same size travels eagerly, in pieces.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
