@@ -103,6 +103,14 @@ impl Region {
             &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words[..])[off..off + len]
         })
     }
+
+    /// As [`lock_range`](Self::lock_range) if nobody holds the lock; `None` if somebody does.
+    pub(crate) fn try_lock_range(&self, off: usize, len: usize) -> Option<MappedMutexGuard<'_, [u8]>> {
+        let mem = self.mem.try_lock()?;
+        Some(MutexGuard::map(mem, |words| {
+            &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words[..])[off..off + len]
+        }))
+    }
 }
 
 impl Region {

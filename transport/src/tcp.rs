@@ -96,10 +96,11 @@ pub(crate) fn random_u32() -> u32 {
     u32::from_ne_bytes(b)
 }
 
-/// Something that produces completions only when asked: shm QPs whose peers complete receives
-/// in shared memory. A CQ asks every source before each poll.
+/// Something that produces completions when asked: shm QPs whose peers complete receives in
+/// shared memory, tcp QPs whose socket the polling thread reads itself. A CQ asks every source
+/// before each poll.
 pub(crate) trait CqSource: Send + Sync {
-    fn drain(&self);
+    fn drain(self: Arc<Self>);
     /// The CQ waits: have the next completion rung for.
     fn arm(&self);
 }
@@ -174,6 +175,11 @@ impl Cq {
         out.extend(q.drain(..n));
         self.queued.store(q.len(), Ordering::SeqCst);
         n
+    }
+
+    /// Whether a waiter armed the CQ and no completion has come since.
+    pub(crate) fn is_armed(&self) -> bool {
+        self.armed.load(Ordering::SeqCst)
     }
 
     pub(crate) fn arm(&self) {

@@ -864,6 +864,71 @@ async fn dropping_a_qp_with_requests_in_flight_is_safe() {
     drop(s);
 }
 
+/// An application may read its memory and poll its CQ on one thread, holding the memory's
+/// guard across the poll, while the peer's Send, Read and atomic need that same registration.
+/// On a software provider whose polls do the NIC's work, a poll that waited for that guard
+/// would never return; it must leave such work to the provider's own thread, which finishes it
+/// once the guard is gone. (The poll runs on a thread of its own so that a hang fails the test.)
+#[tokio::test]
+async fn polling_while_holding_the_memory_an_arrival_needs_neither_deadlocks_nor_loses_it() {
+    let (c, s) = pair();
+    let mut held = s.reg(8192, RW);
+    let landing = held.split_off(4096).expect("split one registration in two");
+    held.write_at(0, &pattern(64, 3)).expect("fill");
+    held.write_at(64, &40u64.to_ne_bytes()).expect("fill");
+    s.qp.post_recv(RecvWr::new(5, landing))
+        .map_err(|e| e.error)
+        .expect("post_recv");
+    let (read_from, word) = (held.remote().at(0), held.remote().at(64));
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let poller = std::thread::spawn(move || {
+        let mut out = Vec::new();
+        let guard = held.bytes();
+        // Polls with the guard held while the peer's requests arrive.
+        let until = Instant::now() + Duration::from_millis(200);
+        while Instant::now() < until {
+            s.cq.poll(&mut out, 16).expect("poll");
+        }
+        let seen_before = guard[0];
+        drop(guard);
+        let _ = done_tx.send(());
+        let deadline = Instant::now() + WAIT;
+        while out.is_empty() && Instant::now() < deadline {
+            s.cq.poll(&mut out, 16).expect("poll");
+            std::thread::yield_now();
+        }
+        (s, held, out, seen_before)
+    });
+    c.post(SendWr::send(
+        1,
+        c.filled(b"into the held registration", AccessFlags::LOCAL_WRITE),
+    ));
+    c.post(SendWr::new(2, SendOp::Read { remote: read_from }).buf(c.reg(64, AccessFlags::LOCAL_WRITE)));
+    c.post(SendWr::new(3, SendOp::FetchAdd { remote: word, add: 2 }).buf(c.reg(8, AccessFlags::LOCAL_WRITE)));
+    tokio::task::spawn_blocking(move || done_rx.recv_timeout(WAIT))
+        .await
+        .expect("join")
+        .expect("a poll holding a guard of the memory the arrivals need returned: no deadlock");
+    let r = c.take(3).await;
+    r.iter().for_each(ok);
+    assert_eq!(r.iter().map(|w| w.wr_id).collect::<Vec<_>>(), [1, 2, 3]);
+    assert_eq!(&r[1].buf.as_ref().expect("buf").bytes()[..], &pattern(64, 3)[..]);
+    assert_eq!(&r[2].buf.as_ref().expect("buf").bytes()[..], &40u64.to_ne_bytes());
+    let (s, held, out, seen_before) = tokio::task::spawn_blocking(move || poller.join().expect("poller"))
+        .await
+        .expect("join");
+    assert_eq!(seen_before, pattern(64, 3)[0]);
+    assert_eq!(out.len(), 1, "{out:?}");
+    ok(&out[0]);
+    assert_eq!((out[0].wr_id, out[0].byte_len), (5, 26));
+    assert_eq!(
+        &out[0].buf.as_ref().expect("buf").bytes()[..26],
+        b"into the held registration"
+    );
+    assert_eq!(u64::from_ne_bytes(held.bytes()[64..72].try_into().expect("8")), 42);
+    drop(s);
+}
+
 // ---- a peer process killed mid-stream ----
 
 const CHILD_ENV: &str = "RDMA_RPC_CONFORMANCE_CHILD";

@@ -3,9 +3,11 @@
 //! that the peer process died (the kernel closes it then).
 
 use std::io;
+use std::os::fd::BorrowedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::ring::{Ring, RingError};
 use crate::tcp::Link;
@@ -57,20 +59,14 @@ impl ShmLink {
 }
 
 impl Link for ShmLink {
-    fn read_exact(&self, buf: &mut [u8]) -> io::Result<()> {
-        self.rx.read_exact(buf).map_err(io_err)
-    }
-
-    fn read_some(&self, buf: &mut [u8]) -> io::Result<usize> {
-        self.rx.read_some(buf).map_err(io_err)
-    }
-
     fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
         self.rx.try_read(buf).map_err(io_err)
     }
 
-    fn wait_readable(&self) -> io::Result<()> {
-        self.rx.wait_data().map_err(io_err)
+    fn wait(&self, _wake: Option<BorrowedFd<'_>>, watch: bool, _timeout: Option<Duration>) -> io::Result<bool> {
+        debug_assert!(watch, "an shm link is always watched by its reader thread");
+        self.rx.wait_data().map_err(io_err)?;
+        Ok(true)
     }
 
     fn try_write(&self, buf: &[u8]) -> io::Result<usize> {

@@ -161,7 +161,9 @@ impl Ring {
         Ok(())
     }
 
-    /// Consumer: fills `buf`, waiting for bytes.
+    /// Consumer: fills `buf`, waiting for bytes (the tests' reader; the engine never waits
+    /// inside a read).
+    #[cfg(test)]
     pub(crate) fn read_exact(&self, buf: &mut [u8]) -> Result<(), RingError> {
         let mut got = 0;
         while got < buf.len() {
@@ -172,6 +174,7 @@ impl Ring {
 
     /// Consumer: takes what is in the ring, up to `buf.len()`, waiting until there is something;
     /// returns how much (at least 1 for a non-empty `buf`).
+    #[cfg(test)]
     pub(crate) fn read_some(&self, buf: &mut [u8]) -> Result<usize, RingError> {
         loop {
             let n = self.try_read(buf)?;

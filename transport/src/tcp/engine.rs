@@ -1,11 +1,15 @@
 //! The progress engine of one software queue pair: requester, responder and completer.
 //!
-//! Lock order: `post` before `state` before a region's memory before the sender's lock. Nothing
-//! blocks on the socket's send side except the writer thread (see [`Sender`]), so the reader
-//! thread always drains and two engines can never wait on each other.
+//! Lock order: `post` before `reader` before `state` before a region's memory before the
+//! sender's lock. Nothing blocks on the socket's send side except the writer thread (see
+//! [`Sender`]), so the reader always drains and two engines can never wait on each other; nothing
+//! blocks on the socket's read side at all (see [`progress`]).
+
+mod progress;
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -15,7 +19,7 @@ use parking_lot::Mutex;
 use super::inbox::Inbox;
 use super::link::Link;
 use super::sender::Sender;
-use super::wire::{AtomicOp, DataHead, Encoder, Frame, WireError, MAX_BODY};
+use super::wire::{AtomicOp, DataHead, Encoder, Frame, WireError};
 use super::Cq;
 use crate::cq::RawWc;
 use crate::mr::{Region, Rmw};
@@ -105,6 +109,13 @@ struct Engine {
     direct: Option<Arc<crate::shm::Peer>>,
     /// shm: our receive queue in shared memory, where the peer completes receives.
     own_rq: Option<Arc<crate::shm::OwnRq>>,
+    /// The read side of the link, held by whoever reads: the reader thread or a poller.
+    reader: Mutex<progress::Reader>,
+    /// Polls of the QP's CQs so far (tcp: each reads the socket).
+    polls: AtomicU64,
+    /// tcp: rung to have the reader thread look again (its pollers hand it a frame, a CQ was
+    /// armed, the QP is destroyed). shm: none, its reader thread alone reads the link.
+    wake: Option<OwnedFd>,
 }
 
 /// A software RC queue pair over one TCP connection.
@@ -126,6 +137,11 @@ impl Qp {
             Some((p, rq)) => (Some(p), Some(Arc::new(rq))),
             None => (None, None),
         };
+        // tcp: the application's polls read the socket too; shm: its reader thread alone.
+        let wake = match direct {
+            Some(_) => None,
+            None => Some(progress::wake_fd().map_err(|e| Error::io("creating a QP reader's wake-up (eventfd)", e))?),
+        };
         let engine = Arc::new(Engine {
             qp_num,
             pd,
@@ -133,6 +149,9 @@ impl Qp {
             recv_cq,
             post: Mutex::new(()),
             out: Sender::new(link.clone()),
+            reader: Mutex::new(progress::Reader::new(Inbox::new(link.clone()))),
+            polls: AtomicU64::new(0),
+            wake,
             link,
             state: Mutex::new(State::default()),
             error: AtomicBool::new(false),
@@ -140,10 +159,16 @@ impl Qp {
             direct,
             own_rq,
         });
+        let source = || -> Weak<dyn super::CqSource> { Arc::downgrade(&engine) as Weak<Engine> };
         if let Some(rq) = &engine.own_rq {
-            let source: Weak<dyn super::CqSource> = Arc::downgrade(&engine) as Weak<Engine>;
             let rq = rq.clone();
-            engine.recv_cq.add_source(source, Box::new(move || rq.has_taken()));
+            engine.recv_cq.add_source(source(), Box::new(move || rq.has_taken()));
+        } else {
+            // Every poll of either CQ reads the socket (one non-blocking read when idle).
+            engine.send_cq.add_source(source(), Box::new(|| true));
+            if !Arc::ptr_eq(&engine.send_cq, &engine.recv_cq) {
+                engine.recv_cq.add_source(source(), Box::new(|| true));
+            }
         }
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
@@ -252,9 +277,12 @@ impl Qp {
         self.engine.destroyed.store(true, Ordering::Release);
         self.engine.link.shutdown();
         self.engine.out.close();
+        self.engine.wake_reader();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+        // A poller may still be reading: wait for it (the next one sees `destroyed`).
+        drop(self.engine.reader.lock());
     }
 }
 
@@ -402,62 +430,6 @@ fn needs_recv(f: &Frame) -> bool {
 }
 
 impl Engine {
-    fn run_reader(self: Arc<Self>) {
-        let mut inbox = Inbox::new(self.link.clone());
-        loop {
-            match self.next_frame(&mut inbox) {
-                Ok(()) => {}
-                Err(Stop::Link) => break,
-                Err(Stop::TooLong(n)) => {
-                    tracing::warn!(qp = self.qp_num, n, "frame longer than any message: closing");
-                    break;
-                }
-                Err(Stop::Malformed(err)) => {
-                    tracing::warn!(qp = self.qp_num, %err, "malformed frame: closing");
-                    break;
-                }
-            }
-        }
-        // The peer is gone (or spoke garbage): the head request times out, the rest flush.
-        let mut st = self.state.lock();
-        self.enter_error(&mut st, Some(WcStatus::RetryExcErr));
-        drop(st);
-        self.link.shutdown();
-    }
-
-    /// Reads and handles one frame. A payload whose destination is known from the frame's
-    /// fields (a read response, a write, a send into a posted receive) is read straight into
-    /// that registered memory, as a NIC's DMA would; anything else is read whole and decoded.
-    fn next_frame(self: &Arc<Self>, inbox: &mut Inbox) -> Result<(), Stop> {
-        let len: [u8; 4] = inbox.fill(4)?.try_into().map_err(|_| Stop::Link)?;
-        inbox.consume(4);
-        let n = u32::from_le_bytes(len) as usize;
-        if n > MAX_BODY {
-            return Err(Stop::TooLong(n));
-        }
-        let kind = if n > 0 { inbox.fill(1)?[0] } else { 0 };
-        if let Some(h) = DataHead::len(kind).filter(|&h| n > h) {
-            let head = DataHead::decode(inbox.fill(h)?)?;
-            if let Some((region, off)) = self.landing(head, n - h) {
-                inbox.consume(h);
-                inbox.read_into_region(&region, off, n - h)?;
-                self.landed(head, n - h, inbox.has_frame());
-                return Ok(());
-            }
-        }
-        let frame = if n <= Inbox::capacity() {
-            let f = Frame::decode(inbox.fill(n)?)?;
-            inbox.consume(n);
-            f
-        } else {
-            let mut body = vec![0u8; n];
-            inbox.read_into(&mut body)?;
-            Frame::decode(&body)?
-        };
-        self.handle(frame, inbox.has_frame());
-        Ok(())
-    }
-
     /// Where the `len`-byte payload of a frame with these fields lands, if the frame will
     /// succeed as it stands; `None` sends it down the general path (errors, stalls, shm).
     fn landing(&self, head: DataHead, len: usize) -> Option<(Arc<Region>, usize)> {
@@ -986,10 +958,16 @@ impl super::CqSource for Engine {
         if let Some(rq) = &self.own_rq {
             rq.arm();
         }
+        // The waiter sleeps from now: the reader thread watches the socket again.
+        self.wake_reader();
     }
 
-    fn drain(&self) {
-        let mut st = self.state.lock();
-        self.drain_rq(&mut st);
+    fn drain(self: Arc<Self>) {
+        if self.own_rq.is_some() {
+            let mut st = self.state.lock();
+            self.drain_rq(&mut st);
+        } else {
+            self.poll_link();
+        }
     }
 }

@@ -1,14 +1,20 @@
-//! The reader thread's side of a link: one read takes whatever has arrived (often several
-//! frames) into a small buffer; a large payload is read straight into its destination.
+//! The read side of a link, never waiting: one read takes whatever has arrived (often several
+//! frames) into a small buffer; a large payload is then read straight into its destination.
+//! Whoever holds the engine's reader (its thread, or an application thread polling a CQ)
+//! reads through here.
 
 use std::io;
 use std::sync::Arc;
 
 use super::link::Link;
-use crate::mr::Region;
 
-/// Bytes read ahead at most: room for every frame without a payload, and for small payloads.
+/// Room for the largest frame decoded here (a frame without a landing place for its payload).
 const CAP: usize = 64 << 10;
+
+/// Bytes one read asks for beyond what is needed: several small frames per system call, while
+/// a large payload that follows a header is mostly left in the socket, to be read straight into
+/// its destination rather than through this buffer (one copy fewer).
+const AHEAD: usize = 4 << 10;
 
 pub(crate) struct Inbox {
     link: Arc<dyn Link>,
@@ -27,35 +33,46 @@ impl Inbox {
         }
     }
 
-    /// The largest `k` that [`fill`](Self::fill) accepts.
+    /// The largest `k` that [`try_fill`](Self::try_fill) accepts.
     pub(crate) const fn capacity() -> usize {
         CAP
     }
 
-    /// The next `k` bytes (`k <= CAP`), reading until they are here; they stay unread.
-    pub(crate) fn fill(&mut self, k: usize) -> io::Result<&[u8]> {
+    /// Whether the next `k` bytes (`k <= CAP`) are here, reading what has arrived until they
+    /// are; never waits. The end of the link is an error.
+    pub(crate) fn try_fill(&mut self, k: usize) -> io::Result<bool> {
         debug_assert!(k <= CAP);
-        if self.end - self.start < k {
-            if self.start + k > CAP {
-                self.buf.copy_within(self.start..self.end, 0);
-                self.end -= self.start;
-                self.start = 0;
-            }
-            while self.end - self.start < k {
-                self.end += self.link.read_some(&mut self.buf[self.end..])?;
+        if self.end - self.start >= k {
+            return Ok(true);
+        }
+        if self.start + k > CAP {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        let upto = (self.start + k.max(AHEAD)).min(CAP);
+        while self.end - self.start < k {
+            match self.link.try_read(&mut self.buf[self.end..upto])? {
+                0 => return Ok(false),
+                n => self.end += n,
             }
         }
-        Ok(&self.buf[self.start..self.start + k])
+        Ok(true)
+    }
+
+    /// The bytes read and not consumed yet.
+    pub(crate) fn avail(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
     }
 
     /// Whether a whole frame (length prefix and body) is already here.
     pub(crate) fn has_frame(&self) -> bool {
-        let have = &self.buf[self.start..self.end];
+        let have = self.avail();
         have.first_chunk::<4>()
             .is_some_and(|n| have.len() - 4 >= u32::from_le_bytes(*n) as usize)
     }
 
-    /// Marks `k` filled bytes read.
+    /// Marks `k` bytes read.
     pub(crate) fn consume(&mut self, k: usize) {
         self.start = (self.start + k).min(self.end);
         if self.start == self.end {
@@ -63,35 +80,15 @@ impl Inbox {
         }
     }
 
-    /// Fills `len` bytes of `region` from `off` with the next bytes: what was read ahead, then
-    /// straight from the link. The region's lock is held only while bytes are copied (never
-    /// while waiting for the peer), so a stalled peer cannot block the application's access
-    /// to its memory.
-    pub(crate) fn read_into_region(&mut self, region: &Region, off: usize, len: usize) -> io::Result<()> {
-        let have = (self.end - self.start).min(len);
-        region
-            .lock_range(off, have)
-            .copy_from_slice(&self.buf[self.start..self.start + have]);
-        self.consume(have);
-        let mut got = have;
-        while got < len {
-            let n = self.link.try_read(&mut region.lock_range(off + got, len - got))?;
-            if n == 0 {
-                self.link.wait_readable()?;
-            }
-            got += n;
-        }
-        Ok(())
-    }
-
-    /// Fills `dst` with the next bytes: what was read ahead, then straight from the link.
-    pub(crate) fn read_into(&mut self, dst: &mut [u8]) -> io::Result<()> {
+    /// Fills the start of `dst` with the next bytes, without waiting: what was read ahead if
+    /// anything was, else what the link has. How many; 0 when nothing has arrived.
+    pub(crate) fn read_into(&mut self, dst: &mut [u8]) -> io::Result<usize> {
         let have = (self.end - self.start).min(dst.len());
+        if have == 0 {
+            return self.link.try_read(dst);
+        }
         dst[..have].copy_from_slice(&self.buf[self.start..self.start + have]);
         self.consume(have);
-        if have < dst.len() {
-            self.link.read_exact(&mut dst[have..])?;
-        }
-        Ok(())
+        Ok(have)
     }
 }

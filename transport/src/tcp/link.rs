@@ -1,24 +1,25 @@
 //! The byte link under a software queue pair's engine: a TCP connection here, shared-memory
-//! rings in the shm provider. The engine needs blocking reads (its reader thread), non-blocking
-//! and blocking writes (posters, then the writer thread), and shutdown.
+//! rings in the shm provider. The engine needs non-blocking reads (whoever holds its reader) and a
+//! wait for data (its reader thread), non-blocking and blocking writes (posters, then the writer
+//! thread), and shutdown.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::BorrowedFd;
+use std::time::Duration;
 
 use socket2::SockRef;
 
 /// A bidirectional byte stream for one queue pair.
 pub(crate) trait Link: Send + Sync + 'static {
-    /// Fills `buf` (reader thread only); an error ends the link.
-    fn read_exact(&self, buf: &mut [u8]) -> io::Result<()>;
-    /// Reads what is there, up to `buf.len()`, waiting for at least one byte (reader thread
-    /// only); the end of the link is an error.
-    fn read_some(&self, buf: &mut [u8]) -> io::Result<usize>;
     /// Reads what is there now, up to `buf.len()`, without waiting: `Ok(0)` when nothing is
-    /// (reader thread only); the end of the link is an error.
+    /// (whoever holds the engine's reader); the end of the link is an error.
     fn try_read(&self, buf: &mut [u8]) -> io::Result<usize>;
-    /// Waits until there is something to read, or the link ended (reader thread only).
-    fn wait_readable(&self) -> io::Result<()>;
+    /// Waits (the reader thread) until there is something to read or the link ended, `wake`
+    /// is readable, or `timeout` passed; with `watch` false, for `wake` or `timeout` only.
+    /// `Ok(false)` when the time ran out. Links whose reads cannot be waited for beside a
+    /// descriptor (shm) wait for data only and must be called with `watch`.
+    fn wait(&self, wake: Option<BorrowedFd<'_>>, watch: bool, timeout: Option<Duration>) -> io::Result<bool>;
     /// Writes what fits without waiting; `Ok(0)` when nothing does.
     fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
     /// Writes what fits of `a` then `b` without waiting; the count of bytes taken from both.
@@ -41,21 +42,6 @@ pub(crate) trait Link: Send + Sync + 'static {
 pub(crate) struct TcpLink(pub(crate) TcpStream);
 
 impl Link for TcpLink {
-    fn read_exact(&self, buf: &mut [u8]) -> io::Result<()> {
-        (&self.0).read_exact(buf)
-    }
-
-    fn read_some(&self, buf: &mut [u8]) -> io::Result<usize> {
-        loop {
-            match (&self.0).read(buf) {
-                Ok(0) if !buf.is_empty() => return Err(io::ErrorKind::UnexpectedEof.into()),
-                Ok(n) => return Ok(n),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
     fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
         let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
         match SockRef::from(&self.0).send_with_flags(buf, flags) {
@@ -76,15 +62,23 @@ impl Link for TcpLink {
         }
     }
 
-    fn wait_readable(&self) -> io::Result<()> {
-        use rustix::event::{poll, PollFd, PollFlags};
-        let mut fds = [PollFd::new(&self.0, PollFlags::IN)];
-        loop {
-            match poll(&mut fds, None) {
-                Ok(_) => return Ok(()),
-                Err(rustix::io::Errno::INTR) => {}
-                Err(e) => return Err(e.into()),
-            }
+    fn wait(&self, wake: Option<BorrowedFd<'_>>, watch: bool, timeout: Option<Duration>) -> io::Result<bool> {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let limit = timeout.map(|t| Timespec {
+            tv_sec: t.as_secs().try_into().unwrap_or(i64::MAX),
+            tv_nsec: t.subsec_nanos().into(),
+        });
+        let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(2);
+        if watch {
+            fds.push(PollFd::new(&self.0, PollFlags::IN));
+        }
+        if let Some(w) = &wake {
+            fds.push(PollFd::new(w, PollFlags::IN));
+        }
+        match poll(&mut fds, limit.as_ref()) {
+            Ok(n) => Ok(n > 0),
+            Err(rustix::io::Errno::INTR) => Ok(true),
+            Err(e) => Err(e.into()),
         }
     }
 

@@ -1,0 +1,327 @@
+//! How the engine reads its link: one resumable step at a time, never waiting, so that whoever
+//! holds the reader can stop at any byte and the next holder goes on from there.
+//!
+//! Two kinds of holder take turns. While the application polls one of the QP's CQs (tcp), the
+//! polling thread reads the socket itself: the payload lands on the core that consumes it, with
+//! no thread in between, and the reader thread sleeps. When nobody polls, or a CQ is armed (its
+//! waiter sleeps), the reader thread watches the socket, as a NIC keeps answering one-sided
+//! requests whatever the host's CPUs do. A polling thread takes only frames it can finish
+//! without waiting for a lock another thread may hold (its own application may hold a buffer's
+//! lock while it polls); anything else it hands to the reader thread.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::MappedMutexGuard;
+
+use super::{Engine, Stop};
+use crate::mr::Region;
+use crate::tcp::inbox::Inbox;
+use crate::tcp::wire::{DataHead, Frame, MAX_BODY};
+
+/// How long the reader thread leaves the socket to polling threads after the last poll it saw:
+/// a poller that stops without arming a CQ delays what arrives by at most this much.
+const POLLER_GRACE: Duration = Duration::from_millis(1);
+
+/// How long the reader thread watches the socket itself after it found, at the end of a grace
+/// period, frames the pollers had left: an application that polls a CQ now and then but waits
+/// for something else (memory an RDMA Write fills, say) pays the grace period only this rarely.
+const DISTRUST: Duration = Duration::from_millis(100);
+
+/// Frames one poll takes at most (the rest waits for the next poll, or the reader thread).
+const FRAMES_PER_POLL: usize = 64;
+
+/// Where the reader is in the byte stream.
+pub(super) enum Partial {
+    /// At a frame boundary.
+    Idle,
+    /// A payload landing in registered memory: `got` of `len` bytes so far.
+    Landing {
+        head: DataHead,
+        region: Arc<Region>,
+        off: usize,
+        len: usize,
+        got: usize,
+    },
+    /// The body of a frame too long for the inbox, read whole: `got` bytes so far.
+    Body { buf: Vec<u8>, got: usize },
+}
+
+/// The engine's read side; whoever holds it reads.
+pub(super) struct Reader {
+    inbox: Inbox,
+    partial: Partial,
+    /// The link ended or broke (its end is handled once, by whoever met it).
+    stopped: bool,
+}
+
+impl Reader {
+    pub(super) fn new(inbox: Inbox) -> Self {
+        Self {
+            inbox,
+            partial: Partial::Idle,
+            stopped: false,
+        }
+    }
+}
+
+/// Who holds the reader.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Who {
+    /// The engine's reader thread: may wait for locks.
+    Thread,
+    /// An application thread polling a CQ: must not.
+    Poller,
+}
+
+enum Outcome {
+    /// A frame was handled.
+    Frame,
+    /// Nothing more has arrived.
+    Blocked,
+    /// The next frame is for the reader thread.
+    HandOff,
+}
+
+/// The wake-up descriptor of a reader thread (an eventfd).
+pub(super) fn wake_fd() -> std::io::Result<OwnedFd> {
+    use rustix::event::{eventfd, EventfdFlags};
+    eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC).map_err(Into::into)
+}
+
+impl Engine {
+    /// The reader thread: reads whatever the polling threads leave, and everything while
+    /// nobody polls.
+    pub(super) fn run_reader(self: Arc<Self>) {
+        let mut seen = self.polls.load(Ordering::Relaxed);
+        // Set after a grace period the pollers let pass with frames waiting.
+        let mut distrust_until: Option<Instant> = None;
+        let mut graced = false;
+        loop {
+            let mut found = false;
+            {
+                let mut r = self.reader.lock();
+                if r.stopped {
+                    return;
+                }
+                loop {
+                    match self.step(&mut r, Who::Thread) {
+                        Ok(Outcome::Frame) => found = true,
+                        Ok(Outcome::Blocked | Outcome::HandOff) => break,
+                        Err(stop) => return self.stop(&mut r, stop),
+                    }
+                }
+            }
+            if graced && found {
+                distrust_until = Some(Instant::now() + DISTRUST);
+            }
+            // Pollers at work since the last look, and no waiter asleep on a CQ: theirs.
+            let polled = self.polls.load(Ordering::Relaxed);
+            let leave = self.wake.is_some()
+                && polled != seen
+                && !self.send_cq.is_armed()
+                && !self.recv_cq.is_armed()
+                && distrust_until.is_none_or(|t| Instant::now() >= t);
+            seen = polled;
+            let wake = self.wake.as_ref().map(|w| w.as_fd());
+            let waited = self.link.wait(wake, !leave, leave.then_some(POLLER_GRACE));
+            if let Some(w) = &self.wake {
+                let _ = rustix::io::read(w, &mut [0u8; 8]);
+            }
+            match waited {
+                // Woken by nothing: the grace period ran out.
+                Ok(ready) => graced = leave && !ready,
+                Err(_) => {
+                    let mut r = self.reader.lock();
+                    if !r.stopped {
+                        self.stop(&mut r, Stop::Link);
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A polling thread's turn (tcp): takes what has arrived, if the reader is free.
+    pub(super) fn poll_link(self: &Arc<Self>) {
+        self.polls.fetch_add(1, Ordering::Relaxed);
+        let Some(mut r) = self.reader.try_lock() else { return };
+        if r.stopped || self.destroyed.load(Ordering::Acquire) {
+            return;
+        }
+        for _ in 0..FRAMES_PER_POLL {
+            match self.step(&mut r, Who::Poller) {
+                Ok(Outcome::Frame) => {}
+                Ok(Outcome::Blocked) => return,
+                Ok(Outcome::HandOff) => {
+                    drop(r);
+                    return self.wake_reader();
+                }
+                Err(stop) => return self.stop(&mut r, stop),
+            }
+        }
+    }
+
+    /// Has the reader thread look again (a hand-off, an armed CQ, the end).
+    pub(super) fn wake_reader(&self) {
+        if let Some(w) = &self.wake {
+            crate::shm::bell::ring(w);
+        }
+    }
+
+    /// The link ended, or the peer spoke garbage: the head request times out, the rest flush.
+    fn stop(&self, r: &mut Reader, why: Stop) {
+        r.stopped = true;
+        match why {
+            Stop::Link => {}
+            Stop::TooLong(n) => tracing::warn!(qp = self.qp_num, n, "frame longer than any message: closing"),
+            Stop::Malformed(err) => tracing::warn!(qp = self.qp_num, %err, "malformed frame: closing"),
+        }
+        let mut st = self.state.lock();
+        self.enter_error(&mut st, Some(crate::WcStatus::RetryExcErr));
+        drop(st);
+        self.link.shutdown();
+        self.wake_reader();
+    }
+
+    /// Reads and handles at most one frame, without waiting for the link. A payload whose
+    /// destination is known from the frame's fields (a read response, a write, a send into a
+    /// posted receive) is read straight into that registered memory, as a NIC's DMA would;
+    /// anything else is read whole and decoded.
+    fn step(self: &Arc<Self>, r: &mut Reader, who: Who) -> Result<Outcome, Stop> {
+        loop {
+            match &mut r.partial {
+                Partial::Landing {
+                    head,
+                    region,
+                    off,
+                    len,
+                    got,
+                } => {
+                    while *got < *len {
+                        let Some(mut dst) = lock(region, *off + *got, *len - *got, who) else {
+                            return Ok(Outcome::HandOff);
+                        };
+                        let n = r.inbox.read_into(&mut dst)?;
+                        drop(dst);
+                        if n == 0 {
+                            return Ok(Outcome::Blocked);
+                        }
+                        *got += n;
+                    }
+                    let (head, len) = (*head, *len);
+                    r.partial = Partial::Idle;
+                    self.landed(head, len, r.inbox.has_frame());
+                    return Ok(Outcome::Frame);
+                }
+                Partial::Body { buf, got } => {
+                    if who == Who::Poller {
+                        return Ok(Outcome::HandOff);
+                    }
+                    while *got < buf.len() {
+                        let n = r.inbox.read_into(&mut buf[*got..])?;
+                        if n == 0 {
+                            return Ok(Outcome::Blocked);
+                        }
+                        *got += n;
+                    }
+                    let frame = Frame::decode(buf)?;
+                    r.partial = Partial::Idle;
+                    self.handle(frame, r.inbox.has_frame());
+                    return Ok(Outcome::Frame);
+                }
+                Partial::Idle => {
+                    if !r.inbox.try_fill(4)? {
+                        return Ok(Outcome::Blocked);
+                    }
+                    let mut len = [0u8; 4];
+                    len.copy_from_slice(&r.inbox.avail()[..4]);
+                    let n = u32::from_le_bytes(len) as usize;
+                    if n > MAX_BODY {
+                        return Err(Stop::TooLong(n));
+                    }
+                    if n > 0 {
+                        if !r.inbox.try_fill(5)? {
+                            return Ok(Outcome::Blocked);
+                        }
+                        let kind = r.inbox.avail()[4];
+                        if let Some(h) = DataHead::len(kind).filter(|&h| n > h) {
+                            if !r.inbox.try_fill(4 + h)? {
+                                return Ok(Outcome::Blocked);
+                            }
+                            let head = DataHead::decode(&r.inbox.avail()[4..4 + h])?;
+                            if let Some((region, off)) = self.landing(head, n - h) {
+                                r.inbox.consume(4 + h);
+                                r.partial = Partial::Landing {
+                                    head,
+                                    region,
+                                    off,
+                                    len: n - h,
+                                    got: 0,
+                                };
+                                continue;
+                            }
+                        }
+                    }
+                    if 4 + n > Inbox::capacity() {
+                        if who == Who::Poller {
+                            return Ok(Outcome::HandOff);
+                        }
+                        r.inbox.consume(4);
+                        r.partial = Partial::Body {
+                            buf: vec![0; n],
+                            got: 0,
+                        };
+                        continue;
+                    }
+                    if !r.inbox.try_fill(4 + n)? {
+                        return Ok(Outcome::Blocked);
+                    }
+                    let frame = Frame::decode(&r.inbox.avail()[4..4 + n])?;
+                    if who == Who::Poller && !self.poller_may_handle(&frame) {
+                        return Ok(Outcome::HandOff);
+                    }
+                    r.inbox.consume(4 + n);
+                    self.handle(frame, r.inbox.has_frame());
+                    return Ok(Outcome::Frame);
+                }
+            }
+        }
+    }
+
+    /// Whether a polling thread can handle `frame` without waiting for a lock its own
+    /// application may hold: frames that touch no registered memory, and those whose memory it
+    /// could lock right now (so this thread holds no guard of it, and any other holder lets go
+    /// without waiting for this thread). Others go to the reader thread.
+    fn poller_may_handle(&self, frame: &Frame) -> bool {
+        use crate::AccessFlags;
+        let free = |r: &Region| r.mem.try_lock().is_some();
+        match frame {
+            Frame::Ack { .. } | Frame::Nak { .. } | Frame::Fatal => true,
+            // A target's checks failing means a NAK, memory untouched.
+            Frame::ReadReq { addr, rkey, len, .. } => self
+                .check_remote(*addr, *rkey, *len as usize, AccessFlags::REMOTE_READ)
+                .map_or(true, |r| free(&r)),
+            Frame::Atomic { addr, rkey, .. } => self
+                .check_remote(*addr, *rkey, 8, AccessFlags::REMOTE_ATOMIC)
+                .map_or(true, |r| free(&r)),
+            Frame::AtomicResp { ssn, .. } => {
+                let st = self.state.lock();
+                let head = st.outstanding.iter().find(|p| p.seq == *ssn);
+                head.and_then(|p| p.local.as_ref()).is_none_or(|v| free(&v.region))
+            }
+            _ => false,
+        }
+    }
+}
+
+/// `len` bytes of `region` from `off`: waiting for the lock on the reader thread, only if free
+/// on a polling thread.
+fn lock(region: &Region, off: usize, len: usize, who: Who) -> Option<MappedMutexGuard<'_, [u8]>> {
+    match who {
+        Who::Thread => Some(region.lock_range(off, len)),
+        Who::Poller => region.try_lock_range(off, len),
+    }
+}
