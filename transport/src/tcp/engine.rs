@@ -111,8 +111,9 @@ struct Engine {
     own_rq: Option<Arc<crate::shm::OwnRq>>,
     /// The read side of the link, held by whoever reads: the reader thread or a poller.
     reader: Mutex<progress::Reader>,
-    /// Polls of the QP's CQs so far (tcp: each reads the socket).
+    /// Polls of the QP's CQs so far (tcp: each reads the socket), and frames they handled.
     polls: AtomicU64,
+    taken: AtomicU64,
     /// tcp: rung to have the reader thread look again (its pollers hand it a frame, a CQ was
     /// armed, the QP is destroyed). shm: none, its reader thread alone reads the link.
     wake: Option<OwnedFd>,
@@ -151,6 +152,7 @@ impl Qp {
             out: Sender::new(link.clone()),
             reader: Mutex::new(progress::Reader::new(Inbox::new(link.clone()))),
             polls: AtomicU64::new(0),
+            taken: AtomicU64::new(0),
             wake,
             link,
             state: Mutex::new(State::default()),

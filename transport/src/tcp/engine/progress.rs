@@ -5,7 +5,8 @@
 //! polling thread reads the socket itself: the payload lands on the core that consumes it, with
 //! no thread in between, and the reader thread sleeps. When nobody polls, or a CQ is armed (its
 //! waiter sleeps), the reader thread watches the socket, as a NIC keeps answering one-sided
-//! requests whatever the host's CPUs do. A polling thread takes only frames it can finish
+//! requests whatever the host's CPUs do; and for a while after pollers that stopped polling
+//! twice in a row let frames wait (an application spinning on memory that RDMA Writes fill). A polling thread takes only frames it can finish
 //! without waiting for a lock another thread may hold (its own application may hold a buffer's
 //! lock while it polls); anything else it hands to the reader thread.
 
@@ -25,10 +26,14 @@ use crate::tcp::wire::{DataHead, Frame, MAX_BODY};
 /// a poller that stops without arming a CQ delays what arrives by at most this much.
 const POLLER_GRACE: Duration = Duration::from_millis(1);
 
-/// How long the reader thread watches the socket itself after it found, at the end of a grace
-/// period, frames the pollers had left: an application that polls a CQ now and then but waits
-/// for something else (memory an RDMA Write fills, say) pays the grace period only this rarely.
-const DISTRUST: Duration = Duration::from_millis(100);
+/// A grace period in which the pollers did not poll at all ran out with frames waiting: a
+/// strike. They may have been busy (copying a large message, say) or be waiting for something
+/// else than a CQ (memory an RDMA Write fills). Two strikes this close together mean the latter:
+/// the reader thread then watches the socket itself for [`DISTRUST`], so that such an
+/// application pays the grace period only twice that often. (Watching while pollers poll works,
+/// but costs a wake-up of the reader thread per arrival and frames landed on the wrong core.)
+const STRIKES_WITHIN: Duration = Duration::from_millis(10);
+const DISTRUST: Duration = Duration::from_secs(1);
 
 /// Frames one poll takes at most (the rest waits for the next poll, or the reader thread).
 const FRAMES_PER_POLL: usize = 64;
@@ -96,12 +101,19 @@ impl Engine {
     /// nobody polls.
     pub(super) fn run_reader(self: Arc<Self>) {
         let mut seen = self.polls.load(Ordering::Relaxed);
-        // Set after a grace period the pollers let pass with frames waiting.
+        let mut taken = self.taken.load(Ordering::Relaxed);
         let mut distrust_until: Option<Instant> = None;
+        let mut last_strike: Option<Instant> = None;
         let mut graced = false;
         loop {
+            // Pollers that took frames during the grace period are keeping up: what has just
+            // arrived is theirs too (stepping now would take it from under them).
+            let keeping_up = graced && self.taken.load(Ordering::Relaxed) != taken;
+            // Pollers that did not even poll during it were busy, or wait for something else
+            // than a CQ (see STRIKES_WITHIN).
+            let elsewhere = graced && self.polls.load(Ordering::Relaxed) == seen;
             let mut found = false;
-            {
+            if !keeping_up {
                 let mut r = self.reader.lock();
                 if r.stopped {
                     return;
@@ -114,9 +126,14 @@ impl Engine {
                     }
                 }
             }
-            if graced && found {
-                distrust_until = Some(Instant::now() + DISTRUST);
+            if elsewhere && found {
+                let now = Instant::now();
+                if last_strike.is_some_and(|t| now - t < STRIKES_WITHIN) {
+                    distrust_until = Some(now + DISTRUST);
+                }
+                last_strike = Some(now);
             }
+            taken = self.taken.load(Ordering::Relaxed);
             // Pollers at work since the last look, and no waiter asleep on a CQ: theirs.
             let polled = self.polls.load(Ordering::Relaxed);
             let leave = self.wake.is_some()
@@ -153,7 +170,9 @@ impl Engine {
         }
         for _ in 0..FRAMES_PER_POLL {
             match self.step(&mut r, Who::Poller) {
-                Ok(Outcome::Frame) => {}
+                Ok(Outcome::Frame) => {
+                    self.taken.fetch_add(1, Ordering::Relaxed);
+                }
                 Ok(Outcome::Blocked) => return,
                 Ok(Outcome::HandOff) => {
                     drop(r);
