@@ -12,7 +12,7 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
@@ -111,9 +111,11 @@ struct Engine {
     own_rq: Option<Arc<crate::shm::OwnRq>>,
     /// The read side of the link, held by whoever reads: the reader thread or a poller.
     reader: Mutex<progress::Reader>,
-    /// Polls of the QP's CQs so far (tcp: each reads the socket), and frames they handled.
-    polls: AtomicU64,
+    /// When a poll of one of the QP's CQs last came (tcp: each reads the socket), in
+    /// nanoseconds since `born`, and the frames such polls handled so far.
+    last_poll: AtomicU64,
     taken: AtomicU64,
+    born: Instant,
     /// tcp: rung to have the reader thread look again (its pollers hand it a frame, a CQ was
     /// armed, the QP is destroyed). shm: none, its reader thread alone reads the link.
     wake: Option<OwnedFd>,
@@ -151,7 +153,8 @@ impl Qp {
             post: Mutex::new(()),
             out: Sender::new(link.clone()),
             reader: Mutex::new(progress::Reader::new(Inbox::new(link.clone()))),
-            polls: AtomicU64::new(0),
+            last_poll: AtomicU64::new(0),
+            born: Instant::now(),
             taken: AtomicU64::new(0),
             wake,
             link,
