@@ -549,9 +549,9 @@ pub(crate) async fn reschedule() {
 }
 
 /// Whether `mode` spins on this connection's provider `since` the last activity.
-/// On every provider, tcp included: a wake-up costs more than the spin budget's CPU (with the
-/// caller polling for itself, the tcp engine's threads keep the rest of the cores; one run on
-/// tcp gave RPC 64 B 120 us waiting at once, 48 us spinning first).
+/// On every provider, tcp included: a wake-up costs more than the spin budget's CPU (on tcp a
+/// spinning poll also reads the socket itself, where a sleeping caller waits for the engine's
+/// reader thread and then for its own wake-up).
 pub(crate) fn spins(mode: CompletionMode, since: Instant) -> bool {
     match mode {
         CompletionMode::Spin => true,

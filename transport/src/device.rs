@@ -85,10 +85,11 @@ pub struct DeviceCaps {
     /// on tcp, where a Read is one more software round trip through the same byte stream
     /// (eager won at every size to 8 MiB).
     pub eager_hint: usize,
-    /// The provider moves data on threads of its own (tcp: a reader and a writer per QP), as
-    /// libfabric's auto progress: a thread that polls the CQ should give up its core between
-    /// rounds of polls, or it takes the CPU those threads need. False for verbs (the NIC) and
-    /// shm (the poster itself moves the bytes).
+    /// The provider moves data on threads of its own (tcp: a reader per QP whenever nobody
+    /// spins on its CQs, and a writer for what the socket does not take at once), as libfabric's
+    /// auto progress: a thread that polls the CQ should give up its core between rounds of
+    /// polls, or it takes the CPU those threads need. False for verbs (the NIC) and shm (the
+    /// poster itself moves the bytes).
     pub progress_threads: bool,
 }
 

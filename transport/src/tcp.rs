@@ -1,8 +1,10 @@
 //! Provider `tcp`: a software RC NIC over TCP, for any two hosts without an RDMA card.
 //!
-//! Each queue pair is one TCP connection with a progress engine (a reader thread acting as the
-//! responder and completer, a writer thread for responses) in each process, in the spirit of
-//! libfabric's tcp provider. The engine is a model of the NIC, not a shortcut: the target checks
+//! Each queue pair is one TCP connection with a progress engine in each process, in the spirit
+//! of libfabric's tcp provider: the engine reads the socket (acting as responder and completer)
+//! on whatever thread polls one of the QP's CQs while the application spins, and on a reader
+//! thread of its own otherwise (see `engine/progress.rs`); a writer thread sends what the socket
+//! did not take at once. The engine is a model of the NIC, not a shortcut: the target checks
 //! rkey (random, per protection domain), bounds and access flags against its own region table; a
 //! Send finding no receive is held (RNR) and fails with RNR_RETRY_EXC_ERR when none is posted in
 //! time; any error moves the QP to the error state, flushes it and tells the peer; a dead peer

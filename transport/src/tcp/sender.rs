@@ -2,9 +2,9 @@
 //!
 //! `send` never blocks on the socket: a frame goes out at once with a non-blocking send when
 //! nothing is queued, and otherwise joins a backlog that the writer thread flushes with blocking
-//! writes, outside the lock. So the reader thread (the responder) can answer without ever
-//! waiting on the peer, and two engines can never wait on each other, while the common case
-//! costs one syscall and no thread hop.
+//! writes, outside the lock. So the reader (the responder: the reader thread or a polling
+//! application thread) can answer without ever waiting on the peer, and two engines can never
+//! wait on each other, while the common case costs one syscall and no thread hop.
 
 use std::sync::Arc;
 
