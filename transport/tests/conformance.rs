@@ -929,6 +929,30 @@ async fn polling_while_holding_the_memory_an_arrival_needs_neither_deadlocks_nor
     drop(s);
 }
 
+/// A target that has just polled its CQ (as after a completion of its own) and then spins on
+/// its memory, not on the CQ, still sees each of the peer's Writes land: on a software provider
+/// whose polls do the NIC's work, its own thread must take over when the polls stop.
+#[tokio::test]
+async fn writes_land_while_the_target_spins_on_memory_instead_of_its_cq() {
+    let (c, s) = pair();
+    let target = s.reg(64, RW);
+    let remote = target.remote().at(0);
+    for round in 1..=20u8 {
+        let mut out = Vec::new();
+        s.cq.poll(&mut out, 16).expect("poll");
+        assert!(out.is_empty(), "{out:?}");
+        let data = c.filled(&[round; 64], AccessFlags::LOCAL_WRITE);
+        c.post(SendWr::new(u64::from(round), SendOp::Write { remote, imm: None }).buf(data));
+        let deadline = Instant::now() + WAIT;
+        while target.bytes()[63] != round {
+            assert!(Instant::now() < deadline, "write {round} never landed");
+            std::thread::yield_now();
+        }
+        assert_eq!(&target.bytes()[..], &[round; 64]);
+        ok(&c.one().await);
+    }
+}
+
 // ---- a peer process killed mid-stream ----
 
 const CHILD_ENV: &str = "RDMA_RPC_CONFORMANCE_CHILD";
