@@ -10,6 +10,10 @@
 //! keeps answering one-sided requests whatever the host's CPUs do. A polling thread takes only
 //! frames it can finish without waiting for a lock another thread may hold (its own application
 //! may hold a buffer's lock while it polls); anything else it hands to the reader thread.
+//!
+//! Each poll of a CQ reads every tcp QP attached to it, a non-blocking `recv` each when nothing
+//! came: cheap for a CQ per connection (as the RPC layer has), linear in the QPs for a shared
+//! one. (An epoll set per CQ would make it one system call; not done yet.)
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
