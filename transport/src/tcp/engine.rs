@@ -112,7 +112,7 @@ struct Engine {
     /// The read side of the link, held by whoever reads: the reader thread or a poller.
     reader: Mutex<progress::Reader>,
     /// When a poll of one of the QP's CQs last came (tcp: each reads the socket), in
-    /// nanoseconds since `born`, and the frames such polls handled so far.
+    /// nanoseconds since `born` (0: none yet), and the frames such polls handled so far.
     last_poll: AtomicU64,
     taken: AtomicU64,
     born: Instant,

@@ -193,11 +193,11 @@ impl Engine {
             && distrust_until.is_none_or(|d| t >= d)
     }
 
-    /// Whether an application thread polled one of the QP's CQs at most [`SPIN_GAP`] before `t`.
+    /// Whether an application thread polled one of the QP's CQs at most [`SPIN_GAP`] before `t`
+    /// (`last_poll` is 0 until the first poll).
     fn spinning(&self, t: Instant) -> bool {
-        self.since_born(t)
-            .saturating_sub(self.last_poll.load(Ordering::Relaxed))
-            < nanos(SPIN_GAP)
+        let last = self.last_poll.load(Ordering::Relaxed);
+        last != 0 && self.since_born(t).saturating_sub(last) < nanos(SPIN_GAP)
     }
 
     /// Nanoseconds from the engine's start to `t`.
@@ -207,7 +207,8 @@ impl Engine {
 
     /// A polling thread's turn (tcp): takes what has arrived, if the reader is free.
     pub(super) fn poll_link(self: &Arc<Self>) {
-        self.last_poll.store(self.since_born(Instant::now()), Ordering::Relaxed);
+        self.last_poll
+            .store(self.since_born(Instant::now()).max(1), Ordering::Relaxed);
         let Some(mut r) = self.reader.try_lock() else { return };
         if r.stopped || self.destroyed.load(Ordering::Acquire) {
             return;
