@@ -18,8 +18,12 @@ mod sender;
 mod wire;
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Instant;
+
+use rustix::event::epoll;
 
 use parking_lot::{Mutex, RwLock};
 
@@ -107,6 +111,13 @@ pub(crate) trait CqSource: Send + Sync {
     fn arm(&self);
 }
 
+/// Nanoseconds on the clock of poll stamps (never 0: 0 stands for "never").
+pub(crate) fn now_nanos() -> u64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX).max(1)
+}
+
 /// A software completion queue.
 pub(crate) struct Cq {
     sources: Mutex<Vec<Source>>,
@@ -115,6 +126,21 @@ pub(crate) struct Cq {
     queued: AtomicUsize,
     armed: AtomicBool,
     bell: crate::shm::bell::Bell,
+    /// When the CQ was last polled ([`now_nanos`]; 0: never): whether an application thread
+    /// spins on it, for the engines of its QPs.
+    last_poll: AtomicU64,
+    /// tcp: the sockets of the QPs attached, so that a poll reads only those with data (one
+    /// system call for all of them).
+    sockets: Sockets,
+}
+
+/// An epoll set of QP sockets, each with the flag its CQ source looks at.
+struct Sockets {
+    epoll: OwnedFd,
+    flags: Mutex<HashMap<u64, Weak<AtomicBool>>>,
+    next: AtomicU64,
+    /// Sockets were added: polls ask the set.
+    any: AtomicBool,
 }
 
 /// A source and a cheap look at whether it has anything (before waking the source up).
@@ -131,7 +157,59 @@ impl Cq {
             queued: AtomicUsize::new(0),
             armed: AtomicBool::new(false),
             bell: crate::shm::bell::Bell::new()?,
+            last_poll: AtomicU64::new(0),
+            sockets: Sockets {
+                epoll: epoll::create(epoll::CreateFlags::CLOEXEC)
+                    .map_err(|e| crate::Error::io("creating a CQ's socket set (epoll)", e.into()))?,
+                flags: Mutex::new(HashMap::new()),
+                next: AtomicU64::new(0),
+                any: AtomicBool::new(false),
+            },
         })
+    }
+
+    /// Has polls raise `flag` whenever `socket` has something to read (level-triggered).
+    pub(crate) fn add_socket(&self, socket: BorrowedFd<'_>, flag: &Arc<AtomicBool>) -> crate::Result<()> {
+        let s = &self.sockets;
+        let key = s.next.fetch_add(1, Ordering::Relaxed);
+        let mut flags = s.flags.lock();
+        flags.retain(|_, f| f.strong_count() > 0);
+        epoll::add(&s.epoll, socket, epoll::EventData::new_u64(key), epoll::EventFlags::IN)
+            .map_err(|e| crate::Error::io("adding a QP's socket to its CQ's set (epoll)", e.into()))?;
+        flags.insert(key, Arc::downgrade(flag));
+        s.any.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// When the CQ was last polled ([`now_nanos`]; 0: never).
+    pub(crate) fn last_poll(&self) -> u64 {
+        self.last_poll.load(Ordering::Relaxed)
+    }
+
+    /// Raises the flags of the sockets that have something to read.
+    fn mark_readable(&self) {
+        let s = &self.sockets;
+        if !s.any.load(Ordering::Acquire) {
+            return;
+        }
+        let mut events: Vec<epoll::Event> = Vec::with_capacity(64);
+        let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
+        if epoll::wait(&s.epoll, rustix::buffer::spare_capacity(&mut events), Some(&zero)).is_err() {
+            // Cannot tell: every source looks.
+            for f in s.flags.lock().values().filter_map(Weak::upgrade) {
+                f.store(true, Ordering::Release);
+            }
+            return;
+        }
+        if events.is_empty() {
+            return;
+        }
+        let flags = s.flags.lock();
+        for e in &events {
+            if let Some(f) = flags.get(&e.data.u64()).and_then(Weak::upgrade) {
+                f.store(true, Ordering::Release);
+            }
+        }
     }
 
     pub(crate) fn push(&self, wc: RawWc) {
@@ -153,6 +231,8 @@ impl Cq {
     }
 
     pub(crate) fn poll(&self, out: &mut Vec<RawWc>, max: usize) -> usize {
+        self.last_poll.store(now_nanos(), Ordering::Relaxed);
+        self.mark_readable();
         // Lock order: sources, then a source's engine state, then the queue (as push takes it).
         let mut sources = self.sources.lock();
         let mut gone = false;

@@ -12,7 +12,7 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
@@ -111,11 +111,11 @@ struct Engine {
     own_rq: Option<Arc<crate::shm::OwnRq>>,
     /// The read side of the link, held by whoever reads: the reader thread or a poller.
     reader: Mutex<progress::Reader>,
-    /// When a poll of one of the QP's CQs last came (tcp: each reads the socket), in
-    /// nanoseconds since `born` (0: none yet), and the frames such polls handled so far.
-    last_poll: AtomicU64,
+    /// Frames that polls of the QP's CQs handled so far (tcp).
     taken: AtomicU64,
-    born: Instant,
+    /// A poll left whole frames read ahead: the next poll handles them even if the socket has
+    /// nothing new (tcp; the CQ sources look at it).
+    buffered: Arc<AtomicBool>,
     /// tcp: rung to have the reader thread look again (its pollers hand it a frame, a CQ was
     /// armed, the QP is destroyed). shm: none, its reader thread alone reads the link.
     wake: Option<OwnedFd>,
@@ -153,8 +153,7 @@ impl Qp {
             post: Mutex::new(()),
             out: Sender::new(link.clone()),
             reader: Mutex::new(progress::Reader::new(Inbox::new(link.clone()))),
-            last_poll: AtomicU64::new(0),
-            born: Instant::now(),
+            buffered: Arc::new(AtomicBool::new(false)),
             taken: AtomicU64::new(0),
             wake,
             link,
@@ -169,10 +168,26 @@ impl Qp {
             let rq = rq.clone();
             engine.recv_cq.add_source(source(), Box::new(move || rq.has_taken()));
         } else {
-            // Every poll of either CQ reads the socket (one non-blocking read when idle).
-            engine.send_cq.add_source(source(), Box::new(|| true));
+            // A poll of either CQ reads the socket when its epoll set says it has something,
+            // or when the last poll left whole frames read ahead.
+            let mut cqs = vec![&engine.send_cq];
             if !Arc::ptr_eq(&engine.send_cq, &engine.recv_cq) {
-                engine.recv_cq.add_source(source(), Box::new(|| true));
+                cqs.push(&engine.recv_cq);
+            }
+            for cq in cqs {
+                let flag = Arc::new(AtomicBool::new(true));
+                let always = match engine.link.socket() {
+                    Some(fd) => {
+                        cq.add_socket(fd, &flag)?;
+                        false
+                    }
+                    None => true,
+                };
+                let buffered = engine.buffered.clone();
+                cq.add_source(
+                    source(),
+                    Box::new(move || always || flag.swap(false, Ordering::AcqRel) || buffered.load(Ordering::Acquire)),
+                );
             }
         }
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {

@@ -5,7 +5,7 @@
 
 use std::io::{self, Write};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::time::Duration;
 
 use socket2::SockRef;
@@ -20,6 +20,11 @@ pub(crate) trait Link: Send + Sync + 'static {
     /// `Ok(false)` when the time ran out. Links whose reads cannot be waited for beside a
     /// descriptor (shm) wait for data only and must be called with `watch`.
     fn wait(&self, wake: Option<BorrowedFd<'_>>, watch: bool, timeout: Option<Duration>) -> io::Result<bool>;
+    /// The descriptor to watch for readability beside others (a CQ's epoll set), if the link
+    /// has one.
+    fn socket(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
     /// Writes what fits without waiting; `Ok(0)` when nothing does.
     fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
     /// Writes what fits of `a` then `b` without waiting; the count of bytes taken from both.
@@ -42,6 +47,10 @@ pub(crate) trait Link: Send + Sync + 'static {
 pub(crate) struct TcpLink(pub(crate) TcpStream);
 
 impl Link for TcpLink {
+    fn socket(&self) -> Option<BorrowedFd<'_>> {
+        Some(self.0.as_fd())
+    }
+
     fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
         let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
         match SockRef::from(&self.0).send_with_flags(buf, flags) {

@@ -11,9 +11,9 @@
 //! frames it can finish without waiting for a lock another thread may hold (its own application
 //! may hold a buffer's lock while it polls); anything else it hands to the reader thread.
 //!
-//! Each poll of a CQ reads every tcp QP attached to it, a non-blocking `recv` each when nothing
-//! came: cheap for a CQ per connection (as the RPC layer has), linear in the QPs for a shared
-//! one. (An epoll set per CQ would make it one system call; not done yet.)
+//! A CQ keeps the sockets of its tcp QPs in an epoll set: a poll asks it once (one system call
+//! however many QPs share the CQ) and reads only the sockets that have something, plus any QP
+//! whose last poll left whole frames read ahead.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
@@ -25,6 +25,7 @@ use parking_lot::MappedMutexGuard;
 use super::{Engine, Stop};
 use crate::mr::Region;
 use crate::tcp::inbox::Inbox;
+use crate::tcp::now_nanos;
 use crate::tcp::wire::{DataHead, Frame, MAX_BODY};
 
 /// Pollers count as spinning while the last poll came at most this long ago; an application
@@ -122,8 +123,8 @@ impl Engine {
         let mut taken = self.taken.load(Ordering::Relaxed);
         let mut distrust_until: Option<Instant> = None;
         let mut last_strike: Option<Instant> = None;
-        // When the last grace period began, if the last wait was one that ran out.
-        let mut graced: Option<u64> = None;
+        // The last wait was a grace period that ran out.
+        let mut graced = false;
         // Woken by the wake-up descriptor: there is work for this thread.
         let mut rung = true;
         loop {
@@ -133,10 +134,10 @@ impl Engine {
             // Pollers not spinning at the end of a grace period were busy, or wait for something
             // else than a CQ (see STRIKES_WITHIN).
             let now = Instant::now();
-            let spinning = self.spinning(now);
-            let keeping_up = graced.is_some() && spinning && self.taken.load(Ordering::Relaxed) != taken;
-            let arrived_to_spinners = graced.is_none() && self.leave(now, distrust_until);
-            let elsewhere = graced.is_some() && !spinning;
+            let spinning = self.spinning();
+            let keeping_up = graced && spinning && self.taken.load(Ordering::Relaxed) != taken;
+            let arrived_to_spinners = !graced && self.leave(now, distrust_until);
+            let elsewhere = graced && !spinning;
             let mut found_silent = false;
             if rung || !(keeping_up || arrived_to_spinners) {
                 let mut r = self.reader.lock();
@@ -161,7 +162,6 @@ impl Engine {
             }
             taken = self.taken.load(Ordering::Relaxed);
             let now = Instant::now();
-            let since_born = self.since_born(now);
             let leave = self.leave(now, distrust_until);
             let wake = self.wake.as_ref().map(|w| w.as_fd());
             let waited = self.link.wait(wake, !leave, leave.then_some(POLLER_GRACE));
@@ -171,7 +171,7 @@ impl Engine {
                 .is_some_and(|w| rustix::io::read(w, &mut [0u8; 8]).is_ok());
             match waited {
                 // Woken by nothing: the grace period ran out.
-                Ok(ready) => graced = (leave && !ready).then_some(since_born),
+                Ok(ready) => graced = leave && !ready,
                 Err(_) => {
                     let mut r = self.reader.lock();
                     if !r.stopped {
@@ -187,28 +187,20 @@ impl Engine {
     /// have not been found waiting for something else lately (tcp).
     fn leave(&self, t: Instant, distrust_until: Option<Instant>) -> bool {
         self.wake.is_some()
-            && self.spinning(t)
+            && self.spinning()
             && !self.send_cq.is_armed()
             && !self.recv_cq.is_armed()
             && distrust_until.is_none_or(|d| t >= d)
     }
 
-    /// Whether an application thread polled one of the QP's CQs at most [`SPIN_GAP`] before `t`
-    /// (`last_poll` is 0 until the first poll).
-    fn spinning(&self, t: Instant) -> bool {
-        let last = self.last_poll.load(Ordering::Relaxed);
-        last != 0 && self.since_born(t).saturating_sub(last) < nanos(SPIN_GAP)
-    }
-
-    /// Nanoseconds from the engine's start to `t`.
-    fn since_born(&self, t: Instant) -> u64 {
-        nanos(t.saturating_duration_since(self.born))
+    /// Whether an application thread polled one of the QP's CQs at most [`SPIN_GAP`] ago.
+    fn spinning(&self) -> bool {
+        let last = self.send_cq.last_poll().max(self.recv_cq.last_poll());
+        last != 0 && now_nanos().saturating_sub(last) < nanos(SPIN_GAP)
     }
 
     /// A polling thread's turn (tcp): takes what has arrived, if the reader is free.
     pub(super) fn poll_link(self: &Arc<Self>) {
-        self.last_poll
-            .store(self.since_born(Instant::now()).max(1), Ordering::Relaxed);
         let Some(mut r) = self.reader.try_lock() else { return };
         if r.stopped || self.destroyed.load(Ordering::Acquire) {
             return;
@@ -218,7 +210,7 @@ impl Engine {
                 Ok(Outcome::Frame) => {
                     self.taken.fetch_add(1, Ordering::Relaxed);
                 }
-                Ok(Outcome::Blocked) => return,
+                Ok(Outcome::Blocked) => break,
                 Ok(Outcome::HandOff) => {
                     drop(r);
                     return self.wake_reader();
@@ -226,6 +218,8 @@ impl Engine {
                 Err(stop) => return self.stop(&mut r, stop),
             }
         }
+        // Frames read ahead and left (the cap): the next poll takes them, socket or not.
+        self.buffered.store(r.inbox.has_frame(), Ordering::Release);
     }
 
     /// Has the reader thread look again (a hand-off, an armed CQ, the end).
