@@ -189,9 +189,6 @@ impl Cq {
     /// Raises the flags of the sockets that have something to read.
     fn mark_readable(&self) {
         let s = &self.sockets;
-        if !s.any.load(Ordering::Acquire) {
-            return;
-        }
         let mut events: Vec<epoll::Event> = Vec::with_capacity(64);
         let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
         if epoll::wait(&s.epoll, rustix::buffer::spare_capacity(&mut events), Some(&zero)).is_err() {
@@ -231,8 +228,11 @@ impl Cq {
     }
 
     pub(crate) fn poll(&self, out: &mut Vec<RawWc>, max: usize) -> usize {
-        self.last_poll.store(now_nanos(), Ordering::Relaxed);
-        self.mark_readable();
+        if self.sockets.any.load(Ordering::Acquire) {
+            // tcp QPs attached: they learn that this CQ is polled, and which of them to read.
+            self.last_poll.store(now_nanos(), Ordering::Relaxed);
+            self.mark_readable();
+        }
         // Lock order: sources, then a source's engine state, then the queue (as push takes it).
         let mut sources = self.sources.lock();
         let mut gone = false;
