@@ -18,6 +18,7 @@ mod sender;
 mod wire;
 
 use std::collections::{HashMap, VecDeque};
+use std::mem::MaybeUninit;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
@@ -189,20 +190,21 @@ impl Cq {
     /// Raises the flags of the sockets that have something to read.
     fn mark_readable(&self) {
         let s = &self.sockets;
-        let mut events: Vec<epoll::Event> = Vec::with_capacity(64);
+        // On the stack: this runs on every poll.
+        let mut buf = [MaybeUninit::<epoll::Event>::uninit(); 64];
         let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
-        if epoll::wait(&s.epoll, rustix::buffer::spare_capacity(&mut events), Some(&zero)).is_err() {
+        let Ok((events, _)) = epoll::wait(&s.epoll, &mut buf[..], Some(&zero)) else {
             // Cannot tell: every source looks.
             for f in s.flags.lock().values().filter_map(Weak::upgrade) {
                 f.store(true, Ordering::Release);
             }
             return;
-        }
+        };
         if events.is_empty() {
             return;
         }
         let flags = s.flags.lock();
-        for e in &events {
+        for e in events.iter() {
             if let Some(f) = flags.get(&e.data.u64()).and_then(Weak::upgrade) {
                 f.store(true, Ordering::Release);
             }
