@@ -27,6 +27,7 @@ use stats::{Convention, Row};
 
 const ALL_MODES: &[&str] = &[
     "rpc",
+    "rpc-body",
     "rpc-eager",
     "rpc-rendezvous",
     "rpc-spin",
@@ -58,7 +59,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "rpc,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,send,send-copy,write,read,atomic,memcpy,tcp,tarpc,wake"
+        default_value = "rpc,rpc-body,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,send,send-copy,write,read,atomic,memcpy,tcp,tarpc,wake"
     )]
     modes: Vec<String>,
     /// Fixed iterations per size (default: as many as fit the time budget).
@@ -226,6 +227,12 @@ async fn measure(
         "rpc" | "rpc-eager" | "rpc-rendezvous" | "rpc-spin" | "rpc-event" => {
             let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion)).await;
             let s = rpc::measure(&client, size, plan).await;
+            serving.abort();
+            (Convention::Rtt, 2 * size, s)
+        }
+        "rpc-body" => {
+            let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion)).await;
+            let s = rpc::in_place(&client, size, plan).await;
             serving.abort();
             (Convention::Rtt, 2 * size, s)
         }

@@ -13,6 +13,9 @@ pub const SINK: u32 = 2;
 /// Takes the request as it arrived (a large one in the registered buffer it was read into),
 /// answers its length.
 pub const SINK_BODY: u32 = 3;
+/// Takes the request as it arrived (a small one in its receive slot) and answers as many bytes
+/// of its own, without reading the request: the work of the raw Send ping-pong's echo side.
+pub const SIZED_BODY: u32 = 4;
 
 /// Eager threshold and ring for each RPC mode at a given size.
 pub fn config(mode: &str, size: usize, completion: CompletionMode) -> Config {
@@ -58,6 +61,7 @@ pub async fn connect(
         .handler_body(SINK_BODY, |req: Body| async move {
             Ok(Vec::from((req.len() as u64).to_le_bytes()))
         })
+        .handler_body(SIZED_BODY, |req: Body| async move { Ok(vec![0x5a; req.len()]) })
         .bind(dev, SocketAddr::new(ip, 0))
         .expect("bind the benchmark server");
     let addr = server.local_addr().expect("server address");
@@ -74,6 +78,22 @@ pub async fn measure(client: &Client, size: usize, plan: Plan) -> Samples {
     let payload = vec![0xa5u8; size];
     sampler::run(plan, async || {
         let r = client.call(ECHO, payload.clone()).await.expect("echo call");
+        assert_eq!(r.len(), size);
+        None
+    })
+    .await
+}
+
+/// `size` bytes each way with neither side copying or reading them, as the raw Send ping-pong:
+/// the request stays in its receive slot for the handler (`handler_body`), which answers as many
+/// bytes of its own, and the response in its slot for the caller (`Client::call_body`).
+pub async fn in_place(client: &Client, size: usize, plan: Plan) -> Samples {
+    let payload = vec![0xa5u8; size];
+    sampler::run(plan, async || {
+        let r = client
+            .call_body(SIZED_BODY, payload.clone())
+            .await
+            .expect("in-place call");
         assert_eq!(r.len(), size);
         None
     })

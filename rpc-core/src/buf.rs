@@ -1,9 +1,11 @@
 //! Registered memory an application holds: buffers it fills in place for a large request
 //! ([`Client::buffer`](crate::Client::buffer), [`Client::call_buf`](crate::Client::call_buf))
 //! and the registered buffer a large request was read into, handed to a handler as is
-//! ([`ServerBuilder::handler_body`](crate::ServerBuilder::handler_body)). No copies: the peer
-//! reads from, or the transport reads into, exactly these bytes.
+//! ([`ServerBuilder::handler_body`](crate::ServerBuilder::handler_body)), or the receive slot
+//! a small request or response arrived in ([`Client::call_body`](crate::Client::call_body)).
+//! No copies: the peer reads from, or the transport reads into, exactly these bytes.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
@@ -18,7 +20,37 @@ pub struct RegisteredBuf {
     mr: Option<MemoryRegion>,
     off: usize,
     len: usize,
-    home: Weak<Mutex<Free>>,
+    home: Home,
+}
+
+/// Where a buffer goes when the application lets go of it.
+enum Home {
+    /// The connection's free lists (rendezvous buffers).
+    Stash(Weak<Mutex<Free>>),
+    /// The connection's receive ring, as the slot the driver named `wr_id`.
+    Ring { wr_id: u64, slots: Weak<SlotsBack> },
+}
+
+/// Receive slots the application let go of, for the driver to post again.
+#[derive(Default)]
+pub(crate) struct SlotsBack {
+    slots: Mutex<Vec<(u64, MemoryRegion)>>,
+    /// Set when `slots` may hold something: the driver's check costs one load.
+    any: AtomicBool,
+}
+
+impl SlotsBack {
+    /// The slots given back since the last call.
+    pub(crate) fn take(&self, into: &mut Vec<(u64, MemoryRegion)>) {
+        if self.any.swap(false, Ordering::Acquire) {
+            into.append(&mut self.slots.lock());
+        }
+    }
+
+    fn put(&self, wr_id: u64, mr: MemoryRegion) {
+        self.slots.lock().push((wr_id, mr));
+        self.any.store(true, Ordering::Release);
+    }
 }
 
 impl RegisteredBuf {
@@ -27,8 +59,30 @@ impl RegisteredBuf {
             mr: Some(mr),
             off,
             len,
-            home: Arc::downgrade(home),
+            home: Home::Stash(Arc::downgrade(home)),
         }
+    }
+
+    /// Bytes `range` of receive slot `mr` (posted as `wr_id`), which goes back to `slots` when
+    /// dropped; the slot itself back when the range is not inside it.
+    pub(crate) fn in_slot(
+        mr: MemoryRegion,
+        range: std::ops::Range<usize>,
+        wr_id: u64,
+        slots: &Arc<SlotsBack>,
+    ) -> Result<Self, MemoryRegion> {
+        if range.start > range.end || range.end > mr.len() {
+            return Err(mr);
+        }
+        Ok(Self {
+            mr: Some(mr),
+            off: range.start,
+            len: range.len(),
+            home: Home::Ring {
+                wr_id,
+                slots: Arc::downgrade(slots),
+            },
+        })
     }
 
     /// Its length in bytes.
@@ -67,7 +121,10 @@ impl RegisteredBuf {
     /// Whether it belongs to the connection whose free lists are `home`, with room for the
     /// length prefix a lent buffer carries before its bytes.
     pub(crate) fn lendable_on(&self, home: &Arc<Mutex<Free>>, prefix: usize) -> bool {
-        self.off == prefix && std::ptr::eq(self.home.as_ptr(), Arc::as_ptr(home))
+        match &self.home {
+            Home::Stash(h) => self.off == prefix && std::ptr::eq(h.as_ptr(), Arc::as_ptr(home)),
+            Home::Ring { .. } => false,
+        }
     }
 
     /// The registration, for lending it (its bytes start at the prefix).
@@ -97,8 +154,18 @@ fn unreachable_taken() -> ! {
 
 impl Drop for RegisteredBuf {
     fn drop(&mut self) {
-        if let (Some(mr), Some(home)) = (self.mr.take(), self.home.upgrade()) {
-            home.lock().put(mr);
+        let Some(mr) = self.mr.take() else { return };
+        match &self.home {
+            Home::Stash(h) => {
+                if let Some(free) = h.upgrade() {
+                    free.lock().put(mr);
+                }
+            }
+            Home::Ring { wr_id, slots } => {
+                if let Some(s) = slots.upgrade() {
+                    s.put(*wr_id, mr);
+                }
+            }
         }
     }
 }
@@ -109,15 +176,22 @@ impl std::fmt::Debug for RegisteredBuf {
     }
 }
 
-/// A request's bytes as a [`handler_body`](crate::ServerBuilder::handler_body) gets them:
-/// inside the message (small requests), or in the registered buffer the request was read into
-/// (large ones), without a copy.
+/// A request's bytes as a [`handler_body`](crate::ServerBuilder::handler_body) gets them, or a
+/// response's as [`Client::call_body`](crate::Client::call_body) returns them: without a copy,
+/// in the receive slot a small one arrived in, or in the registered buffer a large request was
+/// read into; copied out ([`Body::Bytes`]) where it was joined from pieces, or where the
+/// application already holds half of the connection's receive slots.
+///
+/// A body held in a receive slot keeps that slot out of the connection's receive ring, so the
+/// peer has one credit less until the body is dropped: drop it when done with it (or turn it into
+/// a `Vec` with [`Body::into_vec`]).
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Body {
-    /// A small request, copied out of its message.
+    /// Copied out of its message.
     Bytes(Vec<u8>),
-    /// A large request, in the registered buffer the server read it into.
+    /// In registered memory of the connection: the receive slot it arrived in, or the buffer
+    /// a large request was read into.
     Registered(RegisteredBuf),
 }
 

@@ -19,6 +19,7 @@ use rdma_rpc_transport::{Device, QpCaps, QpOptions};
 use tokio::sync::Notify;
 use tracing::Instrument;
 
+use crate::buf::Body;
 use crate::config::{CallOptions, CompletionMode, Config, Hello};
 use crate::driver::{self, Conn};
 use crate::proto::{Event, Payload, Reply, Session, SessionConfig, FRAGMENT, LANDING_PREFIX};
@@ -86,7 +87,7 @@ struct State {
 /// A started call: its result once known, and who to wake then.
 #[derive(Default)]
 struct Slot {
-    result: Option<Result<Vec<u8>, RpcError>>,
+    result: Option<Result<Body, RpcError>>,
     waker: Option<Waker>,
 }
 
@@ -115,7 +116,7 @@ impl Client {
         .map_err(tr)?;
         let theirs = Hello::decode(&reply).ok_or_else(|| RpcError::Protocol("not an rdma-rpc server".into()))?;
         let session = Session::new(agree(&mine, &theirs));
-        let conn = Conn::new(session, &pd, qp, cq, slot, config.isolation)?;
+        let conn = Conn::new(session, &pd, qp, cq, (slot, config.ring), config.isolation)?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 conn,
@@ -156,6 +157,58 @@ impl Client {
         let shared = &self.handle.shared;
         let span = tracing::debug_span!("rpc.call", method, len = payload.len());
         let (call, _) = shared.state.lock().start(method, Outgoing::Vec(payload), opts)?;
+        Pending::new(shared, call).instrument(span).await.map(Body::into_vec)
+    }
+
+    /// As [`Client::call`], with the response as a [`Body`], without the copy into a `Vec`: a
+    /// small response stays in the receive slot it arrived in ([`Body::Registered`]), until the
+    /// body is dropped. While held, that slot is out of the connection's receive ring: at most
+    /// half the ring is held this way (beyond that, responses come copied, as [`Body::Bytes`]),
+    /// so drop bodies when done with them.
+    ///
+    /// # Errors
+    /// As [`Client::call`].
+    ///
+    /// # Cancel safety
+    /// As [`Client::call`].
+    ///
+    /// # Examples
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use rdma_rpc_core::{transport::Device, Body, Client, Config, RpcError, Server};
+    /// let dev = Device::open("tcp")?;
+    /// let server = Server::builder(Config::default())
+    ///     .handler(1, |req: Vec<u8>| async move { Ok::<_, RpcError>(req.repeat(2)) })
+    ///     .bind(&dev, "127.0.0.1:0".parse()?)?;
+    /// let addr = server.local_addr()?;
+    /// tokio::spawn(server.serve());
+    /// let client = Client::connect(&dev, addr, Config::default()).await?;
+    /// let body = client.call_body(1, b"ab".to_vec()).await?;
+    /// // Read where it landed: no copy.
+    /// assert_eq!(&body.bytes()[..], b"abab");
+    /// assert!(matches!(body, Body::Registered(_)));
+    /// drop(body); // the receive slot goes back to the ring
+    /// # Ok(()) }
+    /// ```
+    pub async fn call_body(&self, method: u32, payload: Vec<u8>) -> Result<Body, RpcError> {
+        self.call_body_with(method, payload, CallOptions::default()).await
+    }
+
+    /// As [`Client::call_body`], with a deadline and a response-size hint.
+    ///
+    /// # Errors
+    /// As [`Client::call`].
+    pub async fn call_body_with(&self, method: u32, payload: Vec<u8>, opts: CallOptions) -> Result<Body, RpcError> {
+        let shared = &self.handle.shared;
+        let span = tracing::debug_span!("rpc.call", method, len = payload.len());
+        let call = {
+            let mut st = shared.state.lock();
+            let (call, _) = st.start(method, Outgoing::Vec(payload), opts)?;
+            // Before anyone polls: the response cannot have arrived yet.
+            st.conn.session.keep_in_slot(call);
+            call
+        };
         Pending::new(shared, call).instrument(span).await
     }
 
@@ -234,7 +287,7 @@ impl Client {
                 _ => None,
             },
         };
-        let result = Pending::new(shared, call).instrument(span).await;
+        let result = Pending::new(shared, call).instrument(span).await.map(Body::into_vec);
         keep.kept = None;
         let mut st = shared.state.lock();
         match (result, back) {
@@ -371,8 +424,13 @@ impl State {
         while let Some(ev) = self.conn.session.poll_event() {
             if let Event::CallDone { call, result } = ev {
                 let result = result.and_then(|r| match r {
-                    Reply::Bytes(b) => Ok(b),
-                    Reply::Landed { buf } => self.conn.stash.landed(buf),
+                    Reply::Bytes(b) => Ok(Body::Bytes(b)),
+                    Reply::Landed { buf } => self.conn.stash.landed(buf).map(Body::Bytes),
+                    Reply::InSlot { slot, range } => self
+                        .conn
+                        .slot_body(slot, range)
+                        .map(Body::Registered)
+                        .ok_or_else(|| RpcError::Internal("the response's receive slot went missing".into())),
                 });
                 if let Some(slot) = self.calls.get_mut(&call) {
                     slot.result = Some(result);
@@ -423,7 +481,7 @@ impl<'a> Pending<'a> {
 }
 
 impl Future for Pending<'_> {
-    type Output = Result<Vec<u8>, RpcError>;
+    type Output = Result<Body, RpcError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let shared = self.shared;

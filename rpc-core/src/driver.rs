@@ -5,6 +5,7 @@
 //! completions into session inputs, and waits by the configured completion mode.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use foldhash::HashMap;
 use std::time::Instant;
@@ -14,6 +15,7 @@ use rdma_rpc_transport::{
     WcOpcode,
 };
 
+use crate::buf::{RegisteredBuf, SlotsBack};
 use crate::config::CompletionMode;
 use crate::proto::{BufId, Event, Session, Token, Transmit, LANDING_PREFIX};
 use crate::stash::Stash;
@@ -69,6 +71,14 @@ pub(crate) struct Conn {
     unsignaled: u32,
     /// Receive slots consumed and not posted again yet.
     unposted: Vec<RecvWr>,
+    /// Receive slots whose message stays in place for the application, by work request id:
+    /// here until handed out ([`Conn::slot_body`]), then back through `slots_back`.
+    held: HashMap<u64, MemoryRegion>,
+    /// Slots handed out and held by the application, at most `max_held`.
+    out: usize,
+    max_held: usize,
+    slots_back: Arc<SlotsBack>,
+    back: Vec<(u64, MemoryRegion)>,
     lost: Option<String>,
 }
 
@@ -82,12 +92,13 @@ impl Conn {
             .collect())
     }
 
+    /// A connection over `qp`, whose receive ring holds `own_ring` slots of `slot` bytes.
     pub(crate) fn new(
         session: Session,
         pd: &ProtectionDomain,
         qp: QueuePair,
         cq: CompletionQueue,
-        slot: usize,
+        (slot, own_ring): (usize, u32),
         isolation: crate::Isolation,
     ) -> Result<Self, RpcError> {
         let ring = session.config().ring as usize;
@@ -112,6 +123,13 @@ impl Conn {
             scratch: Vec::with_capacity(64),
             unsignaled: 0,
             unposted: Vec::with_capacity(64),
+            held: HashMap::default(),
+            out: 0,
+            // Half the ring at most stays with the application: the other half keeps the
+            // peer's messages (and credits) flowing whatever the application holds.
+            max_held: own_ring as usize / 2,
+            slots_back: Arc::default(),
+            back: Vec::new(),
             lost: None,
         })
     }
@@ -121,6 +139,34 @@ impl Conn {
             tracing::debug!(%why, "connection lost");
             self.session.handle_connection_lost(&why);
             self.lost = Some(why);
+        }
+    }
+
+    /// The message bytes `range` of receive slot `slot`, which the session kept in place
+    /// ([`RequestBody::InSlot`](crate::proto::RequestBody::InSlot),
+    /// [`Reply::InSlot`](crate::proto::Reply::InSlot)), for the application: the slot is posted
+    /// again once the buffer is dropped. `None` when the slot is not held (a bug).
+    pub(crate) fn slot_body(&mut self, slot: u64, range: std::ops::Range<usize>) -> Option<RegisteredBuf> {
+        let mr = self.held.remove(&slot)?;
+        match RegisteredBuf::in_slot(mr, range, slot, &self.slots_back) {
+            Ok(b) => {
+                self.out += 1;
+                Some(b)
+            }
+            Err(mr) => {
+                self.unposted.push(RecvWr::new(slot, mr));
+                None
+            }
+        }
+    }
+
+    /// Takes back the receive slots the application let go of (one atomic load when none),
+    /// to be posted again.
+    fn collect_slots(&mut self) {
+        self.slots_back.take(&mut self.back);
+        for (wr_id, mr) in self.back.drain(..) {
+            self.out = self.out.saturating_sub(1);
+            self.unposted.push(RecvWr::new(wr_id, mr));
         }
     }
 
@@ -176,6 +222,8 @@ impl Conn {
 
     /// Reaps completions without blocking; returns whether there were any.
     pub(crate) fn poll_cq(&mut self) -> bool {
+        // Slots given back count as free before new messages are offered them.
+        self.collect_slots();
         let mut done = std::mem::take(&mut self.scratch);
         let n = match self.cq.poll(&mut done, 64) {
             Ok(n) => n,
@@ -202,19 +250,26 @@ impl Conn {
             RECV => {
                 let Some(buf) = c.buf else { return };
                 let r = match c.opcode {
-                    WcOpcode::RecvRdmaWithImm => self.session.handle_write_imm(c.imm.unwrap_or(0), c.byte_len as usize),
+                    WcOpcode::RecvRdmaWithImm => self
+                        .session
+                        .handle_write_imm(c.imm.unwrap_or(0), c.byte_len as usize)
+                        .map(|()| false),
                     _ => {
                         let bytes = buf.bytes();
                         let len = (c.byte_len as usize).min(bytes.len());
-                        self.session.handle_message(&bytes[..len], Instant::now())
+                        let offer = (self.out + self.held.len() < self.max_held).then_some(c.wr_id);
+                        self.session.handle_message_in(&bytes[..len], offer, Instant::now())
                     }
                 };
-                if let Err(e) = r {
-                    self.lose(format!("peer broke the protocol: {e}"));
-                    return;
+                match r {
+                    Err(e) => self.lose(format!("peer broke the protocol: {e}")),
+                    // The message stays in its slot for the application.
+                    Ok(true) => {
+                        self.held.insert(c.wr_id, buf);
+                    }
+                    // Reposted after what this message causes is sent (see `flush`).
+                    Ok(false) => self.unposted.push(RecvWr::new(c.wr_id, buf)),
                 }
-                // Reposted after what this message causes is sent (see `flush`).
-                self.unposted.push(RecvWr::new(c.wr_id, buf));
             }
             SEND => {} // the send buffer returns to its pool as `c` drops
             READ => {
@@ -263,8 +318,10 @@ impl Conn {
         any
     }
 
-    /// Reposts consumed receive slots and tells the session; true when there were any.
+    /// Reposts consumed receive slots (with those the application gave back) and tells the
+    /// session; true when there were any.
     fn repost(&mut self) -> bool {
+        self.collect_slots();
         if self.unposted.is_empty() {
             return false;
         }

@@ -1,6 +1,6 @@
 //! The server: handlers by method id, a listener, one driver task per connection.
 
-use foldhash::HashMap;
+use foldhash::{HashMap, HashSet};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -25,6 +25,8 @@ type Handler = Arc<dyn Fn(Body) -> BoxFuture + Send + Sync>;
 pub struct ServerBuilder {
     config: Config,
     handlers: HashMap<u32, Handler>,
+    /// Methods whose handlers take a [`Body`]: their small requests stay in the receive slot.
+    in_slot: HashSet<u32>,
 }
 
 impl ServerBuilder {
@@ -37,13 +39,16 @@ impl ServerBuilder {
     {
         self.handlers
             .insert(method, Arc::new(move |req: Body| Box::pin(f(req.into_vec()))));
+        self.in_slot.remove(&method);
         self
     }
 
-    /// As [`ServerBuilder::handler`], with the request as a [`Body`]: a large request arrives
-    /// in the registered buffer the server read it into, without the copy into a `Vec`
-    /// ([`Body::into_vec`] makes one when wanted). Dropping the body gives the buffer back to
-    /// the connection.
+    /// As [`ServerBuilder::handler`], with the request as a [`Body`], without the copy into a
+    /// `Vec` ([`Body::into_vec`] makes one when wanted): a small request stays in the receive
+    /// slot it arrived in, a large one arrives in the registered buffer the server read it into.
+    /// Dropping the body gives the slot or buffer back to the connection: a handler holds at
+    /// most half of its connection's receive slots this way (beyond that, requests come
+    /// copied), and should let go of the body as soon as it is done with it.
     ///
     /// # Examples
     /// ```
@@ -64,6 +69,7 @@ impl ServerBuilder {
     {
         self.handlers
             .insert(method, Arc::new(move |req: Body| Box::pin(f(req))));
+        self.in_slot.insert(method);
         self
     }
 
@@ -78,6 +84,7 @@ impl ServerBuilder {
             listener: Arc::new(listener),
             config: self.config,
             handlers: Arc::new(self.handlers),
+            in_slot: Arc::new(self.in_slot),
         })
     }
 }
@@ -88,6 +95,7 @@ pub struct Server {
     listener: Arc<Listener>,
     config: Config,
     handlers: Arc<HashMap<u32, Handler>>,
+    in_slot: Arc<HashSet<u32>>,
 }
 
 impl Server {
@@ -96,6 +104,7 @@ impl Server {
         ServerBuilder {
             config,
             handlers: HashMap::default(),
+            in_slot: HashSet::default(),
         }
     }
 
@@ -129,9 +138,10 @@ impl Server {
                     continue;
                 }
             };
-            let (device, config, handlers) = (self.device.clone(), self.config.clone(), self.handlers.clone());
+            let (device, config) = (self.device.clone(), self.config.clone());
+            let (handlers, in_slot) = (self.handlers.clone(), self.in_slot.clone());
             tokio::spawn(async move {
-                if let Err(e) = serve_connection(device, config, handlers, req).await {
+                if let Err(e) = serve_connection(device, config, handlers, &in_slot, req).await {
                     tracing::warn!(%e, "setting up a connection");
                 }
             });
@@ -143,6 +153,7 @@ async fn serve_connection(
     device: Device,
     config: Config,
     handlers: Arc<HashMap<u32, Handler>>,
+    in_slot: &HashSet<u32>,
     req: rdma_rpc_transport::ConnectRequest,
 ) -> Result<(), RpcError> {
     let config = config.on(&device);
@@ -163,7 +174,9 @@ async fn serve_connection(
         .await
         .map_err(|e| RpcError::Transport(format!("accept task: {e}")))?
         .map_err(tr)?;
-    let conn = Conn::new(Session::new(agree(&mine, &theirs)), &pd, qp, cq, slot, config.isolation)?;
+    let mut session = Session::new(agree(&mine, &theirs));
+    session.serve_in_slot(in_slot.iter().copied());
+    let conn = Conn::new(session, &pd, qp, cq, (slot, config.ring), config.isolation)?;
     let (tx, rx) = mpsc::unbounded_channel();
     let role = ServerRole {
         handlers,
@@ -252,6 +265,14 @@ impl Role for ServerRole {
                 // First the body, so that a held buffer goes back even when no handler runs.
                 let body = match payload {
                     RequestBody::Bytes(b) => Body::Bytes(b),
+                    RequestBody::InSlot { slot, range } => match conn.slot_body(slot, range) {
+                        Some(r) => Body::Registered(r),
+                        None => {
+                            let e = RpcError::Internal("the request's receive slot went missing".into());
+                            conn.session.respond(call, Err(e));
+                            return;
+                        }
+                    },
                     RequestBody::Held { buf, len } => match conn.stash.hand_out(buf, len) {
                         Some(r) => Body::Registered(r),
                         None => {

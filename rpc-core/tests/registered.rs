@@ -1,6 +1,8 @@
 //! Registered buffers held by the application: `Client::buffer` / `Client::call_buf` lend a
-//! buffer to the server as it is, and `ServerBuilder::handler_body` hands a large request to the
-//! handler in the buffer it was read into. Over `RDMA_RPC_PROVIDER` (default `tcp`).
+//! buffer to the server as it is, `ServerBuilder::handler_body` hands a large request to the
+//! handler in the buffer it was read into and a small one in its receive slot, and
+//! `Client::call_body` returns a small response in its receive slot. Over `RDMA_RPC_PROVIDER`
+//! (default `tcp`).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,6 +13,8 @@ mod common;
 
 use common::bounded;
 
+use parking_lot::Mutex;
+use rdma_rpc_core::proto::FRAGMENT;
 use rdma_rpc_core::transport::Device;
 use rdma_rpc_core::{Body, Client, Config, Isolation, RpcError, Server};
 
@@ -18,6 +22,10 @@ use rdma_rpc_core::{Body, Client, Config, Isolation, RpcError, Server};
 const SUM: u32 = 1;
 /// Sleeps a little, then answers as SUM (for cancellations mid-call).
 const SLOW_SUM: u32 = 2;
+/// Answers as SUM and keeps the body (in `Setup::kept`) until the test lets go of it.
+const KEEP_SUM: u32 = 3;
+/// Answers `len` bytes (little-endian u64 in the request) of pattern `len`.
+const MAKE: u32 = 4;
 const THRESHOLD: usize = 16 * 1024;
 
 fn test_ip() -> IpAddr {
@@ -60,6 +68,7 @@ struct Setup {
     addr: SocketAddr,
     cfg: Config,
     handled: Arc<AtomicUsize>,
+    kept: Arc<Mutex<Vec<Body>>>,
 }
 
 async fn setup(cfg: Config) -> (Setup, tokio::sync::MutexGuard<'static, ()>) {
@@ -67,7 +76,20 @@ async fn setup(cfg: Config) -> (Setup, tokio::sync::MutexGuard<'static, ()>) {
     let dev = Device::open_default().expect("open the provider named by RDMA_RPC_PROVIDER");
     let handled = Arc::new(AtomicUsize::new(0));
     let h = handled.clone();
+    let kept = Arc::new(Mutex::new(Vec::new()));
+    let k = kept.clone();
     let server = Server::builder(cfg.clone())
+        .handler_body(KEEP_SUM, move |body: Body| {
+            let out = answer(&body);
+            k.lock().push(body);
+            async move { Ok(out) }
+        })
+        .handler(MAKE, |req: Vec<u8>| async move {
+            let len = u64::from_le_bytes(req.try_into().map_err(|_| RpcError::Application("8 bytes".into()))?);
+            let mut out = vec![0u8; len as usize];
+            fill(&mut out, len);
+            Ok(out)
+        })
         .handler_body(SUM, |body: Body| async move { Ok::<_, RpcError>(answer(&body)) })
         .handler_body(SLOW_SUM, move |body: Body| {
             let h = h.clone();
@@ -88,6 +110,7 @@ async fn setup(cfg: Config) -> (Setup, tokio::sync::MutexGuard<'static, ()>) {
         addr,
         cfg,
         handled,
+        kept,
     };
     (s, serial)
 }
@@ -120,17 +143,116 @@ async fn large_bodies_reach_the_handler_in_a_registered_buffer() {
     {
         let mut data = vec![0u8; len];
         fill(&mut data, i as u64);
-        // A Vec request: copied into a lent buffer by the client, read in place by the server.
+        // A Vec request: copied into a lent buffer by the client, read in place by the server
+        // (a small one stays in the receive slot it arrived in).
         let got = bounded(s.client.call(SUM, data.clone())).await.expect("call");
-        expect_answer(&got, &data, len > THRESHOLD);
+        expect_answer(&got, &data, registered(len, THRESHOLD));
         // A registered request: lent as it is, given back with the answer, bytes untouched.
         let mut buf = s.client.buffer(len).expect("buffer");
         buf.bytes_mut().copy_from_slice(&data);
         let (got, back) = bounded(s.client.call_buf(SUM, buf)).await.expect("call_buf");
-        expect_answer(&got, &data, len > THRESHOLD);
+        expect_answer(&got, &data, true);
         assert_eq!(back.len(), len);
         assert!(back.bytes()[..] == data[..], "the lent buffer came back changed");
     }
+}
+
+/// Small requests reach a `handler_body`, and small responses a `call_body` caller, in the
+/// receive slot they arrived in; large ones and those joined from pieces come as before, and
+/// the bytes are right either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_bodies_stay_in_their_receive_slots_both_ways() {
+    let threshold = 64 << 10;
+    let cfg = Config {
+        eager_threshold: Some(threshold),
+        ..config()
+    };
+    let (s, _serial) = setup(cfg).await;
+    for (i, len) in [
+        0,
+        1,
+        100,
+        4096,
+        FRAGMENT,
+        FRAGMENT + 1,
+        40 << 10,
+        threshold + 1,
+        1 << 20,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut data = vec![0u8; len];
+        fill(&mut data, i as u64);
+        let got = bounded(s.client.call_body(SUM, data.clone())).await.expect("call_body");
+        assert!(matches!(got, Body::Registered(_)), "a 17-byte answer stays in its slot");
+        expect_answer(&got.bytes(), &data, registered(len, threshold));
+        drop(got);
+        let got = bounded(s.client.call_body(MAKE, (len as u64).to_le_bytes().to_vec()))
+            .await
+            .expect("call_body");
+        let mut want = vec![0u8; len];
+        fill(&mut want, len as u64);
+        assert_eq!(got.len(), len);
+        assert!(got.bytes()[..] == want[..], "response of {len} bytes");
+        assert_eq!(
+            matches!(got, Body::Registered(_)),
+            len <= FRAGMENT,
+            "response of {len} bytes in its slot"
+        );
+    }
+}
+
+/// Bodies the application holds keep their receive slots out of the ring: past half the ring
+/// they come copied instead, calls never stall, and every slot is back in the ring once they
+/// are dropped (a slot that never came back would leave them copied, or stall the ring).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_held_past_half_the_ring_come_copied_and_nothing_stalls() {
+    let (s, _serial) = setup(config()).await;
+    let ring = s.cfg.ring as usize;
+    let data = vec![7u8; 100];
+    // The caller holds responses.
+    let mut held = Vec::new();
+    for _ in 0..ring * 3 {
+        held.push(bounded(s.client.call_body(SUM, data.clone())).await.expect("call_body"));
+    }
+    for b in &held {
+        expect_answer(&b.bytes(), &data, true);
+    }
+    let in_slot = held.iter().filter(|b| matches!(b, Body::Registered(_))).count();
+    assert_eq!(in_slot, ring / 2, "responses held in their slots");
+    drop(held);
+    for i in 0..ring * 4 {
+        let b = bounded(s.client.call_body(SUM, data.clone())).await.expect("call_body");
+        assert!(
+            matches!(b, Body::Registered(_)),
+            "call {i} after the drop: slots back in the ring"
+        );
+    }
+    // The handler holds requests.
+    let mut in_slot = 0;
+    for _ in 0..ring * 3 {
+        let got = bounded(s.client.call(KEEP_SUM, data.clone())).await.expect("call");
+        let registered = got.get(16) == Some(&1);
+        expect_answer(&got, &data, registered);
+        in_slot += usize::from(registered);
+    }
+    assert_eq!(in_slot, ring / 2, "requests held in their slots");
+    s.kept.lock().clear();
+    for i in 0..ring * 4 {
+        let got = bounded(s.client.call(SUM, data.clone())).await.expect("call");
+        assert!(
+            got.get(16) == Some(&1),
+            "call {i} after the handler let go: slots back in the ring"
+        );
+    }
+}
+
+/// Whether a request of `len` bytes reaches a `handler_body` in registered memory: above the
+/// threshold in the buffer it was read into, else in its receive slot unless it came in pieces
+/// (while the handlers hold fewer than half the ring's slots, as in these tests).
+fn registered(len: usize, threshold: usize) -> bool {
+    len > threshold || len <= FRAGMENT
 }
 
 /// With no threshold set, both sides take the provider's (`DeviceCaps::eager_hint`): a `Vec`
@@ -141,11 +263,11 @@ async fn the_default_threshold_is_the_providers() {
     let (s, _serial) = setup(Config::default()).await;
     let hint = s.dev.caps().eager_hint;
     assert_eq!(Config::default().eager_threshold_on(&s.dev), hint);
-    for (len, registered) in [(hint, false), (hint + 1, true)] {
+    for len in [hint, hint + 1] {
         let mut data = vec![0u8; len];
         fill(&mut data, len as u64);
         let got = bounded(s.client.call(SUM, data.clone())).await.expect("call");
-        expect_answer(&got, &data, registered);
+        expect_answer(&got, &data, registered(len, hint));
     }
 }
 
@@ -163,11 +285,11 @@ async fn a_registered_buffer_longer_than_a_piece_is_lent_whatever_the_threshold(
         let mut data = vec![0u8; len];
         fill(&mut data, 7 + i as u64);
         let got = bounded(s.client.call(SUM, data.clone())).await.expect("call");
-        expect_answer(&got, &data, false);
+        expect_answer(&got, &data, registered(len, 4 << 20));
         let mut buf = s.client.buffer(len).expect("buffer");
         buf.bytes_mut().copy_from_slice(&data);
         let (got, back) = bounded(s.client.call_buf(SUM, buf)).await.expect("call_buf");
-        expect_answer(&got, &data, len > piece);
+        expect_answer(&got, &data, true);
         assert!(back.bytes()[..] == data[..], "the lent buffer came back changed");
     }
 }

@@ -40,7 +40,8 @@ struct Side {
     /// Reads and writes this side's NIC has yet to run against the peer.
     rdma: VecDeque<Transmit>,
     done: HashMap<u32, Result<Reply, RpcError>>,
-    requests: Vec<(u32, Vec<u8>)>,
+    /// Requests for the handler: call, bytes, and the receive slot it holds (in-slot mode).
+    requests: Vec<(u32, Vec<u8>, Option<u64>)>,
     aborted: HashSet<u32>,
     rnr: u32,
     /// Requests read by rendezvous stay in the driver's buffer (`handle_request_read`) instead
@@ -52,6 +53,14 @@ struct Side {
     /// what a message causes is sent first), not as soon as the message is decoded.
     defer_reposts: bool,
     unposted: u32,
+    /// Requests and responses stay in their receive slots (as `handler_body` and `call_body`
+    /// take them), offered while fewer than half the ring is held, as the driver does.
+    in_slot: bool,
+    /// Receive slots held for the application, with the message in each.
+    slots: HashMap<u64, Vec<u8>>,
+    next_slot: u64,
+    /// Messages the session kept in their slots.
+    kept: u32,
 }
 
 impl Side {
@@ -72,6 +81,33 @@ impl Side {
             reading: HashSet::new(),
             defer_reposts: false,
             unposted: 0,
+            in_slot: false,
+            slots: HashMap::new(),
+            next_slot: 0,
+            kept: 0,
+        }
+    }
+
+    fn in_slots(mut self) -> Self {
+        self.in_slot = true;
+        self.s.serve_in_slot([1]);
+        self
+    }
+
+    /// The bytes `range` of held slot `slot`.
+    fn slot_bytes(&self, slot: u64, range: std::ops::Range<usize>) -> Vec<u8> {
+        let m = self.slots.get(&slot).expect("a message in a slot that is not held");
+        m.get(range).expect("a range outside the message").to_vec()
+    }
+
+    /// The application lets go of a held slot: it is posted again (now, or with the deferred ones).
+    fn release_slot(&mut self, slot: u64) {
+        assert!(self.slots.remove(&slot).is_some(), "slot {slot} released twice");
+        if self.defer_reposts {
+            self.unposted += 1;
+        } else {
+            self.posted += 1;
+            self.s.reposted();
         }
     }
 
@@ -118,15 +154,24 @@ impl Side {
     fn call(&mut self, len: usize, landing: Option<usize>, budget: Option<Duration>, now: Instant) -> u32 {
         let p = self.payload(pattern(len, len as u8));
         let landing = landing.map(|l| self.stage(vec![0; l]));
-        self.s.start_call(1, p, landing, budget, now).expect("start_call")
+        let id = self.s.start_call(1, p, landing, budget, now).expect("start_call");
+        if self.in_slot {
+            self.s.keep_in_slot(id);
+        }
+        id
     }
 
     fn drain_events(&mut self) {
         while let Some(e) = self.s.poll_event() {
             match e {
-                Event::CallDone { call, result } => {
+                Event::CallDone { call, mut result } => {
                     if let Ok(Reply::Landed { buf }) = &result {
                         assert!(self.lent.remove(buf), "landed in a buffer that was not lent");
+                    }
+                    if let Ok(Reply::InSlot { slot, range }) = result {
+                        assert!(self.in_slot, "a response kept in place for a call that did not ask");
+                        result = Ok(Reply::Bytes(self.slot_bytes(slot, range)));
+                        self.release_slot(slot);
                     }
                     assert!(self.done.insert(call, result).is_none(), "call {call} completed twice");
                 }
@@ -134,7 +179,16 @@ impl Side {
                     call,
                     payload: RequestBody::Bytes(payload),
                     ..
-                } => self.requests.push((call, payload)),
+                } => self.requests.push((call, payload, None)),
+                Event::Request {
+                    call,
+                    payload: RequestBody::InSlot { slot, range },
+                    ..
+                } => {
+                    assert!(self.in_slot, "a request kept in place for a method not served so");
+                    let data = self.slot_bytes(slot, range);
+                    self.requests.push((call, data, Some(slot)));
+                }
                 Event::Request {
                     call,
                     payload: RequestBody::Held { buf, len },
@@ -146,7 +200,7 @@ impl Side {
                         "request in buffer {buf} that was not read into"
                     );
                     let data = self.bufs.remove(&buf).expect("the read buffer");
-                    self.requests.push((call, data[..len].to_vec()));
+                    self.requests.push((call, data[..len].to_vec(), None));
                 }
                 Event::Abort { call } => {
                     self.aborted.insert(call);
@@ -240,7 +294,19 @@ fn deliver(to: &mut Side, now: Instant) -> Result<(), ProtoError> {
                 m.len(),
                 cfg().slot_size()
             );
-            to.s.handle_message(&m, now)
+            let slot = to.next_slot;
+            to.next_slot += 1;
+            let offer = (to.in_slot && to.slots.len() < RING as usize / 2).then_some(slot);
+            match to.s.handle_message_in(&m, offer, now) {
+                Ok(true) => {
+                    // Held for the application: posted again when it lets go.
+                    assert!(offer.is_some(), "a slot kept that was not offered");
+                    to.slots.insert(slot, m);
+                    to.kept += 1;
+                    return Ok(());
+                }
+                r => r.map(|_| ()),
+            }
         }
         Wire::WriteImm { imm, len } => to.s.handle_write_imm(imm, len),
     };
@@ -255,7 +321,11 @@ fn deliver(to: &mut Side, now: Instant) -> Result<(), ProtoError> {
 
 /// The server's handler: echo the request reversed, at a size chosen by the test.
 fn serve(server: &mut Side, resp_len: impl Fn(usize) -> usize) {
-    for (call, req) in std::mem::take(&mut server.requests) {
+    for (call, req, slot) in std::mem::take(&mut server.requests) {
+        // The handler holds the request's slot until it is done.
+        if let Some(slot) = slot {
+            server.release_slot(slot);
+        }
         if server.aborted.contains(&call) {
             continue;
         }
@@ -304,6 +374,7 @@ fn settle(a: &mut Side, b: &mut Side, now: Instant, resp_len: impl Fn(usize) -> 
 fn reply_bytes(a: &Side, r: &Reply) -> Vec<u8> {
     match r {
         Reply::Bytes(b) => b.clone(),
+        Reply::InSlot { .. } => panic!("in-slot replies are taken out when they arrive"),
         Reply::Landed { buf } => {
             let b = &a.bufs[buf];
             let len = u64::from_le_bytes(b[..LANDING_PREFIX].try_into().expect("prefix")) as usize;
@@ -314,17 +385,29 @@ fn reply_bytes(a: &Side, r: &Reply) -> Vec<u8> {
 
 #[test]
 fn eager_and_rendezvous_both_ways() {
-    eager_and_rendezvous(Side::new(2000));
+    eager_and_rendezvous(Side::new(1000), Side::new(2000));
 }
 
 #[test]
 fn eager_and_rendezvous_with_requests_held_in_their_read_buffers() {
-    eager_and_rendezvous(Side::new(2000).holding_reads());
+    eager_and_rendezvous(Side::new(1000), Side::new(2000).holding_reads());
 }
 
-fn eager_and_rendezvous(server: Side) {
+#[test]
+fn eager_and_rendezvous_with_small_messages_kept_in_their_receive_slots() {
+    let (a, b) = eager_and_rendezvous(Side::new(1000).in_slots(), Side::new(2000).in_slots().holding_reads());
+    assert!(
+        a.kept > 0 && b.kept > 0,
+        "responses and requests kept in place: {} {}",
+        a.kept,
+        b.kept
+    );
+    assert!(a.slots.is_empty() && b.slots.is_empty(), "every held slot given back");
+}
+
+fn eager_and_rendezvous(client: Side, server: Side) -> (Side, Side) {
     let now = Instant::now();
-    let (mut a, mut b) = (Side::new(1000), server);
+    let (mut a, mut b) = (client, server);
     let cases = [
         (0, 0, None),
         (10, 64, None),
@@ -351,6 +434,7 @@ fn eager_and_rendezvous(server: Side) {
     assert!(a.lent.is_empty() && b.lent.is_empty(), "every lent buffer released");
     assert!(b.reading.is_empty(), "every read buffer handed out or released");
     assert_eq!((a.rnr, b.rnr), (0, 0));
+    (a, b)
 }
 
 #[test]
@@ -361,6 +445,14 @@ fn credit_exhaustion_holds_the_sender_and_recovers() {
 #[test]
 fn credits_come_back_only_for_slots_posted_again() {
     credit_exhaustion(Side::new(1000).deferring_reposts(), Side::new(2000).deferring_reposts());
+}
+
+#[test]
+fn slots_held_by_the_application_hold_credits_back_without_stalling() {
+    credit_exhaustion(
+        Side::new(1000).in_slots().deferring_reposts(),
+        Side::new(2000).in_slots().deferring_reposts(),
+    );
 }
 
 fn credit_exhaustion(a: Side, b: Side) {
@@ -507,6 +599,102 @@ fn request_sends(len: usize, call_seed: u8) -> Vec<Vec<u8>> {
 }
 
 #[test]
+fn only_offered_slots_of_methods_and_calls_that_ask_are_kept() {
+    let now = Instant::now();
+    let one = |len: usize| request_sends(len, 9).remove(0);
+    // A method served in place, offered a slot: the request stays there.
+    let mut b = Session::new(cfg());
+    b.serve_in_slot([7]);
+    let m = one(20);
+    assert_eq!(b.handle_message_in(&m, Some(5), now), Ok(true));
+    match b.poll_event() {
+        Some(Event::Request {
+            payload: RequestBody::InSlot { slot: 5, range },
+            ..
+        }) => assert_eq!(m[range], pattern(20, 9)[..]),
+        other => panic!("expected a request in slot 5, got {other:?}"),
+    }
+    // Not offered, or another method: copied, and the slot is the driver's again.
+    let mut b = Session::new(cfg());
+    b.serve_in_slot([7]);
+    assert_eq!(b.handle_message_in(&one(20), None, now), Ok(false));
+    assert!(matches!(
+        b.poll_event(),
+        Some(Event::Request {
+            payload: RequestBody::Bytes(_),
+            ..
+        })
+    ));
+    let mut b = Session::new(cfg());
+    b.serve_in_slot([8]);
+    assert_eq!(b.handle_message_in(&one(20), Some(5), now), Ok(false));
+    assert!(matches!(
+        b.poll_event(),
+        Some(Event::Request {
+            payload: RequestBody::Bytes(_),
+            ..
+        })
+    ));
+    // A message in pieces is joined, never kept in any one slot.
+    let mut b = Session::new(cfg());
+    b.serve_in_slot([7]);
+    for (i, m) in request_sends(60, 3).iter().enumerate() {
+        assert_eq!(b.handle_message_in(m, Some(i as u64), now), Ok(false));
+    }
+    assert!(
+        matches!(b.poll_event(), Some(Event::Request { payload: RequestBody::Bytes(p), .. }) if p == pattern(60, 3))
+    );
+
+    // Responses: kept for a call that asked, copied for one that did not, and errors never.
+    let mut b = Session::new(cfg());
+    let mut a = Session::new(cfg());
+    let ids: Vec<u32> = (0..3)
+        .map(|_| {
+            a.start_call(7, Payload::Eager(vec![1]), None, None, now)
+                .expect("start")
+        })
+        .collect();
+    a.keep_in_slot(ids[0]);
+    a.keep_in_slot(ids[2]);
+    while let Some(Transmit::Send(m)) = a.poll_transmit() {
+        b.handle_message(&m.to_vec(), now).expect("request");
+    }
+    while let Some(Event::Request { call, .. }) = b.poll_event() {
+        let r = if call == ids[2] {
+            Err(RpcError::Internal("no".into()))
+        } else {
+            Ok(Payload::Eager(pattern(16, 1)))
+        };
+        b.respond(call, r);
+    }
+    let mut kept = Vec::new();
+    let mut slot = 0;
+    while let Some(Transmit::Send(m)) = b.poll_transmit() {
+        let m = m.to_vec();
+        slot += 1;
+        if a.handle_message_in(&m, Some(slot), now).expect("response") {
+            kept.push(slot);
+        }
+        match a.poll_event() {
+            Some(Event::CallDone {
+                call,
+                result: Ok(Reply::InSlot { slot: s, range }),
+            }) => {
+                assert_eq!((call, s), (ids[0], slot));
+                assert_eq!(m[range], pattern(16, 1)[..]);
+            }
+            Some(Event::CallDone {
+                call,
+                result: Ok(Reply::Bytes(b)),
+            }) => assert_eq!((call, b), (ids[1], pattern(16, 1))),
+            Some(Event::CallDone { call, result: Err(_) }) => assert_eq!(call, ids[2]),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(kept.len(), 1, "only the call that asked keeps its response in place");
+}
+
+#[test]
 fn long_messages_travel_in_pieces_joined_in_order_only() {
     let now = Instant::now();
     let pieces = request_sends(60, 3);
@@ -618,13 +806,15 @@ proptest! {
     /// never RNR, credits within the ring, every live call answered once and correctly, and no
     /// buffer reached after its release.
     #[test]
-    fn random_mixes_keep_every_promise(ops in proptest::collection::vec((0u8..8, 0usize..400, 0usize..400), 1..120), held in any::<bool>(), deferred in any::<bool>()) {
+    fn random_mixes_keep_every_promise(ops in proptest::collection::vec((0u8..8, 0usize..400, 0usize..400), 1..120), held in any::<bool>(), deferred in any::<bool>(), in_slot in any::<bool>()) {
         let t0 = Instant::now();
         let server = if held { Side::new(2000).holding_reads() } else { Side::new(2000) };
+        let client = Side::new(1000);
+        let (client, server) = if in_slot { (client.in_slots(), server.in_slots()) } else { (client, server) };
         let (mut a, mut b) = if deferred {
-            (Side::new(1000).deferring_reposts(), server.deferring_reposts())
+            (client.deferring_reposts(), server.deferring_reposts())
         } else {
-            (Side::new(1000), server)
+            (client, server)
         };
         let mut started: HashMap<u32, (usize, usize)> = HashMap::new();
         let mut cancelled = HashSet::new();
@@ -669,5 +859,6 @@ proptest! {
         prop_assert!(b.reading.is_empty(), "server read buffers neither handed out nor released: {:?}", b.reading);
         prop_assert_eq!(a.s.pending_calls(), 0);
         prop_assert_eq!(b.s.serving(), 0);
+        prop_assert!(a.slots.is_empty() && b.slots.is_empty(), "receive slots still held");
     }
 }

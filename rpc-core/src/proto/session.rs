@@ -4,7 +4,7 @@ use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use foldhash::HashMap;
+use foldhash::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use rdma_rpc_transport::RemoteRegion;
@@ -83,6 +83,15 @@ pub enum Payload {
 pub enum Reply {
     /// The response bytes.
     Bytes(Vec<u8>),
+    /// The response is `range` of the message in receive slot `slot`, which the driver offered
+    /// ([`Session::handle_message_in`]) for a call that asked for it ([`Session::keep_in_slot`]):
+    /// the driver hands the slot to the caller and reposts it when the caller lets go.
+    InSlot {
+        /// The slot, as the driver named it.
+        slot: u64,
+        /// Where the response's bytes are in the slot.
+        range: std::ops::Range<usize>,
+    },
     /// The response landed by RDMA Write in the landing buffer the call advertised, laid out
     /// as [`LANDING_PREFIX`] bytes of little-endian length, then the bytes. The driver takes
     /// them out (checking the length against the buffer) and owns the buffer again.
@@ -143,6 +152,16 @@ pub enum RequestBody {
         buf: BufId,
         /// The request's length.
         len: usize,
+    },
+    /// `range` of the message in receive slot `slot`, which the driver offered
+    /// ([`Session::handle_message_in`]) for a method served in place
+    /// ([`Session::serve_in_slot`]): the driver hands the slot to the handler and reposts it
+    /// when the handler lets go.
+    InSlot {
+        /// The slot, as the driver named it.
+        slot: u64,
+        /// Where the request's bytes are in the slot.
+        range: std::ops::Range<usize>,
     },
 }
 
@@ -242,6 +261,8 @@ struct ClientCall {
     deadline: Option<Instant>,
     lent: Option<BufId>,
     landing: Option<BufId>,
+    /// The caller takes an eager response in the receive slot it arrives in.
+    in_slot: bool,
     /// False once the caller has its result (deadline) or gave up (cancel): the entry only
     /// waits for the server's last word so the buffers can be released.
     live: bool,
@@ -296,6 +317,11 @@ pub struct Session {
     /// The message whose pieces are arriving (at most one: pieces travel back to back).
     joining: Option<Joining>,
     lost: Option<String>,
+    /// Methods whose eager requests stay in their receive slot.
+    in_slot_methods: HashSet<u32>,
+    /// The slot the message being handled arrived in, while the driver lets it go to the
+    /// application; taken (set to `None`) by whatever keeps the message there.
+    offer: Option<u64>,
 }
 
 struct Joining {
@@ -318,6 +344,22 @@ impl Session {
             events: VecDeque::new(),
             joining: None,
             lost: None,
+            in_slot_methods: HashSet::default(),
+            offer: None,
+        }
+    }
+
+    /// Eager requests for these methods are handed over in the receive slot they arrived in
+    /// ([`RequestBody::InSlot`]) when the driver offers the slot, instead of copied out.
+    pub fn serve_in_slot(&mut self, methods: impl IntoIterator<Item = u32>) {
+        self.in_slot_methods.extend(methods);
+    }
+
+    /// The caller of `call` takes an eager response in the receive slot it arrives in
+    /// ([`Reply::InSlot`]) when the driver offers the slot, instead of copied out.
+    pub fn keep_in_slot(&mut self, call: u32) {
+        if let Some(c) = self.calls.get_mut(&call) {
+            c.in_slot = true;
         }
     }
 
@@ -441,6 +483,7 @@ impl Session {
                 deadline: budget.map(|b| now + b),
                 lent,
                 landing: landing.map(|(_, b)| b),
+                in_slot: false,
                 live: true,
             },
         );
@@ -506,7 +549,13 @@ impl Session {
             return Ok(());
         }
         let result = match Status::from_u16(h.status) {
-            Status::Ok => Ok(Reply::Bytes(body.into_owned())),
+            Status::Ok => Ok(match (body, c.in_slot && c.live) {
+                (Cow::Borrowed(b), true) if self.offer.is_some() => Reply::InSlot {
+                    slot: self.offer.take().unwrap_or_default(),
+                    range: HEADER_LEN..HEADER_LEN + b.len(),
+                },
+                (body, _) => Reply::Bytes(body.into_owned()),
+            }),
             s => Err(RpcError::from_wire(s, c.method, &body)),
         };
         self.finish_call(call, result);
@@ -557,16 +606,22 @@ impl Session {
         }
         self.served.insert(call, sc);
         let payload = match body {
-            Cow::Borrowed(b) => b[skip..].to_vec(),
+            Cow::Borrowed(b) if self.offer.is_some() && self.in_slot_methods.contains(&h.method) => {
+                RequestBody::InSlot {
+                    slot: self.offer.take().unwrap_or_default(),
+                    range: HEADER_LEN + skip..HEADER_LEN + b.len(),
+                }
+            }
+            Cow::Borrowed(b) => RequestBody::Bytes(b[skip..].to_vec()),
             Cow::Owned(mut v) => {
                 v.drain(..skip);
-                v
+                RequestBody::Bytes(v)
             }
         };
         self.events.push_back(Event::Request {
             call,
             method: h.method,
-            payload: RequestBody::Bytes(payload),
+            payload,
             budget,
         });
         Ok(())
@@ -682,9 +737,31 @@ impl Session {
     /// [`ProtoError`] for bytes that are not a valid message or that break the protocol; the
     /// driver should then close the connection. Never panics.
     pub fn handle_message(&mut self, msg: &[u8], now: Instant) -> Result<(), ProtoError> {
+        self.handle_message_in(msg, None, now).map(|_| ())
+    }
+
+    /// As [`Session::handle_message`], offering the receive slot the message is in, named
+    /// `slot`, to the application: a request for a method served in place
+    /// ([`Session::serve_in_slot`]) or a response to a call that keeps its response in place
+    /// ([`Session::keep_in_slot`]) then stays there ([`RequestBody::InSlot`], [`Reply::InSlot`]).
+    /// Returns whether it did: the driver then keeps the slot out of the ring until the
+    /// application lets go of it, and reposts it then (calling [`Session::reposted`]).
+    /// Messages in pieces are always copied out.
+    ///
+    /// # Errors
+    /// As [`Session::handle_message`] (the slot is not kept then).
+    pub fn handle_message_in(&mut self, msg: &[u8], slot: Option<u64>, now: Instant) -> Result<bool, ProtoError> {
+        self.offer = slot;
+        let r = self.handle_decoded(msg, now);
+        let offered = std::mem::take(&mut self.offer).is_some();
+        r.map(|()| slot.is_some() && !offered)
+    }
+
+    fn handle_decoded(&mut self, msg: &[u8], now: Instant) -> Result<(), ProtoError> {
         let (h, body) = Header::decode(msg)?;
         self.credits.returned(h.credits).map_err(|()| ProtoError::Overrun)?;
         if h.flags & FLAG_FRAGMENT != 0 {
+            // Joined into a vector of its own (`Cow::Owned`): never kept in a slot.
             return match self.join(&h, body)? {
                 Some((h, whole)) => self.dispatch(&h, Cow::Owned(whole), now),
                 None => Ok(()),
