@@ -16,6 +16,6 @@ for t in send write read; do
     echo "=== perftest ib_${t}_lat"
     cat /tmp/pt/$t.txt
 done
-"./$bin" --provider verbs --ip 10.10.0.1 --sizes "$sizes" --modes rpc,send,write,read --iters "$iters" \
+"./$bin" --provider verbs --ip 10.10.0.1 --sizes "$sizes" --modes rpc,rpc-body,send,write,read --iters "$iters" \
     --raw-spin-us 1000000 --completion "${completion:-spin}" \
     --perftest send=/tmp/pt/send.txt,write=/tmp/pt/write.txt,read=/tmp/pt/read.txt

@@ -160,11 +160,12 @@ impl Client {
         Pending::new(shared, call).instrument(span).await.map(Body::into_vec)
     }
 
-    /// As [`Client::call`], with the response as a [`Body`], without the copy into a `Vec`: a
-    /// small response stays in the receive slot it arrived in ([`Body::Registered`]), until the
-    /// body is dropped. While held, that slot is out of the connection's receive ring: at most
-    /// half the ring is held this way (beyond that, responses come copied, as [`Body::Bytes`]),
-    /// so drop bodies when done with them.
+    /// As [`Client::call`], with the response as a [`Body`], without the copy into a `Vec`: an
+    /// eager response stays in the receive slot it arrived in ([`Body::Registered`]) until the
+    /// body is dropped (one shorter than [`IN_SLOT_MIN`](crate::IN_SLOT_MIN) bytes with its
+    /// header is copied, which costs less). While held, that slot is out of the connection's
+    /// receive ring: at most half the ring is held this way (beyond that, responses come copied,
+    /// as [`Body::Bytes`]), so drop bodies when done with them.
     ///
     /// # Errors
     /// As [`Client::call`].
@@ -179,14 +180,14 @@ impl Client {
     /// use rdma_rpc_core::{transport::Device, Body, Client, Config, RpcError, Server};
     /// let dev = Device::open("tcp")?;
     /// let server = Server::builder(Config::default())
-    ///     .handler(1, |req: Vec<u8>| async move { Ok::<_, RpcError>(req.repeat(2)) })
+    ///     .handler(1, |req: Vec<u8>| async move { Ok::<_, RpcError>(req.repeat(512)) })
     ///     .bind(&dev, "127.0.0.1:0".parse()?)?;
     /// let addr = server.local_addr()?;
     /// tokio::spawn(server.serve());
     /// let client = Client::connect(&dev, addr, Config::default()).await?;
     /// let body = client.call_body(1, b"ab".to_vec()).await?;
     /// // Read where it landed: no copy.
-    /// assert_eq!(&body.bytes()[..], b"abab");
+    /// assert_eq!(&body.bytes()[..], &b"ab".repeat(512)[..]);
     /// assert!(matches!(body, Body::Registered(_)));
     /// drop(body); // the receive slot goes back to the ring
     /// # Ok(()) }

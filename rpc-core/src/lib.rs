@@ -16,6 +16,7 @@ mod status;
 pub use buf::{Body, BodyRef, RegisteredBuf};
 pub use client::Client;
 pub use config::{CallOptions, CompletionMode, Config, Isolation, DEFAULT_EAGER_THRESHOLD};
+pub use driver::IN_SLOT_MIN;
 pub use rdma_rpc_transport as transport;
 pub use server::{Server, ServerBuilder};
 pub use status::{RpcError, Status};

@@ -44,8 +44,10 @@ impl ServerBuilder {
     }
 
     /// As [`ServerBuilder::handler`], with the request as a [`Body`], without the copy into a
-    /// `Vec` ([`Body::into_vec`] makes one when wanted): a small request stays in the receive
-    /// slot it arrived in, a large one arrives in the registered buffer the server read it into.
+    /// `Vec` ([`Body::into_vec`] makes one when wanted): an eager request stays in the receive
+    /// slot it arrived in (one shorter than [`IN_SLOT_MIN`](crate::IN_SLOT_MIN) bytes with its
+    /// header is copied, which costs less), a large one arrives in the registered buffer the
+    /// server read it into.
     /// Dropping the body gives the slot or buffer back to the connection: a handler holds at
     /// most half of its connection's receive slots this way (beyond that, requests come
     /// copied), and should let go of the body as soon as it is done with it.

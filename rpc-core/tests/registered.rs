@@ -14,9 +14,9 @@ mod common;
 use common::bounded;
 
 use parking_lot::Mutex;
-use rdma_rpc_core::proto::FRAGMENT;
+use rdma_rpc_core::proto::{FRAGMENT, HEADER_LEN};
 use rdma_rpc_core::transport::Device;
-use rdma_rpc_core::{Body, Client, Config, Isolation, RpcError, Server};
+use rdma_rpc_core::{Body, Client, Config, Isolation, RpcError, Server, IN_SLOT_MIN};
 
 /// Answers [len u64][checksum u64][1 if the body came in a registered buffer].
 const SUM: u32 = 1;
@@ -151,7 +151,7 @@ async fn large_bodies_reach_the_handler_in_a_registered_buffer() {
         let mut buf = s.client.buffer(len).expect("buffer");
         buf.bytes_mut().copy_from_slice(&data);
         let (got, back) = bounded(s.client.call_buf(SUM, buf)).await.expect("call_buf");
-        expect_answer(&got, &data, true);
+        expect_answer(&got, &data, registered(len, THRESHOLD));
         assert_eq!(back.len(), len);
         assert!(back.bytes()[..] == data[..], "the lent buffer came back changed");
     }
@@ -168,10 +168,13 @@ async fn small_bodies_stay_in_their_receive_slots_both_ways() {
         ..config()
     };
     let (s, _serial) = setup(cfg).await;
+    let edge = IN_SLOT_MIN - HEADER_LEN;
     for (i, len) in [
         0,
         1,
         100,
+        edge - 1,
+        edge,
         4096,
         FRAGMENT,
         FRAGMENT + 1,
@@ -185,7 +188,7 @@ async fn small_bodies_stay_in_their_receive_slots_both_ways() {
         let mut data = vec![0u8; len];
         fill(&mut data, i as u64);
         let got = bounded(s.client.call_body(SUM, data.clone())).await.expect("call_body");
-        assert!(matches!(got, Body::Registered(_)), "a 17-byte answer stays in its slot");
+        assert!(matches!(got, Body::Bytes(_)), "a 17-byte answer is copied");
         expect_answer(&got.bytes(), &data, registered(len, threshold));
         drop(got);
         let got = bounded(s.client.call_body(MAKE, (len as u64).to_le_bytes().to_vec()))
@@ -197,7 +200,7 @@ async fn small_bodies_stay_in_their_receive_slots_both_ways() {
         assert!(got.bytes()[..] == want[..], "response of {len} bytes");
         assert_eq!(
             matches!(got, Body::Registered(_)),
-            len <= FRAGMENT,
+            in_slot(len),
             "response of {len} bytes in its slot"
         );
     }
@@ -210,24 +213,28 @@ async fn small_bodies_stay_in_their_receive_slots_both_ways() {
 async fn bodies_held_past_half_the_ring_come_copied_and_nothing_stalls() {
     let (s, _serial) = setup(config()).await;
     let ring = s.cfg.ring as usize;
-    let data = vec![7u8; 100];
+    let len = 1000;
+    assert!(in_slot(len));
+    let data = vec![7u8; len];
+    let make = || s.client.call_body(MAKE, (len as u64).to_le_bytes().to_vec());
+    let mut want = vec![0u8; len];
+    fill(&mut want, len as u64);
     // The caller holds responses.
     let mut held = Vec::new();
     for _ in 0..ring * 3 {
-        held.push(bounded(s.client.call_body(SUM, data.clone())).await.expect("call_body"));
+        held.push(bounded(make()).await.expect("call_body"));
     }
-    for b in &held {
-        expect_answer(&b.bytes(), &data, true);
-    }
+    assert!(held.iter().all(|b| b.bytes()[..] == want[..]), "responses intact");
     let in_slot = held.iter().filter(|b| matches!(b, Body::Registered(_))).count();
     assert_eq!(in_slot, ring / 2, "responses held in their slots");
     drop(held);
     for i in 0..ring * 4 {
-        let b = bounded(s.client.call_body(SUM, data.clone())).await.expect("call_body");
+        let b = bounded(make()).await.expect("call_body");
         assert!(
             matches!(b, Body::Registered(_)),
             "call {i} after the drop: slots back in the ring"
         );
+        assert!(b.bytes()[..] == want[..]);
     }
     // The handler holds requests.
     let mut in_slot = 0;
@@ -250,9 +257,15 @@ async fn bodies_held_past_half_the_ring_come_copied_and_nothing_stalls() {
 
 /// Whether a request of `len` bytes reaches a `handler_body` in registered memory: above the
 /// threshold in the buffer it was read into, else in its receive slot unless it came in pieces
-/// (while the handlers hold fewer than half the ring's slots, as in these tests).
+/// or is too short to be worth it (while the handlers hold fewer than half the ring's slots, as
+/// in these tests).
 fn registered(len: usize, threshold: usize) -> bool {
-    len > threshold || len <= FRAGMENT
+    len > threshold || in_slot(len)
+}
+
+/// Whether an eager body of `len` bytes stays in its receive slot.
+fn in_slot(len: usize) -> bool {
+    len <= FRAGMENT && HEADER_LEN + len >= IN_SLOT_MIN
 }
 
 /// With no threshold set, both sides take the provider's (`DeviceCaps::eager_hint`): a `Vec`
