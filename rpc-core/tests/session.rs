@@ -615,26 +615,13 @@ fn only_offered_slots_of_methods_and_calls_that_ask_are_kept() {
         other => panic!("expected a request in slot 5, got {other:?}"),
     }
     // Not offered, or another method: copied, and the slot is the driver's again.
-    let mut b = Session::new(cfg());
-    b.serve_in_slot([7]);
-    assert_eq!(b.handle_message_in(&one(20), None, now), Ok(false));
-    assert!(matches!(
-        b.poll_event(),
-        Some(Event::Request {
-            payload: RequestBody::Bytes(_),
-            ..
-        })
-    ));
-    let mut b = Session::new(cfg());
-    b.serve_in_slot([8]);
-    assert_eq!(b.handle_message_in(&one(20), Some(5), now), Ok(false));
-    assert!(matches!(
-        b.poll_event(),
-        Some(Event::Request {
-            payload: RequestBody::Bytes(_),
-            ..
-        })
-    ));
+    for (served, offer) in [(7, None), (8, Some(5))] {
+        let mut b = Session::new(cfg());
+        b.serve_in_slot([served]);
+        assert_eq!(b.handle_message_in(&one(20), offer, now), Ok(false));
+        let copied = matches!(b.poll_event(), Some(Event::Request { payload: RequestBody::Bytes(p), .. }) if p == pattern(20, 9));
+        assert!(copied, "method {served} served in place, offer {offer:?}: copied");
+    }
     // A message in pieces is joined, never kept in any one slot.
     let mut b = Session::new(cfg());
     b.serve_in_slot([7]);
