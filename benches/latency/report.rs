@@ -105,7 +105,7 @@ pub fn summary(rows: &[Row], provider: &str) {
     }
     if let Some((b, w)) = worst(rows, "rpc-body", "send", 2.0, 4096) {
         println!(
-            "  the RPC with bodies in place (rpc-body: call_body and a handler_body that reads neither, as the raw ping-pong) / the same: worst {w:.2}x at {b} B (target <= 1.5x): {}",
+            "  the RPC with its bodies left in place and unread on both sides, as in the raw ping-pong (rpc-body: call_body, handler_body) / the same: worst {w:.2}x at {b} B (target <= 1.5x): {}",
             verdict(w <= 1.5)
         );
     }
