@@ -90,12 +90,20 @@ pub(crate) struct Conn {
 
 impl Conn {
     /// The receive ring: `ring` buffers for the first posting.
+    ///
+    /// Each slot is a registration of its own, not a piece of one pool: a slot handed to the
+    /// application ([`Conn::slot_body`]) may have its bytes borrowed for as long as it likes, and
+    /// that borrow must not lock the memory of the slots the connection goes on receiving into
+    /// (with one registration it did, and a caller reading a response in place while making
+    /// its next call deadlocked).
     pub(crate) fn ring(pd: &ProtectionDomain, ring: u32, slot: usize) -> Result<Vec<RecvWr>, RpcError> {
-        let pool = BufferPool::new(pd, slot, ring as usize, rdma_rpc_transport::AccessFlags::LOCAL_WRITE)
-            .map_err(|e| RpcError::Transport(e.to_string()))?;
-        Ok((0..ring)
-            .filter_map(|i| pool.take().map(|b| RecvWr::new(RECV | u64::from(i), b)))
-            .collect())
+        (0..ring)
+            .map(|i| {
+                pd.register(slot, rdma_rpc_transport::AccessFlags::LOCAL_WRITE)
+                    .map(|mr| RecvWr::new(RECV | u64::from(i), mr))
+                    .map_err(|e| RpcError::Transport(e.to_string()))
+            })
+            .collect()
     }
 
     /// A connection over `qp`, whose receive ring holds `own_ring` slots of `slot` bytes.

@@ -255,6 +255,42 @@ async fn bodies_held_past_half_the_ring_come_copied_and_nothing_stalls() {
     }
 }
 
+/// A caller reading a response in place, its bytes' guard held, still makes other calls on the
+/// same connection. (With the receive ring in one registration, that guard locked every slot's
+/// memory, and the next call's poll waited for it on the same thread: a deadlock.)
+#[test]
+fn reading_a_body_in_place_blocks_no_other_call() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let (s, _serial) = setup(config()).await;
+            let body = s
+                .client
+                .call_body(MAKE, 1000u64.to_le_bytes().to_vec())
+                .await
+                .expect("call_body");
+            assert!(matches!(body, Body::Registered(_)), "in its slot");
+            let view = body.bytes();
+            for _ in 0..100 {
+                let got = s
+                    .client
+                    .call(SUM, view[..600].to_vec())
+                    .await
+                    .expect("a call while the view is held");
+                expect_answer(&got, &view[..600], true);
+            }
+        });
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("calls go on while a body's bytes are held");
+}
+
 /// Whether a request of `len` bytes reaches a `handler_body` in registered memory: above the
 /// threshold in the buffer it was read into, else in its receive slot unless it came in pieces
 /// or is too short to be worth it (while the handlers hold fewer than half the ring's slots, as
