@@ -164,8 +164,11 @@ fn logsync_replicates_mebibytes_byte_exact_and_in_order() {
 
 #[test]
 fn logsync_primary_waits_for_a_slow_backup_and_overwrites_nothing() {
+    // 500 us per apply: well past the 200 us after which the tcp provider stops leaving a quiet
+    // backup's arrivals to its next poll. With 200 us, right at that line, the backup's acks
+    // paced the primary on tcp and it waited for credits in some runs only.
     let (primary, _) = logsync(
-        &["--ring", "16384", "--apply-delay-us", "200"],
+        &["--ring", "16384", "--apply-delay-us", "500"],
         &["--mib", "1", "--rpc-appends", "10"],
         "slow",
     );
