@@ -154,10 +154,7 @@ impl Client {
     /// # Errors
     /// As [`Client::call`].
     pub async fn call_with(&self, method: u32, payload: Vec<u8>, opts: CallOptions) -> Result<Vec<u8>, RpcError> {
-        let shared = &self.handle.shared;
-        let span = tracing::debug_span!("rpc.call", method, len = payload.len());
-        let (call, _) = shared.state.lock().start(method, Outgoing::Vec(payload), opts)?;
-        Pending::new(shared, call).instrument(span).await.map(Body::into_vec)
+        self.call_vec(method, payload, opts, false).await.map(Body::into_vec)
     }
 
     /// As [`Client::call`], with the response as a [`Body`], without the copy into a `Vec`: an
@@ -201,13 +198,27 @@ impl Client {
     /// # Errors
     /// As [`Client::call`].
     pub async fn call_body_with(&self, method: u32, payload: Vec<u8>, opts: CallOptions) -> Result<Body, RpcError> {
+        self.call_vec(method, payload, opts, true).await
+    }
+
+    /// Starts a call with a `Vec` request and waits for its result; with `in_slot` an eager
+    /// response may stay in its receive slot.
+    async fn call_vec(
+        &self,
+        method: u32,
+        payload: Vec<u8>,
+        opts: CallOptions,
+        in_slot: bool,
+    ) -> Result<Body, RpcError> {
         let shared = &self.handle.shared;
         let span = tracing::debug_span!("rpc.call", method, len = payload.len());
         let call = {
             let mut st = shared.state.lock();
             let (call, _) = st.start(method, Outgoing::Vec(payload), opts)?;
-            // Before anyone polls: the response cannot have arrived yet.
-            st.conn.session.keep_in_slot(call);
+            if in_slot {
+                // Before anyone polls: the response cannot have arrived yet.
+                st.conn.session.keep_in_slot(call);
+            }
             call
         };
         Pending::new(shared, call).instrument(span).await
