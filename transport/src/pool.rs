@@ -13,6 +13,12 @@ use crate::{AccessFlags, Error, MemoryRegion, ProtectionDomain, Result};
 /// back, or directly) returns it to the pool. Buffers held by work requests in flight stay out of
 /// the pool until their completion is reaped or their QP is flushed.
 ///
+/// One registration means one lock for the bytes of all its buffers on the software providers:
+/// a guard from [`MemoryRegion::bytes`] on one buffer makes access to any other buffer of the
+/// pool wait (the provider's delivery into a posted one included). Keep such guards short, or
+/// register buffers one by one where the application may hold their bytes for long (as
+/// rdma-rpc does for the receive slots it hands to applications).
+///
 /// # Examples
 /// ```
 /// use rdma_rpc_transport::{AccessFlags, BufferPool, Device};
