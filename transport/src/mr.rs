@@ -104,6 +104,16 @@ impl Region {
         })
     }
 
+    /// Asks the CPU to start loading the first bytes of `[off, off + len)` (shared memory only,
+    /// where a peer's core just wrote them): the application is about to read them.
+    pub(crate) fn prefetch(&self, off: usize, len: usize) {
+        if let Some(mem) = self.mem.try_lock() {
+            if let Mem::Shared(s) = &*mem {
+                s.prefetch(off, len);
+            }
+        }
+    }
+
     /// As [`lock_range`](Self::lock_range) if nobody holds the lock; `None` if somebody does.
     pub(crate) fn try_lock_range(&self, off: usize, len: usize) -> Option<MappedMutexGuard<'_, [u8]>> {
         let mem = self.mem.try_lock()?;

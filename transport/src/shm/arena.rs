@@ -250,6 +250,14 @@ impl PeerArena {
         Ok(())
     }
 
+    /// Starts fetching for writing the first cache lines of `len` bytes at `addr` of a receive
+    /// buffer, after the same checks as `write_local`: a hint, nothing is written.
+    pub(crate) fn prefetch_local(&self, addr: u64, lkey: u32, len: usize) {
+        if let Ok(p) = self.check(addr, lkey, len, AccessFlags::LOCAL_WRITE) {
+            super::sys::prefetch(p, len, true);
+        }
+    }
+
     /// RDMA Write: `src` to `addr`.
     pub(crate) fn write(&self, addr: u64, rkey: u32, src: &[u8]) -> std::result::Result<(), WcStatus> {
         let dst = self.check(addr, rkey, src.len(), AccessFlags::REMOTE_WRITE)?;

@@ -90,7 +90,8 @@ impl Segment {
     }
 
     fn entry(&self, i: u64) -> &Entry {
-        let i = (i % self.cap as u64) as usize;
+        // `cap` is a power of two (see `new`): a mask, not a division, on every message.
+        let i = (i & (self.cap as u64 - 1)) as usize;
         // SAFETY: `i < cap` and HEADER + cap * ENTRY <= the mapping's length; Entry is all
         // atomics, 64-byte aligned (HEADER and ENTRY are multiples of 64).
         unsafe { &*self.map.ptr().add(HEADER + i * ENTRY).cast::<Entry>() }
@@ -252,6 +253,24 @@ impl PeerRq {
             len: entry.len.load(Ordering::Relaxed),
             lkey: entry.lkey.load(Ordering::Relaxed),
         }))
+    }
+}
+
+impl PeerRq {
+    /// Where the next Send will land, when the peer has a receive posted beyond the one taken
+    /// last: the entry's cache line is fetched for writing, and its buffer's address and key
+    /// returned, so the caller can fetch the buffer's first lines too. A hint only.
+    pub(crate) fn prefetch_next(&self) -> Option<(u64, u32)> {
+        let h = self.seg.header();
+        let head = h.head.load(Ordering::Relaxed);
+        let tail = h.tail.load(Ordering::Acquire);
+        let posted = tail.wrapping_sub(head);
+        if posted == 0 || posted > self.seg.cap as u64 {
+            return None;
+        }
+        let entry = self.seg.entry(head);
+        sys::prefetch(std::ptr::from_ref(entry).cast(), ENTRY, true);
+        Some((entry.addr.load(Ordering::Relaxed), entry.lkey.load(Ordering::Relaxed)))
     }
 }
 

@@ -383,6 +383,12 @@ fn direct(peer: &crate::shm::Peer, d: &SendDesc<'_>, local: Option<&View>) -> Op
             if ring {
                 peer.ring();
             }
+            // Off the path of this Send: the next one likely lands in the next posted receive,
+            // whose lines the peer's core last read; fetching them now keeps that Send from
+            // waiting for them.
+            if let Some((addr, lkey)) = peer.rq.prefetch_next() {
+                arena.prefetch_local(addr, lkey, bytes.len());
+            }
             result
         }
         SendOp::Write { remote, imm: Some(imm) } => {
@@ -666,6 +672,9 @@ impl Engine {
             };
             let imm = (d.flags & crate::shm::rq::HAS_IMM != 0).then_some(d.imm);
             if d.status.is_success() {
+                if let Some(v) = &r.local {
+                    v.region.prefetch(v.off, (d.byte_len as usize).min(v.len));
+                }
                 self.push_recv(r.seq, WcStatus::Success, opcode, d.byte_len, imm);
             } else {
                 self.error.store(true, Ordering::Release);
