@@ -99,14 +99,16 @@ pub fn summary(rows: &[Row], provider: &str) {
     }
     if let Some((b, w)) = worst(rows, "rpc", "send", 2.0, 4096) {
         println!(
-            "RPC p50 / raw send-recv round trip p50 (2 x RTT/2), sizes <= 4 KiB: worst {w:.2}x at {b} B (target <= 1.5x): {}",
-            verdict(w <= 1.5)
+            "RPC p50 / raw send-recv round trip p50 (2 x RTT/2), sizes <= 4 KiB: worst {w:.2}x at {b} B (target <= 1.5x): {}{}",
+            verdict(w <= 1.5),
+            held(rows, "rpc", w)
         );
     }
     if let Some((b, w)) = worst(rows, "rpc-body", "send", 2.0, 4096) {
         println!(
-            "  the RPC with its bodies left in place and unread on both sides, as in the raw ping-pong (rpc-body: call_body, handler_body) / the same: worst {w:.2}x at {b} B (target <= 1.5x): {}",
-            verdict(w <= 1.5)
+            "  the RPC with its bodies left in place and unread on both sides, as in the raw ping-pong (rpc-body: call_body, handler_body) / the same: worst {w:.2}x at {b} B (target <= 1.5x): {}{}",
+            verdict(w <= 1.5),
+            held(rows, "rpc-body", w)
         );
     }
     if let Some((b, w)) = worst(rows, "rpc", "send-copy", 2.0, 4096) {
@@ -121,6 +123,30 @@ pub fn summary(rows: &[Row], provider: &str) {
         );
     }
     shm_targets(rows);
+}
+
+/// For a ratio to the raw ping-pong above 1.5x: the sizes (up to 4 KiB) where it held.
+fn held(rows: &[Row], mode: &str, worst: f64) -> String {
+    if worst <= 1.5 {
+        return String::new();
+    }
+    let mut sizes: Vec<usize> = rows
+        .iter()
+        .filter(|r| r.mode == mode && r.bytes <= 4096)
+        .map(|r| r.bytes)
+        .filter(|&b| ratio_at(rows, mode, b).is_some_and(|x| x <= 1.5))
+        .collect();
+    sizes.sort_unstable();
+    if sizes.is_empty() {
+        return " (held at no size)".into();
+    }
+    let list: Vec<String> = sizes.iter().map(usize::to_string).collect();
+    format!(" (held at {} B)", list.join(", "))
+}
+
+/// `mode / (2 × send)` at `bytes`, when both were measured there.
+fn ratio_at(rows: &[Row], mode: &str, bytes: usize) -> Option<f64> {
+    Some(find(rows, mode, bytes)?.t_typical / (2.0 * find(rows, "send", bytes)?.t_typical))
 }
 
 /// The largest `mode / (k × other)` ratio of medians over the sizes up to `max_bytes` that both
