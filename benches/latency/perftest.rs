@@ -46,6 +46,10 @@ pub fn compare(rows: &[Row], files: &[(String, String)]) {
         sizes.sort_unstable();
         for b in sizes {
             let theirs = pt[&b];
+            if !usable(theirs) {
+                println!("{op:>5} {b:>8} B: ib_{op}_lat printed t_typical {theirs} us, not a time: no ratio");
+                continue;
+            }
             match rows.iter().find(|r| r.mode == *op && r.bytes == b) {
                 Some(r) => println!(
                     "{op:>5} {b:>8} B: ours {:.2} us / ib_{op}_lat {theirs:.2} us = {:.2}x",
@@ -57,7 +61,7 @@ pub fn compare(rows: &[Row], files: &[(String, String)]) {
         }
     }
     for r in rows.iter().filter(|r| r.mode == "rpc") {
-        if let Some(t) = send.get(&r.bytes) {
+        if let Some(t) = send.get(&r.bytes).filter(|&&t| usable(t)) {
             println!(
                 "  rpc {:>8} B: RPC round trip {:.2} us / ib_send_lat round trip {:.2} us = {:.2}x",
                 r.bytes,
@@ -67,4 +71,10 @@ pub fn compare(rows: &[Row], files: &[(String, String)]) {
             );
         }
     }
+}
+
+/// A perftest time we can divide by: perftest prints `inf` (or 0) when its cycle count or its
+/// CPU clock estimate went wrong, as seen once in the soft-RoCE VM.
+fn usable(t: f64) -> bool {
+    t.is_finite() && t > 0.0
 }
