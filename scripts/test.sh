@@ -78,7 +78,7 @@ bench_bin=$(cargo bench --bench latency --no-run --message-format=json 2>/dev/nu
 if [[ -z $bench_bin ]]; then
     echo "could not build the latency harness"; fail=1
 else
-    scripts/rxe-vm.sh -f "$bench_bin" scripts/vm-bench.sh "$(basename "$bench_bin")" 64,4096 200 2>&1 |
+    scripts/rxe-vm.sh -f "$bench_bin" scripts/vm-bench.sh "$(basename "$bench_bin")" 64,4096 1000 spin 5 2>&1 |
         tee "$LOG/bench.log" | sed -n '/=== summary/,$p'
     [[ ${PIPESTATUS[0]} == 0 ]] || { echo "the benchmark lane failed:"; tail -30 "$LOG/bench.log"; fail=1; }
 fi

@@ -3,7 +3,9 @@
 # ib_read_lat on rxe0 (loopback, GID index 1 = the IPv4 RoCE v2 GID), then a short sweep of the
 # latency harness on provider verbs in the same boot, which prints its ratios to perftest.
 #   vm-bench.sh LATENCY_BINARY [SIZES] [ITERS] [COMPLETION MODE of the RPC driver, default spin]
-bin=$1 sizes=${2:-64,4096} iters=${3:-200} completion=${4:-spin}
+#       [ROUNDS, default 5: the sweep runs in rounds whose samples are merged per row, so that
+#       every mode sees the same phases of the emulator's speed]
+bin=$1 sizes=${2:-64,4096} iters=${3:-200} completion=${4:-spin} rounds=${5:-5}
 mkdir -p /tmp/pt
 for t in send write read; do
     for s in $(echo "$sizes" | tr ',' ' '); do
@@ -16,6 +18,6 @@ for t in send write read; do
     echo "=== perftest ib_${t}_lat"
     cat /tmp/pt/$t.txt
 done
-"./$bin" --provider verbs --ip 10.10.0.1 --sizes "$sizes" --modes rpc,rpc-body,send,write,read --iters "$iters" \
+"./$bin" --provider verbs --ip 10.10.0.1 --sizes "$sizes" --modes rpc,rpc-body,send,write,read --iters "$iters" --rounds "$rounds" \
     --raw-spin-us 1000000 --completion "${completion:-spin}" \
     --perftest send=/tmp/pt/send.txt,write=/tmp/pt/write.txt,read=/tmp/pt/read.txt

@@ -68,6 +68,11 @@ struct Args {
     /// Time budget for the whole sweep, in seconds, spread over its rows.
     #[arg(long, default_value_t = 60.0)]
     seconds: f64,
+    /// Run the sweep in this many rounds, each row getting its share of the iterations (and of
+    /// the time) in every round, and merge each row's samples: on a noisy machine every mode
+    /// then sees the same slow and fast phases, which keeps the ratios between modes honest.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    rounds: u32,
     /// IP to listen on (loopback for tcp; the rxe netdev's address for verbs).
     #[arg(long, default_value = "127.0.0.1")]
     ip: IpAddr,
@@ -126,11 +131,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|m| if m == "atomic" || m == "wake" { 1 } else { sizes.len() })
         .sum::<usize>()
         .max(1);
+    let rounds = args.rounds as usize;
     let plan = Plan {
-        iters: args.iters,
-        per_row: Duration::from_secs_f64(args.seconds / rows_planned as f64),
-        min_iters: 20,
-        max_iters: 100_000,
+        iters: args.iters.map(|n| n.div_ceil(rounds)),
+        per_row: Duration::from_secs_f64(args.seconds / (rows_planned * rounds) as f64),
+        min_iters: 20usize.div_ceil(rounds),
+        max_iters: 100_000usize.div_ceil(rounds),
     };
     // Client and server each get one thread (the machines have two cores): the client side runs
     // on this thread, every server of every mode (RPC, raw echo, TCP, tarpc) on the other.
@@ -154,33 +160,50 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .enable_all()
         .build()?;
     let srv = server_rt.handle().clone();
-    let bar = ProgressBar::new(rows_planned as u64);
+    let bar = ProgressBar::new((rows_planned * rounds) as u64);
     bar.set_style(ProgressStyle::with_template(
         "{bar:40} {pos}/{len} rows  {msg}  [{elapsed_precise}]",
     )?);
-    let mut rows: Vec<Row> = Vec::new();
     println!(
-        "rdma-rpc latency sweep: provider {} (device {}), {} sizes, modes {}, {}",
+        "rdma-rpc latency sweep: provider {} (device {}), {} sizes, modes {}, {}{}",
         dev.provider(),
         dev.name(),
         sizes.len(),
         args.modes.join(","),
-        chrono_free_date()
+        chrono_free_date(),
+        if rounds > 1 {
+            format!(", in {rounds} rounds")
+        } else {
+            String::new()
+        }
     );
-    for mode in &args.modes {
-        let mode_sizes: Vec<usize> = match mode.as_str() {
-            "atomic" => vec![8],
-            "wake" => vec![0],
-            _ => sizes.clone(),
-        };
-        for &size in &mode_sizes {
-            bar.set_message(format!("{mode} {size} B"));
-            let (conv, moved, s) = rt.block_on(measure(&srv, &dev, args.ip, mode, size, plan, completion));
-            rows.push(stats::row(mode, conv, size, moved, &s.times, s.cpu));
-            bar.inc(1);
+    // Every row's samples, merged over the rounds, in the order of the first round.
+    let mut merged: Vec<(&str, usize, Convention, usize, sampler::Samples)> = Vec::new();
+    for round in 0..rounds {
+        let mut k = 0;
+        for mode in &args.modes {
+            let mode_sizes: Vec<usize> = match mode.as_str() {
+                "atomic" => vec![8],
+                "wake" => vec![0],
+                _ => sizes.clone(),
+            };
+            for &size in &mode_sizes {
+                bar.set_message(format!("{mode} {size} B (round {}/{rounds})", round + 1));
+                let (conv, moved, s) = rt.block_on(measure(&srv, &dev, args.ip, mode, size, plan, completion));
+                match merged.get_mut(k) {
+                    Some(m) => m.4.absorb(s),
+                    None => merged.push((mode, size, conv, moved, s)),
+                }
+                k += 1;
+                bar.inc(1);
+            }
         }
     }
     bar.finish_and_clear();
+    let rows: Vec<Row> = merged
+        .iter()
+        .map(|(mode, size, conv, moved, s)| stats::row(mode, *conv, *size, *moved, &s.times, s.cpu))
+        .collect();
     for mode in &args.modes {
         let r: Vec<&Row> = rows.iter().filter(|r| &r.mode == mode).collect();
         report::table(mode, &r);

@@ -19,6 +19,14 @@ pub struct Samples {
     pub cpu: Duration,
 }
 
+impl Samples {
+    /// Adds another round's samples of the same row.
+    pub fn absorb(&mut self, other: Samples) {
+        self.times.extend(other.times);
+        self.cpu += other.cpu;
+    }
+}
+
 /// Runs `op` for warm-up, sizes the row from the warm-up's mean, then times each operation.
 /// `op` returns the duration it measured itself (e.g. RTT/2), or `None` to use the wall time.
 pub async fn run(plan: Plan, mut op: impl AsyncFnMut() -> Option<Duration>) -> Samples {
