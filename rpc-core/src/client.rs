@@ -211,7 +211,7 @@ impl Client {
         in_slot: bool,
     ) -> Result<Body, RpcError> {
         let shared = &self.handle.shared;
-        let span = tracing::debug_span!("rpc.call", method, len = payload.len());
+        let span = crate::spans::call(method, payload.len());
         let call = {
             let mut st = shared.state.lock();
             let (call, _) = st.start(method, Outgoing::Vec(payload), opts)?;
@@ -290,7 +290,7 @@ impl Client {
         opts: CallOptions,
     ) -> Result<(Vec<u8>, crate::RegisteredBuf), RpcError> {
         let shared = &self.handle.shared;
-        let span = tracing::debug_span!("rpc.call", method, len = buf.len());
+        let span = crate::spans::call(method, buf.len());
         let (call, back) = shared.state.lock().start(method, Outgoing::Buf(buf), opts)?;
         let mut keep = KeepGuard {
             shared,

@@ -10,6 +10,7 @@ mod config;
 mod driver;
 pub mod proto;
 mod server;
+mod spans;
 mod stash;
 mod status;
 

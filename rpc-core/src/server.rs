@@ -284,7 +284,7 @@ impl Role for ServerRole {
                         }
                     },
                 };
-                let span = tracing::debug_span!("rpc.serve", method, call, len = body.len(), ?budget);
+                let span = crate::spans::serve(method, call, body.len(), budget);
                 // Called through the shared table: no reference count touched per request.
                 let Some(h) = self.handlers.get(&method) else {
                     conn.session.respond(call, Err(RpcError::UnknownMethod(method)));
