@@ -180,6 +180,9 @@ impl Conn {
     /// to be posted again.
     fn collect_slots(&mut self) {
         self.slots_back.take(&mut self.back);
+        if self.back.is_empty() {
+            return; // nearly always: called on every flush
+        }
         for (wr_id, mr) in self.back.drain(..) {
             self.out = self.out.saturating_sub(1);
             self.unposted.push(RecvWr::new(wr_id, mr));
@@ -366,6 +369,8 @@ impl Conn {
         loop {
             let t = match self.backlog.pop_front() {
                 Some(t) => t,
+                // Most calls find nothing: the cheap look first.
+                None if !self.session.has_transmit() => return any,
                 None => match self.session.poll_transmit() {
                     Some(t) => t,
                     None => return any,

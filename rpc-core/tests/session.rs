@@ -219,7 +219,13 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 /// Moves everything `from` wants to transmit: Sends and writes go on the wire (or to the NIC
 /// queue), releases free buffers.
 fn pump(from: &mut Side, to: &mut Side) {
-    while let Some(t) = from.s.poll_transmit() {
+    loop {
+        let wants = from.s.has_transmit();
+        let Some(t) = from.s.poll_transmit() else { break };
+        assert!(
+            wants,
+            "poll_transmit gave {t:?} where has_transmit said nothing was due"
+        );
         match t {
             Transmit::Send(m) => to.inbox.push_back(Wire::Send(m.to_vec())),
             Transmit::Release(b) if from.reading.remove(&b) => {

@@ -1004,6 +1004,14 @@ impl Session {
         });
     }
 
+    /// False when [`Session::poll_transmit`] would give nothing now: a cheap look for drivers
+    /// that poll often (true does not promise work: credits may still be short).
+    pub fn has_transmit(&self) -> bool {
+        !self.actions.is_empty()
+            || (self.lost.is_none()
+                && ((!self.queue.is_empty() && self.credits.can_send_data()) || self.credits.credit_message_due()))
+    }
+
     /// The next piece of work to post, if credits allow.
     pub fn poll_transmit(&mut self) -> Option<Transmit> {
         if let Some(a) = self.actions.pop_front() {
