@@ -86,6 +86,8 @@ pub(crate) struct Conn {
     slots_back: Arc<SlotsBack>,
     back: Vec<(u64, MemoryRegion)>,
     lost: Option<String>,
+    /// Passed as `now` with messages whose handling does not read it ([`Session::needs_now`]).
+    epoch: Instant,
 }
 
 impl Conn {
@@ -145,6 +147,7 @@ impl Conn {
             slots_back: Arc::default(),
             back: Vec::new(),
             lost: None,
+            epoch: Instant::now(),
         })
     }
 
@@ -283,7 +286,15 @@ impl Conn {
                         }
                         let offer =
                             (len >= IN_SLOT_MIN && self.out + self.held.len() < self.max_held).then_some(c.wr_id);
-                        self.session.handle_message_in(&bytes[..len], offer, Instant::now())
+                        let msg = &bytes[..len];
+                        // The clock only for a request with a budget (a syscall on some hosts,
+                        // such as VMs whose clocksource is the HPET).
+                        let now = if Session::needs_now(msg) {
+                            Instant::now()
+                        } else {
+                            self.epoch
+                        };
+                        self.session.handle_message_in(msg, offer, now)
                     }
                 };
                 match r {

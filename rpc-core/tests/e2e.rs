@@ -310,6 +310,33 @@ async fn deadline_exceeded_fails_the_call_and_stops_the_handler() {
     );
 }
 
+/// The server places a request's deadline from when the request arrives, however long the
+/// connection has been open (its driver skips the clock for messages that carry no budget, and
+/// must not skip it for those that do).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_budget_counts_from_its_arrival_on_an_old_connection() {
+    const NAP: u32 = 1;
+    let dev = device();
+    let server = Server::builder(config())
+        .handler(NAP, |_req| async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            Ok(b"rested".to_vec())
+        })
+        .bind(&dev, SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    let client = bounded(Client::connect(&dev, addr, config())).await.expect("connect");
+    // The connection grows older than the budget the call will carry.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let opts = CallOptions {
+        deadline: Some(Duration::from_millis(1000)),
+        ..Default::default()
+    };
+    let r = bounded(client.call_with(NAP, Vec::new(), opts)).await;
+    assert_eq!(r.as_deref(), Ok(&b"rested"[..]), "the server cut the budget short");
+}
+
 /// A deadline must fire on the client's own clock even while another call sleeps with the
 /// driver watching the CQ and the server says nothing (found by the fault tests: the driver
 /// kept sleeping on the CQ and the late call waited for the connection's death instead). The

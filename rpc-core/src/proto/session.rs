@@ -729,6 +729,13 @@ impl Session {
 
     // ------------------------------------------------------------------ inputs from the driver
 
+    /// Whether handling `msg` reads the `now` passed with it: only a request (or a piece of
+    /// one) with a time budget does, to place its deadline. For any other message a driver
+    /// whose clock is costly to read may pass any instant.
+    pub fn needs_now(msg: &[u8]) -> bool {
+        Header::decode(msg).map_or(true, |(h, _)| h.kind == Kind::Request && h.budget_us > 0)
+    }
+
     /// A message arrived in a receive slot. The driver reposts the slot when it likes (after
     /// sending what this message causes, say) and then calls [`Session::reposted`]: only then is
     /// the slot's credit returned to the peer, so the peer never sends into a slot not posted.
