@@ -71,7 +71,7 @@ struct Args {
     /// Run the sweep in this many rounds, each row getting its share of the iterations (and of
     /// the time) in every round, and merge each row's samples: on a noisy machine every mode
     /// then sees the same slow and fast phases, which keeps the ratios between modes honest.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
     rounds: u32,
     /// IP to listen on (loopback for tcp; the rxe netdev's address for verbs).
     #[arg(long, default_value = "127.0.0.1")]
