@@ -870,12 +870,21 @@ fn only_requests_with_a_budget_need_the_clock() {
         .expect("call");
     let plain = message(&mut client);
     client
-        .start_call(1, Payload::Eager(b"timed".to_vec()), None, Some(Duration::from_secs(5)), now)
+        .start_call(
+            1,
+            Payload::Eager(b"timed".to_vec()),
+            None,
+            Some(Duration::from_secs(5)),
+            now,
+        )
         .expect("call");
     let timed = message(&mut client);
     assert!(!Session::needs_now(&plain));
     assert!(Session::needs_now(&timed));
-    assert!(Session::needs_now(b"not a message"), "undecodable: read the clock, to be safe");
+    assert!(
+        Session::needs_now(b"not a message"),
+        "undecodable: read the clock, to be safe"
+    );
     // A request without a budget handled with any instant at all places no deadline...
     let long_ago = now.checked_sub(Duration::from_secs(3600)).unwrap_or(now);
     server.handle_message(&plain, long_ago).expect("plain request");
@@ -883,7 +892,9 @@ fn only_requests_with_a_budget_need_the_clock() {
     // ...and one with a budget places it from the instant it is given.
     server.handle_message(&timed, now).expect("timed request");
     assert_eq!(server.poll_timeout(), Some(now + Duration::from_secs(5)));
-    let Some(Event::Request { call, .. }) = server.poll_event() else { panic!("request") };
+    let Some(Event::Request { call, .. }) = server.poll_event() else {
+        panic!("request")
+    };
     server.respond(call, Ok(Payload::Eager(b"ok".to_vec())));
     let response = message(&mut server);
     assert!(!Session::needs_now(&response));

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+#[allow(dead_code)] // this file uses only `bounded`
 mod common;
 
 use rdma_rpc_core::transport::Device;
@@ -13,10 +14,13 @@ use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
 
-/// Records every span made: its name and its fields as text.
+/// A span as recorded: its name and its fields as text.
+type Seen = (String, Vec<(String, String)>);
+
+/// Records every span made.
 #[derive(Default)]
 struct Spans {
-    seen: Mutex<Vec<(String, Vec<(String, String)>)>>,
+    seen: Mutex<Vec<Seen>>,
     next: AtomicU64,
 }
 
