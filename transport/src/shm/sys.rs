@@ -231,9 +231,9 @@ fn lines_to_prefetch(addr: usize, len: usize) -> usize {
 pub(crate) fn prefetch(p: *const u8, len: usize, write: bool) {
     for i in 0..lines_to_prefetch(p as usize, len) {
         let at = p.wrapping_add(i * 64);
+        // A prefetch is a hint: it never faults, whatever the address, and changes no memory.
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: a prefetch is a hint: it never faults, whatever the address, and changes no
-        // memory.
+        // SAFETY: _mm_prefetch only hints the cache; no address makes it fault or write.
         unsafe {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
             if write {
