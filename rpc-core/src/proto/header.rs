@@ -108,6 +108,14 @@ impl Header {
         h
     }
 
+    /// Whether `msg` is a request with a time budget, read from the two header fields alone
+    /// (the rest is decoded where the message is handled); `None` when it is too short for a
+    /// header or of another version.
+    pub(crate) fn is_budgeted_request(msg: &[u8]) -> Option<bool> {
+        let h = msg.first_chunk::<HEADER_LEN>().filter(|h| h[0] == VERSION)?;
+        Some(h[1] == Kind::Request as u8 && h[20..24] != [0; 4])
+    }
+
     /// Decodes a whole message: the header, and the body it announces.
     ///
     /// # Errors

@@ -733,7 +733,8 @@ impl Session {
     /// one) with a time budget does, to place its deadline. For any other message a driver
     /// whose clock is costly to read may pass any instant.
     pub fn needs_now(msg: &[u8]) -> bool {
-        Header::decode(msg).map_or(true, |(h, _)| h.kind == Kind::Request && h.budget_us > 0)
+        // A peek at two fields, not a second decode: this runs on every message.
+        Header::is_budgeted_request(msg).unwrap_or(true)
     }
 
     /// A message arrived in a receive slot. The driver reposts the slot when it likes (after
