@@ -106,11 +106,12 @@ impl Region {
 
     /// Asks the CPU to start loading the first bytes of `[off, off + len)` (shared memory only,
     /// where a peer's core just wrote them): the application is about to read them.
+    /// No lock: a shm region's bytes stay at `addr` for its whole life, and a prefetch reads
+    /// nothing into the program.
     pub(crate) fn prefetch(&self, off: usize, len: usize) {
-        if let Some(mem) = self.mem.try_lock() {
-            if let Mem::Shared(s) = &*mem {
-                s.prefetch(off, len);
-            }
+        if let RegionImpl::Shm(..) = self.imp {
+            let len = len.min(self.len.saturating_sub(off));
+            crate::shm::prefetch((self.addr as *const u8).wrapping_add(off), len);
         }
     }
 

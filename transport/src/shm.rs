@@ -158,6 +158,12 @@ impl Pd {
     }
 }
 
+/// Starts fetching the first cache lines of `len` bytes at `p` into this core's cache: a peer's
+/// core just wrote them, and the application is about to read them. A hint (never faults).
+pub(crate) fn prefetch(p: *const u8, len: usize) {
+    sys::prefetch(p, len, false);
+}
+
 /// Registered memory in an arena: freed (its pages given back) when dropped.
 pub(crate) struct Slice {
     arena: Arc<Arena>,
@@ -193,16 +199,6 @@ impl Slice {
 }
 
 impl Slice {
-    /// Starts fetching the first cache lines of bytes `[off, off + len)` (clamped to the
-    /// slice) into this core's cache: a peer's core just wrote them, and the application is
-    /// about to read them.
-    pub(crate) fn prefetch(&self, off: usize, len: usize) {
-        let end = off.saturating_add(len).min(self.words * 8);
-        if off < end {
-            sys::prefetch(self.arena.at(self.off).wrapping_add(off), end - off, false);
-        }
-    }
-
     /// Word `i` as an atomic (for the atomics peers also run on it).
     pub(crate) fn atomic_word(&self, i: usize) -> &std::sync::atomic::AtomicU64 {
         let i = i.min(self.words.saturating_sub(1));
