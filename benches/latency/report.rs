@@ -134,7 +134,7 @@ fn held(rows: &[Row], mode: &str, worst: f64) -> String {
         .iter()
         .filter(|r| r.mode == mode && r.bytes <= 4096)
         .map(|r| r.bytes)
-        .filter(|&b| ratio_at(rows, mode, b).is_some_and(|x| x <= 1.5))
+        .filter(|&b| ratio_at(rows, mode, "send", 2.0, b).is_some_and(|x| x <= 1.5))
         .collect();
     sizes.sort_unstable();
     if sizes.is_empty() {
@@ -144,9 +144,9 @@ fn held(rows: &[Row], mode: &str, worst: f64) -> String {
     format!(" (held at {} B)", list.join(", "))
 }
 
-/// `mode / (2 × send)` at `bytes`, when both were measured there.
-fn ratio_at(rows: &[Row], mode: &str, bytes: usize) -> Option<f64> {
-    Some(find(rows, mode, bytes)?.t_typical / (2.0 * find(rows, "send", bytes)?.t_typical))
+/// `mode / (k × other)` of the medians at `bytes`, when both were measured there.
+fn ratio_at(rows: &[Row], mode: &str, other: &str, k: f64, bytes: usize) -> Option<f64> {
+    Some(find(rows, mode, bytes)?.t_typical / (k * find(rows, other, bytes)?.t_typical))
 }
 
 /// The largest `mode / (k × other)` ratio of medians over the sizes up to `max_bytes` that both
@@ -154,7 +154,7 @@ fn ratio_at(rows: &[Row], mode: &str, bytes: usize) -> Option<f64> {
 fn worst(rows: &[Row], mode: &str, other: &str, k: f64, max_bytes: usize) -> Option<(usize, f64)> {
     rows.iter()
         .filter(|r| r.mode == mode && r.bytes <= max_bytes)
-        .filter_map(|r| find(rows, other, r.bytes).map(|o| (r.bytes, r.t_typical / (k * o.t_typical))))
+        .filter_map(|r| ratio_at(rows, mode, other, k, r.bytes).map(|x| (r.bytes, x)))
         .fold(None, |acc, (b, x)| match acc {
             Some((_, w)) if w >= x => acc,
             _ => Some((b, x)),
