@@ -247,6 +247,8 @@ impl PeerArena {
         let dst = self.check(addr, lkey, src.len(), AccessFlags::LOCAL_WRITE)?;
         // SAFETY: as in `read`, the other way.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        // The receiver reads the head of the message first (a header, most often).
+        super::sys::demote(dst, src.len());
         Ok(())
     }
 

@@ -286,6 +286,7 @@ impl Taken<'_> {
         e.byte_len.store(byte_len, Ordering::Relaxed);
         e.imm.store(imm, Ordering::Relaxed);
         e.state.store(DONE, Ordering::Release);
+        sys::demote(std::ptr::from_ref(e).cast(), ENTRY);
         let h = self.rq.seg.header();
         h.head.store(self.head.wrapping_add(1), Ordering::Release);
         // Pairs with the fence in `OwnRq::arm`: either the owner's poll after arming sees this
