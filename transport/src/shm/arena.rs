@@ -248,7 +248,8 @@ impl PeerArena {
         // SAFETY: as in `read`, the other way.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
         // The receiver reads the head of the message first (a header, most often).
-        super::sys::demote(dst, src.len());
+        // SAFETY: `check` proved `[dst, dst + len)` inside our mapping of the peer's arena.
+        unsafe { super::sys::demote(dst, src.len()) };
         Ok(())
     }
 

@@ -286,7 +286,9 @@ impl Taken<'_> {
         e.byte_len.store(byte_len, Ordering::Relaxed);
         e.imm.store(imm, Ordering::Relaxed);
         e.state.store(DONE, Ordering::Release);
-        sys::demote(std::ptr::from_ref(e).cast(), ENTRY);
+        // The owner's CQ drain reads this entry next: from the shared cache, not this core's.
+        // SAFETY: `e` is a reference into the mapped queue segment, ENTRY bytes long.
+        unsafe { sys::demote(std::ptr::from_ref(e).cast(), ENTRY) };
         let h = self.rq.seg.header();
         h.head.store(self.head.wrapping_add(1), Ordering::Release);
         // Pairs with the fence in `OwnRq::arm`: either the owner's poll after arming sees this

@@ -255,12 +255,13 @@ pub(crate) fn prefetch(p: *const u8, len: usize, write: bool) {
 /// whole buffer made the writer fetch it back for its next write (raw 4 KiB Sends took twice
 /// as long on shm), for readers that mostly never read past the header.
 ///
-/// `[p, p + len)` must lie in a live mapping of this process (as every caller's has).
-pub(crate) fn demote(p: *const u8, len: usize) {
+/// # Safety
+/// `[p, p + len)` must lie in memory mapped into this process for as long as the call runs.
+pub(crate) unsafe fn demote(p: *const u8, len: usize) {
     for i in 0..head_lines(p as usize, len) {
         let at = p.wrapping_add(i * 64);
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `at` is inside a mapping of ours (the caller's contract, above); CLDEMOTE
+        // SAFETY: `at` is inside mapped memory (this function's contract); CLDEMOTE
         // (NP 0F 1C /0) is a hint that changes no architectural state (Intel SDM), and runs
         // as a NOP on processors without it, whose decoders reserve that encoding as one.
         unsafe {
@@ -295,13 +296,17 @@ mod tests {
     fn demoting_lines_leaves_their_bytes_as_they_are() {
         let mut v: Vec<u8> = (0..=255u8).cycle().take(1000).collect();
         let before = v.clone();
-        // Unaligned start, and lengths past the cap and inside one line.
-        demote(v.as_ptr().wrapping_add(3), 900);
-        demote(v.as_ptr(), 1);
-        demote(v.as_ptr(), 0);
+        // SAFETY: every range below lies inside `v`.
+        unsafe {
+            // Unaligned start, and lengths past the cap and inside one line.
+            demote(v.as_ptr().wrapping_add(3), 900);
+            demote(v.as_ptr(), 1);
+            demote(v.as_ptr(), 0);
+        }
         assert_eq!(v, before);
         v[0] = 7;
-        demote(v.as_ptr(), 64);
+        // SAFETY: the first 64 bytes of `v`.
+        unsafe { demote(v.as_ptr(), 64) };
         assert_eq!(v[0], 7);
         assert_eq!(v[1..], before[1..]);
     }
