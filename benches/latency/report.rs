@@ -106,7 +106,7 @@ pub fn summary(rows: &[Row], provider: &str) {
     }
     if let Some((b, w)) = worst(rows, "rpc-body", "send", 2.0, 4096) {
         println!(
-            "  the RPC with its bodies left in place and unread on both sides, as in the raw ping-pong (rpc-body: call_body, handler_body) / the same: worst {w:.2}x at {b} B (target <= 1.5x): {}{}",
+            "  the RPC with its bodies left in place and unread on both sides, as in the raw ping-pong (rpc-body: call_buf_body, handler_buf) / the same: worst {w:.2}x at {b} B (target <= 1.5x): {}{}",
             verdict(w <= 1.5),
             held(rows, "rpc-body", w)
         );

@@ -2,7 +2,7 @@
 
 use std::net::SocketAddr;
 
-use rdma_rpc::core::{Body, Client, CompletionMode, Config, Server};
+use rdma_rpc::core::{Body, Buffers, Client, CompletionMode, Config, Server};
 use rdma_rpc::transport::Device;
 
 use crate::sampler::{self, Plan, Samples};
@@ -14,7 +14,8 @@ pub const SINK: u32 = 2;
 /// answers its length.
 pub const SINK_BODY: u32 = 3;
 /// Takes the request as it arrived (a small one in its receive slot) and answers as many bytes
-/// of its own, without reading the request: the work of the raw Send ping-pong's echo side.
+/// from a registered buffer of its own, reading and writing neither: the work of the raw Send
+/// ping-pong's echo side.
 pub const SIZED_BODY: u32 = 4;
 
 /// Eager threshold and ring for each RPC mode at a given size.
@@ -61,7 +62,10 @@ pub async fn connect(
         .handler_body(SINK_BODY, |req: Body| async move {
             Ok(Vec::from((req.len() as u64).to_le_bytes()))
         })
-        .handler_body(SIZED_BODY, |req: Body| async move { Ok(vec![0x5a; req.len()]) })
+        .handler_buf(
+            SIZED_BODY,
+            |req: Body, bufs: Buffers| async move { bufs.buffer(req.len()) },
+        )
         .bind(dev, SocketAddr::new(ip, 0))
         .expect("bind the benchmark server");
     let addr = server.local_addr().expect("server address");
@@ -85,16 +89,19 @@ pub async fn measure(client: &Client, size: usize, plan: Plan) -> Samples {
 }
 
 /// `size` bytes each way with neither side copying or reading them, as the raw Send ping-pong:
-/// the request stays in its receive slot for the handler (`handler_body`), which answers as many
-/// bytes of its own, and the response in its slot for the caller (`Client::call_body`).
+/// the request goes from a registered buffer (`Client::call_buf_body`), stays in its receive
+/// slot for the handler (`handler_buf`), which answers as many bytes from a registered buffer of
+/// its own, and the response stays in its slot for the caller.
 pub async fn in_place(client: &Client, size: usize, plan: Plan) -> Samples {
-    let payload = vec![0xa5u8; size];
+    let mut buf = Some(client.buffer(size).expect("a registered buffer"));
+    if let Some(b) = buf.as_mut() {
+        b.bytes_mut().fill(0xa5);
+    }
     sampler::run(plan, async || {
-        let r = client
-            .call_body(SIZED_BODY, payload.clone())
-            .await
-            .expect("in-place call");
+        let b = buf.take().expect("the buffer is back");
+        let (r, back) = client.call_buf_body(SIZED_BODY, b).await.expect("in-place call");
         assert_eq!(r.len(), size);
+        buf = Some(back);
         None
     })
     .await

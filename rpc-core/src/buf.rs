@@ -100,6 +100,9 @@ impl RegisteredBuf {
     }
 
     /// The bytes, for reading.
+    ///
+    /// The borrow holds the buffer's lock (the provider's engine takes it to move bytes in and
+    /// out): drop it before borrowing the same buffer again, or the second borrow waits forever.
     pub fn bytes(&self) -> BufRef<'_> {
         let (off, len) = (self.off, self.len);
         self.region()
@@ -109,6 +112,9 @@ impl RegisteredBuf {
     }
 
     /// The bytes, for writing.
+    ///
+    /// The borrow holds the buffer's lock (the provider's engine takes it to move bytes in and
+    /// out): drop it before borrowing the same buffer again, or the second borrow waits forever.
     pub fn bytes_mut(&mut self) -> BufMut<'_> {
         let (off, len) = (self.off, self.len);
         self.region_mut()
@@ -211,6 +217,10 @@ impl Body {
     }
 
     /// The bytes, for reading.
+    ///
+    /// A [`Body::Registered`] borrow holds its buffer's lock (the provider's engine takes it to
+    /// move bytes in and out): drop it before borrowing the same body again, or the second
+    /// borrow waits forever.
     pub fn bytes(&self) -> BodyRef<'_> {
         BodyRef(match self {
             Body::Bytes(b) => Inner::Slice(b),

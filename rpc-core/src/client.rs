@@ -257,9 +257,11 @@ impl Client {
         self.handle.shared.state.lock().conn.stash.user_buffer(len)
     }
 
-    /// Calls `method` with the bytes of `buf`, and gives `buf` back with the response. Above the
-    /// eager threshold, a buffer of this connection's ([`Client::buffer`]) is lent to the server
-    /// as it is (no copy); others are copied as [`Client::call`] does.
+    /// Calls `method` with the bytes of `buf`, and gives `buf` back with the response. A buffer
+    /// of this connection's ([`Client::buffer`]) is not copied: a small one is sent as it is,
+    /// in one message (the header goes in the room in front of its bytes); above the eager
+    /// threshold, or when longer than one piece, it is lent to the server as it is. Buffers of
+    /// other connections are copied, as [`Client::call`] copies its `Vec`.
     ///
     /// With [`Isolation::Transfer`](crate::Isolation::Transfer) the buffer comes back in a fresh
     /// registration (its bytes copied), so that the key the server saw dies with the transfer.
@@ -289,9 +291,91 @@ impl Client {
         buf: crate::RegisteredBuf,
         opts: CallOptions,
     ) -> Result<(Vec<u8>, crate::RegisteredBuf), RpcError> {
+        let (body, buf) = self.call_registered(method, buf, opts, false).await?;
+        Ok((body.into_vec(), buf))
+    }
+
+    /// As [`Client::call_buf`], with the response as a [`Body`] as [`Client::call_body`] gives
+    /// it: no copy on this side either way when the request is small and the response eager.
+    ///
+    /// # Errors
+    /// As [`Client::call_buf`].
+    ///
+    /// # Cancel safety
+    /// As [`Client::call_buf`].
+    ///
+    /// # Examples
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use rdma_rpc_core::{transport::Device, Body, Buffers, Client, Config, RpcError, Server};
+    /// let dev = Device::open("tcp")?;
+    /// let server = Server::builder(Config::default())
+    ///     // Answers from a registered buffer of its own: no copy on the server either.
+    ///     .handler_buf(1, |req: Body, bufs: Buffers| async move {
+    ///         let mut out = bufs.buffer(req.len())?;
+    ///         out.bytes_mut().copy_from_slice(&req.bytes());
+    ///         out.bytes_mut().reverse();
+    ///         Ok::<_, RpcError>(out)
+    ///     })
+    ///     .bind(&dev, "127.0.0.1:0".parse()?)?;
+    /// let addr = server.local_addr()?;
+    /// tokio::spawn(server.serve());
+    /// let client = Client::connect(&dev, addr, Config::default()).await?;
+    /// let mut buf = client.buffer(1024)?;
+    /// for round in 0..3u8 {
+    ///     buf.bytes_mut().fill(round);
+    ///     buf.bytes_mut()[0] = 255;
+    ///     // Sent from `buf` itself; the answer is read where it landed.
+    ///     let (answer, back) = client.call_buf_body(1, buf).await?;
+    ///     let bytes = answer.bytes(); // one borrow at a time: it holds the buffer's lock
+    ///     assert_eq!((bytes.len(), bytes[0], bytes[1023]), (1024, round, 255));
+    ///     drop(bytes);
+    ///     buf = back;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn call_buf_body(
+        &self,
+        method: u32,
+        buf: crate::RegisteredBuf,
+    ) -> Result<(Body, crate::RegisteredBuf), RpcError> {
+        self.call_buf_body_with(method, buf, CallOptions::default()).await
+    }
+
+    /// As [`Client::call_buf_body`], with a deadline and a response-size hint.
+    ///
+    /// # Errors
+    /// As [`Client::call_buf`].
+    pub async fn call_buf_body_with(
+        &self,
+        method: u32,
+        buf: crate::RegisteredBuf,
+        opts: CallOptions,
+    ) -> Result<(Body, crate::RegisteredBuf), RpcError> {
+        self.call_registered(method, buf, opts, true).await
+    }
+
+    /// Starts a call with a registered request buffer and waits for its result and the buffer;
+    /// with `in_slot` an eager response may stay in its receive slot.
+    async fn call_registered(
+        &self,
+        method: u32,
+        buf: crate::RegisteredBuf,
+        opts: CallOptions,
+        in_slot: bool,
+    ) -> Result<(Body, crate::RegisteredBuf), RpcError> {
         let shared = &self.handle.shared;
         let span = crate::spans::call(method, buf.len());
-        let (call, back) = shared.state.lock().start(method, Outgoing::Buf(buf), opts)?;
+        let (call, back) = {
+            let mut st = shared.state.lock();
+            let (call, back) = st.start(method, Outgoing::Buf(buf), opts)?;
+            if in_slot {
+                // Before anyone polls: the response cannot have arrived yet.
+                st.conn.session.keep_in_slot(call);
+            }
+            (call, back)
+        };
         let mut keep = KeepGuard {
             shared,
             kept: match &back {
@@ -299,15 +383,21 @@ impl Client {
                 _ => None,
             },
         };
-        let result = Pending::new(shared, call).instrument(span).await.map(Body::into_vec);
+        let result = Pending::new(shared, call).instrument(span).await;
         keep.kept = None;
         let mut st = shared.state.lock();
         match (result, back) {
             (Ok(v), Back::Own(b)) => Ok((v, b)),
-            (Ok(v), Back::Kept { id, len }) => match st.conn.stash.reclaim(id, len) {
-                Some(b) => Ok((v, b)),
-                None => Err(RpcError::Transport("re-registering the lent buffer failed".into())),
-            },
+            (Ok(v), Back::Kept { id, len }) => {
+                wait_sent(&mut st, id);
+                match st.conn.stash.reclaim(id, len) {
+                    Some(b) => Ok((v, b)),
+                    None => Err(match st.conn.lost() {
+                        Some(why) => RpcError::ConnectionLost(why.to_owned()),
+                        None => RpcError::Transport("re-registering the lent buffer failed".into()),
+                    }),
+                }
+            }
             (Ok(_), Back::Nothing) => Err(RpcError::Internal("the call's buffer went missing".into())),
             (Err(e), Back::Kept { id, .. }) => {
                 st.conn.stash.unkeep(id);
@@ -373,7 +463,7 @@ impl State {
                 // would take more than one piece eagerly, whatever the threshold.
                 Outgoing::Buf(b) if conn.session.is_rendezvous(b.len()) || b.len() > FRAGMENT => {
                     let len = b.len();
-                    match conn.stash.lend_user(b) {
+                    match conn.stash.lend_user(b, true) {
                         Ok((desc, buf)) => {
                             staged.push(buf);
                             back = Back::Kept { id: buf, len };
@@ -385,6 +475,25 @@ impl State {
                             staged.push(buf);
                             back = Back::Own(b);
                             Payload::Lent { desc, buf }
+                        }
+                    }
+                }
+                // Small: sent from the buffer itself, unless a landing descriptor must go first.
+                Outgoing::Buf(b)
+                    if conn.session.fits_placed(b.len())
+                        && !opts.response_hint.is_some_and(|h| conn.session.is_rendezvous(h)) =>
+                {
+                    let len = b.len();
+                    match conn.stash.lend_user(b, true) {
+                        Ok((_, buf)) => {
+                            staged.push(buf);
+                            back = Back::Kept { id: buf, len };
+                            Payload::Placed { buf, len }
+                        }
+                        Err(b) => {
+                            let v = b.to_vec();
+                            back = Back::Own(b);
+                            Payload::Eager(v)
                         }
                     }
                 }
@@ -463,6 +572,22 @@ impl State {
     /// True when no call polls by itself, so the driver must watch the CQ for them.
     fn needs_watch(&self) -> bool {
         self.conn.lost().is_none() && self.conn.has_work() && self.calls.len() <= self.sleeping
+    }
+}
+
+/// Waits until the application's buffer `id` is back from the Send it went out in (its
+/// completion may come after the response), or the connection is lost.
+fn wait_sent(st: &mut parking_lot::MutexGuard<'_, State>, id: crate::proto::BufId) {
+    while st.conn.stash.in_flight(id) {
+        if st.conn.lost().is_some() {
+            // Flushed work requests give their buffers back.
+            st.conn.drain_flushed();
+            return;
+        }
+        st.progress();
+        if st.conn.stash.in_flight(id) {
+            parking_lot::MutexGuard::unlocked(st, std::thread::yield_now);
+        }
     }
 }
 

@@ -17,7 +17,7 @@ use rdma_rpc_transport::{
 
 use crate::buf::{RegisteredBuf, SlotsBack};
 use crate::config::CompletionMode;
-use crate::proto::{BufId, Event, Session, Token, Transmit, LANDING_PREFIX};
+use crate::proto::{BufId, Event, Session, Token, Transmit, HEADER_LEN, LANDING_PREFIX};
 use crate::stash::Stash;
 use crate::RpcError;
 
@@ -26,6 +26,8 @@ const RECV: u64 = 1 << KIND_SHIFT;
 const SEND: u64 = 2 << KIND_SHIFT;
 const READ: u64 = 3 << KIND_SHIFT;
 const WRITE: u64 = 4 << KIND_SHIFT;
+/// A Send straight from a stash buffer ([`Transmit::SendPlaced`]); the id is the buffer's.
+const PLACED: u64 = 5 << KIND_SHIFT;
 const ID_MASK: u64 = (1 << KIND_SHIFT) - 1;
 
 /// Messages (header included) shorter than this are copied out of their receive slot even for
@@ -262,7 +264,15 @@ impl Conn {
         n > 0
     }
 
-    fn on_completion(&mut self, c: Completion) {
+    fn on_completion(&mut self, mut c: Completion) {
+        if c.wr_id & !ID_MASK == PLACED {
+            // The buffer is the stash's again, whatever the status (flushed after a loss too).
+            let id = c.wr_id & ID_MASK;
+            if let Some(mr) = c.buf.take() {
+                self.stash.put_back(id, mr);
+                self.stash.release(id);
+            }
+        }
         if !c.status.is_success() {
             let hint = c.status.hint().map(|h| format!(" ({h})")).unwrap_or_default();
             self.lose(format!("work request failed: {}{hint}", c.status));
@@ -305,7 +315,7 @@ impl Conn {
                     Ok(false) => self.unposted.push(RecvWr::new(c.wr_id, buf)),
                 }
             }
-            SEND => {} // the send buffer returns to its pool as `c` drops
+            SEND | PLACED => {} // a pool's send buffer returns to its pool as `c` drops
             READ => {
                 let Some(job) = Job::piece_done(&mut self.reads, id, c.buf) else {
                     return;
@@ -398,8 +408,8 @@ impl Conn {
     /// Posts one transmit; gives it back when no send buffer is free yet.
     fn post(&mut self, t: Transmit) -> Result<(), Transmit> {
         if self.lost.is_some() {
-            if let Transmit::Release(b) = t {
-                self.stash.release(b);
+            if let Transmit::Release(buf) | Transmit::SendPlaced { buf, .. } = t {
+                self.stash.release(buf);
             }
             return Ok(());
         }
@@ -423,6 +433,29 @@ impl Conn {
                     self.unsignaled = 0;
                 }
                 if bytes.len() <= self.max_inline {
+                    wr.inline()
+                } else {
+                    wr
+                }
+            }
+            Transmit::SendPlaced { head, buf, len } => {
+                let Some(mut mr) = self.stash.take_out(buf) else {
+                    self.lose(format!("buffer {buf} to send from is not the connection's"));
+                    return Ok(());
+                };
+                let n = HEADER_LEN + len;
+                if n > mr.len() {
+                    self.stash.put_back(buf, mr);
+                    self.stash.release(buf);
+                    self.lose(format!("a {n}-byte message does not fit the buffer it is in"));
+                    return Ok(());
+                }
+                mr.bytes_mut()[..HEADER_LEN].copy_from_slice(&head);
+                // Signaled: its completion gives the buffer back (and the pool's buffers of the
+                // unsignaled Sends before it).
+                self.unsignaled = 0;
+                let wr = SendWr::send(PLACED | buf, mr).len(n);
+                if n <= self.max_inline {
                     wr.inline()
                 } else {
                     wr
@@ -473,6 +506,13 @@ impl Conn {
             }
         };
         if let Err(e) = self.qp.post_send(wr) {
+            for wr in e.unposted {
+                let id = wr.wr_id();
+                if let (PLACED, Some(mr)) = (id & !ID_MASK, wr.into_buf()) {
+                    self.stash.put_back(id & ID_MASK, mr);
+                    self.stash.release(id & ID_MASK);
+                }
+            }
             self.lose(format!("posting: {}", e.error));
         }
         Ok(())

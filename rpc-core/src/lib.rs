@@ -20,4 +20,5 @@ pub use config::{CallOptions, CompletionMode, Config, Isolation, DEFAULT_EAGER_T
 pub use driver::IN_SLOT_MIN;
 pub use rdma_rpc_transport as transport;
 pub use server::{Server, ServerBuilder};
+pub use stash::Buffers;
 pub use status::{RpcError, Status};

@@ -11,15 +11,22 @@ use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 use tracing::Instrument;
 
-use crate::buf::Body;
+use crate::buf::{Body, RegisteredBuf};
 use crate::client::{agree, qp_caps, slot_size};
 use crate::config::{Config, Hello};
 use crate::driver::{self, Conn, Role, RoleInput};
 use crate::proto::{Event, Payload, RequestBody, Session};
+use crate::stash::Buffers;
 use crate::RpcError;
 
-type BoxFuture = Pin<Box<dyn Future<Output = Result<Vec<u8>, RpcError>> + Send>>;
-type Handler = Arc<dyn Fn(Body) -> BoxFuture + Send + Sync>;
+type BoxFuture = Pin<Box<dyn Future<Output = Result<Response, RpcError>> + Send>>;
+type Handler = Arc<dyn Fn(Body, &Buffers) -> BoxFuture + Send + Sync>;
+
+/// A handler's answer: bytes to copy into the message, or a registered buffer to send from.
+enum Response {
+    Bytes(Vec<u8>),
+    Buf(RegisteredBuf),
+}
 
 /// Collects handlers, then binds.
 pub struct ServerBuilder {
@@ -37,8 +44,14 @@ impl ServerBuilder {
         F: Fn(Vec<u8>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Vec<u8>, RpcError>> + Send + 'static,
     {
-        self.handlers
-            .insert(method, Arc::new(move |req: Body| Box::pin(f(req.into_vec()))));
+        let f = Arc::new(f);
+        self.handlers.insert(
+            method,
+            Arc::new(move |req: Body, _: &Buffers| {
+                let fut = f(req.into_vec());
+                Box::pin(async move { fut.await.map(Response::Bytes) })
+            }),
+        );
         self.in_slot.remove(&method);
         self
     }
@@ -69,8 +82,45 @@ impl ServerBuilder {
         F: Fn(Body) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Vec<u8>, RpcError>> + Send + 'static,
     {
-        self.handlers
-            .insert(method, Arc::new(move |req: Body| Box::pin(f(req))));
+        self.handlers.insert(
+            method,
+            Arc::new(move |req: Body, _: &Buffers| {
+                let fut = f(req);
+                Box::pin(async move { fut.await.map(Response::Bytes) })
+            }),
+        );
+        self.in_slot.insert(method);
+        self
+    }
+
+    /// As [`ServerBuilder::handler_body`], answering from a registered buffer: the handler gets
+    /// the connection's [`Buffers`], fills one and returns it, and the response goes to the
+    /// caller straight from it (sent as it is when small, lent when large), with no copy. A
+    /// buffer of another connection is copied. The buffer goes back to the connection once sent.
+    ///
+    /// # Examples
+    /// ```
+    /// use rdma_rpc_core::{Body, Buffers, Config, RpcError, Server};
+    /// // Answers with 4 KiB of the request's first byte, written in place.
+    /// let builder = Server::builder(Config::default()).handler_buf(9, |req: Body, bufs: Buffers| async move {
+    ///     let mut out = bufs.buffer(4096)?;
+    ///     out.bytes_mut().fill(req.bytes().first().copied().unwrap_or(0));
+    ///     Ok::<_, RpcError>(out)
+    /// });
+    /// # drop(builder);
+    /// ```
+    pub fn handler_buf<F, Fut>(mut self, method: u32, f: F) -> Self
+    where
+        F: Fn(Body, Buffers) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<RegisteredBuf, RpcError>> + Send + 'static,
+    {
+        self.handlers.insert(
+            method,
+            Arc::new(move |req: Body, bufs: &Buffers| {
+                let fut = f(req, bufs.clone());
+                Box::pin(async move { fut.await.map(Response::Buf) })
+            }),
+        );
         self.in_slot.insert(method);
         self
     }
@@ -181,6 +231,7 @@ async fn serve_connection(
     let conn = Conn::new(session, &pd, qp, cq, (slot, config.ring), config.isolation)?;
     let (tx, rx) = mpsc::unbounded_channel();
     let role = ServerRole {
+        buffers: conn.stash.buffers(),
         handlers,
         running: HashMap::default(),
         tx,
@@ -190,19 +241,21 @@ async fn serve_connection(
     Ok(())
 }
 
-type Done = (u32, Result<Vec<u8>, RpcError>);
+type Done = (u32, Result<Response, RpcError>);
 
 const ACCEPT_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 
 struct ServerRole {
     handlers: Arc<HashMap<u32, Handler>>,
+    /// The connection's registered buffers, for handlers that answer from one.
+    buffers: Buffers,
     running: HashMap<u32, AbortHandle>,
     tx: mpsc::UnboundedSender<Done>,
     rx: mpsc::UnboundedReceiver<Done>,
 }
 
 impl ServerRole {
-    fn respond(&mut self, conn: &mut Conn, call: u32, result: Result<Vec<u8>, RpcError>) {
+    fn respond(&mut self, conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
         if self.running.remove(&call).is_none() {
             return; // aborted meanwhile: the session already answered
         }
@@ -210,9 +263,25 @@ impl ServerRole {
     }
 }
 
-/// Hands a handler's result to the session: large responses are staged in a registered buffer.
-fn answer(conn: &mut Conn, call: u32, result: Result<Vec<u8>, RpcError>) {
-    let result = match result {
+/// Hands a handler's result to the session: large responses are staged in a registered buffer
+/// (or lent as they are, from a buffer of this connection), small ones from a buffer of this
+/// connection are sent from it.
+fn answer(conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
+    let bytes = match result {
+        Ok(Response::Buf(b)) => {
+            let len = b.len();
+            let lend = conn.session.is_rendezvous(len) || !conn.session.fits_placed(len);
+            match conn.stash.lend_user(b, false) {
+                Ok((desc, buf)) if lend => return conn.session.respond(call, Ok(Payload::Lent { desc, buf })),
+                Ok((_, buf)) => return conn.session.respond(call, Ok(Payload::Placed { buf, len })),
+                // Another connection's buffer: copied, as a Vec is.
+                Err(b) => Ok(b.to_vec()),
+            }
+        }
+        Ok(Response::Bytes(v)) => Ok(v),
+        Err(e) => Err(e),
+    };
+    let result = match bytes {
         Ok(bytes) if conn.session.is_rendezvous(bytes.len()) => match conn.stash.lend(&bytes) {
             Ok((desc, buf)) => Ok(Payload::Lent { desc, buf }),
             Err(e) => Err(e),
@@ -227,7 +296,7 @@ fn answer(conn: &mut Conn, call: u32, result: Result<Vec<u8>, RpcError>) {
 struct CatchUnwind(BoxFuture);
 
 impl Future for CatchUnwind {
-    type Output = Result<Result<Vec<u8>, RpcError>, Box<dyn std::any::Any + Send>>;
+    type Output = Result<Result<Response, RpcError>, Box<dyn std::any::Any + Send>>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
         let fut = self.0.as_mut();
@@ -290,7 +359,7 @@ impl Role for ServerRole {
                     conn.session.respond(call, Err(RpcError::UnknownMethod(method)));
                     return;
                 };
-                let mut fut = CatchUnwind(h(body));
+                let mut fut = CatchUnwind(h(body, &self.buffers));
                 // A handler that finishes on its first poll (most do) is answered right here, with
                 // no task and no thread hop; the others continue in a task of their own.
                 let first = {

@@ -73,31 +73,34 @@ impl Stash {
 
     /// A free buffer of `len` bytes' class, or a new registration.
     fn fresh(&mut self, len: usize) -> Result<MemoryRegion, RpcError> {
-        let c = class(len);
-        if let Some(mr) = self.free.lock().pop(c) {
-            return Ok(mr);
-        }
-        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
-        self.pd
-            .register(c, access)
-            .map_err(|e| RpcError::Transport(format!("registering a {c}-byte rendezvous buffer: {e}")))
+        fresh(&self.pd, &self.free, len)
     }
 
     /// A buffer for the application to fill: `len` bytes after room for the length prefix.
     pub(crate) fn user_buffer(&mut self, len: usize) -> Result<RegisteredBuf, RpcError> {
-        let mr = self.fresh(LANDING_PREFIX.saturating_add(len))?;
-        Ok(RegisteredBuf::new(mr, LANDING_PREFIX, len, &self.free))
+        self.buffers().buffer(len)
+    }
+
+    /// Hands out buffers of this connection, for a handler to answer from.
+    pub(crate) fn buffers(&self) -> Buffers {
+        Buffers {
+            pd: self.pd.clone(),
+            free: self.free.clone(),
+        }
     }
 
     /// Lends the application's buffer (see [`RegisteredBuf::lendable_on`]) without copying it:
-    /// writes its length prefix and holds it under a fresh id that [`Stash::reclaim`] gives back.
-    pub(crate) fn lend_user(&mut self, buf: RegisteredBuf) -> Result<(RemoteRegion, BufId), RegisteredBuf> {
+    /// writes its length prefix and holds it under a fresh id. With `keep`, [`Stash::reclaim`]
+    /// gives it back to the application; otherwise it goes to the free lists when released.
+    /// The same layout serves a Send straight from the buffer
+    /// ([`Payload::Placed`](crate::proto::Payload::Placed)): the header goes over the prefix.
+    pub(crate) fn lend_user(&mut self, buf: RegisteredBuf, keep: bool) -> Result<(RemoteRegion, BufId), RegisteredBuf> {
         if !buf.lendable_on(&self.free, LANDING_PREFIX) {
             return Err(buf);
         }
         let len = buf.len();
         let mut mr = buf.into_region();
-        mr.bytes_mut()[..LANDING_PREFIX].copy_from_slice(&(len as u64).to_le_bytes());
+        write_prefix(&mut mr.bytes_mut(), len);
         let whole = mr.remote();
         let desc = RemoteRegion {
             addr: whole.addr + LANDING_PREFIX as u64,
@@ -107,8 +110,16 @@ impl Stash {
         let id = self.next;
         self.next += 1;
         self.held.insert(id, mr);
-        self.keep.insert(id);
+        if keep {
+            self.keep.insert(id);
+        }
         Ok((desc, id))
+    }
+
+    /// Whether the application's buffer `id` is out in a work request (neither held nor
+    /// released yet): a Send from it whose completion has not come back.
+    pub(crate) fn in_flight(&self, id: BufId) -> bool {
+        self.keep.contains(&id) && !self.held.contains_key(&id) && !self.kept.contains_key(&id)
     }
 
     /// The application's lent buffer `id` of `len` bytes back, once no peer reaches it any more
@@ -157,7 +168,7 @@ impl Stash {
         let (id, mr) = self.take(LANDING_PREFIX + data.len())?;
         {
             let mut b = mr.bytes_mut();
-            b[..LANDING_PREFIX].copy_from_slice(&(data.len() as u64).to_le_bytes());
+            write_prefix(&mut b, data.len());
             b[LANDING_PREFIX..LANDING_PREFIX + data.len()].copy_from_slice(data);
         }
         let whole = mr.remote();
@@ -173,8 +184,8 @@ impl Stash {
     pub(crate) fn landed(&mut self, id: BufId) -> Result<Vec<u8>, RpcError> {
         let out = self.get(id).map(|mr| {
             let b = mr.bytes();
-            let mut n = [0u8; LANDING_PREFIX];
-            n.copy_from_slice(&b[..LANDING_PREFIX]);
+            let mut n = [0u8; 8];
+            n.copy_from_slice(&b[..8]);
             let n = u64::from_le_bytes(n);
             usize::try_from(n)
                 .ok()
@@ -214,5 +225,51 @@ impl Stash {
     /// A buffer no peer can reach through the session any more (see [`Free::put`]).
     pub(crate) fn recycle(&mut self, mr: MemoryRegion) {
         self.free.lock().put(mr);
+    }
+}
+
+/// Writes the [`LANDING_PREFIX`] of a payload of `len` bytes to the start of `b`: the length,
+/// then zeros.
+fn write_prefix(b: &mut [u8], len: usize) {
+    let (n, rest) = b[..LANDING_PREFIX].split_at_mut(8);
+    n.copy_from_slice(&(len as u64).to_le_bytes());
+    rest.fill(0);
+}
+
+/// A free buffer of `len` bytes' class from `free`, or a new registration with `pd`.
+fn fresh(pd: &ProtectionDomain, free: &Mutex<Free>, len: usize) -> Result<MemoryRegion, RpcError> {
+    let c = class(len);
+    if let Some(mr) = free.lock().pop(c) {
+        return Ok(mr);
+    }
+    let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
+    pd.register(c, access)
+        .map_err(|e| RpcError::Transport(format!("registering a {c}-byte buffer: {e}")))
+}
+
+/// Registered buffers of the connection a request came on, for a handler that answers from
+/// one ([`ServerBuilder::handler_buf`](crate::ServerBuilder::handler_buf)): the response then
+/// goes to the caller straight from it, with no copy on the server. Cheap to clone.
+#[derive(Clone)]
+pub struct Buffers {
+    pd: ProtectionDomain,
+    free: Arc<Mutex<Free>>,
+}
+
+impl Buffers {
+    /// A buffer of `len` bytes to fill (its bytes are not cleared: a reused buffer holds what
+    /// it held). Dropping it gives it back to the connection.
+    ///
+    /// # Errors
+    /// [`RpcError::Transport`] when the memory cannot be registered.
+    pub fn buffer(&self, len: usize) -> Result<RegisteredBuf, RpcError> {
+        let mr = fresh(&self.pd, &self.free, LANDING_PREFIX.saturating_add(len))?;
+        Ok(RegisteredBuf::new(mr, LANDING_PREFIX, len, &self.free))
+    }
+}
+
+impl std::fmt::Debug for Buffers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffers").finish_non_exhaustive()
     }
 }

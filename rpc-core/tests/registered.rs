@@ -1,8 +1,9 @@
 //! Registered buffers held by the application: `Client::buffer` / `Client::call_buf` lend a
 //! buffer to the server as it is, `ServerBuilder::handler_body` hands a large request to the
 //! handler in the buffer it was read into and a small one in its receive slot, and
-//! `Client::call_body` returns a small response in its receive slot. Over `RDMA_RPC_PROVIDER`
-//! (default `tcp`).
+//! `Client::call_body` returns a small response in its receive slot; a small registered request
+//! is sent from its buffer, and `ServerBuilder::handler_buf` answers from one. Over
+//! `RDMA_RPC_PROVIDER` (default `tcp`).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -16,7 +17,7 @@ use common::bounded;
 use parking_lot::Mutex;
 use rdma_rpc_core::proto::{FRAGMENT, HEADER_LEN};
 use rdma_rpc_core::transport::Device;
-use rdma_rpc_core::{Body, Client, Config, Isolation, RpcError, Server, IN_SLOT_MIN};
+use rdma_rpc_core::{Body, Buffers, CallOptions, Client, Config, Isolation, RpcError, Server, IN_SLOT_MIN};
 
 /// Answers [len u64][checksum u64][1 if the body came in a registered buffer].
 const SUM: u32 = 1;
@@ -26,6 +27,11 @@ const SLOW_SUM: u32 = 2;
 const KEEP_SUM: u32 = 3;
 /// Answers `len` bytes (little-endian u64 in the request) of pattern `len`.
 const MAKE: u32 = 4;
+/// `handler_buf`: answers the request reversed, from a buffer of the connection's.
+const REVERSE_BUF: u32 = 5;
+/// `handler_buf`: answers `len` bytes (little-endian u64 in the request) of pattern `len`, from
+/// a buffer of the first connection that called it (so a copy on any other).
+const MAKE_BUF: u32 = 6;
 const THRESHOLD: usize = 16 * 1024;
 
 fn test_ip() -> IpAddr {
@@ -78,6 +84,7 @@ async fn setup(cfg: Config) -> (Setup, tokio::sync::MutexGuard<'static, ()>) {
     let h = handled.clone();
     let kept = Arc::new(Mutex::new(Vec::new()));
     let k = kept.clone();
+    let first: Arc<Mutex<Option<Buffers>>> = Arc::default();
     let server = Server::builder(cfg.clone())
         .handler_body(KEEP_SUM, move |body: Body| {
             let out = answer(&body);
@@ -91,6 +98,25 @@ async fn setup(cfg: Config) -> (Setup, tokio::sync::MutexGuard<'static, ()>) {
             Ok(out)
         })
         .handler_body(SUM, |body: Body| async move { Ok::<_, RpcError>(answer(&body)) })
+        .handler_buf(REVERSE_BUF, |body: Body, bufs: Buffers| async move {
+            let mut out = bufs.buffer(body.len())?;
+            out.bytes_mut().copy_from_slice(&body.bytes());
+            out.bytes_mut().reverse();
+            Ok(out)
+        })
+        .handler_buf(MAKE_BUF, move |body: Body, bufs: Buffers| {
+            let first = first.lock().get_or_insert(bufs).clone();
+            async move {
+                let len = u64::from_le_bytes(
+                    body.bytes()[..]
+                        .try_into()
+                        .map_err(|_| RpcError::Application("8 bytes".into()))?,
+                );
+                let mut out = first.buffer(len as usize)?;
+                fill(&mut out.bytes_mut(), len);
+                Ok(out)
+            }
+        })
         .handler_body(SLOW_SUM, move |body: Body| {
             let h = h.clone();
             async move {
@@ -474,5 +500,126 @@ async fn dropped_calls_never_expose_a_lent_buffer_and_leak_nothing() {
     let want = b.to_vec();
     let (got, _) = bounded(client.call_buf(SUM, b)).await.expect("healthy");
     expect_answer(&got, &want, true);
+    assert!(s.handled.load(Ordering::SeqCst) <= done + dropped);
+}
+
+/// Small registered requests go from their buffer (`call_buf_body`), and responses from the
+/// handler's (`handler_buf`), at every size up to one piece: the bytes are right both ways, the
+/// request's buffer comes back unchanged, and after warm-up no call registers memory (every
+/// buffer sent from goes back where it came from).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_bodies_go_straight_from_registered_buffers_both_ways() {
+    let (s, _serial) = setup(config()).await;
+    let sizes = [0, 1, 7, 100, IN_SLOT_MIN, 1000, 4096, THRESHOLD - 1, THRESHOLD];
+    let mut warm = 0;
+    for round in 0..12u64 {
+        for (i, &len) in sizes.iter().enumerate() {
+            let mut buf = s.client.buffer(len).expect("buffer");
+            fill(&mut buf.bytes_mut(), round << 8 | i as u64);
+            let want = buf.to_vec();
+            let (got, back) = bounded(s.client.call_buf_body(REVERSE_BUF, buf)).await.expect("call");
+            let mut reversed = want.clone();
+            reversed.reverse();
+            assert!(got.bytes()[..] == reversed[..], "{len} bytes: wrong answer");
+            assert_eq!(matches!(got, Body::Registered(_)), in_slot(len), "{len} bytes");
+            assert!(
+                back.bytes()[..] == want[..],
+                "{len} bytes: the buffer came back changed"
+            );
+            // The same through `call_buf`, the answer copied out.
+            let (got, back) = bounded(s.client.call_buf(REVERSE_BUF, back)).await.expect("call_buf");
+            assert!(got == reversed, "{len} bytes: wrong answer through call_buf");
+            assert!(back.bytes()[..] == want[..]);
+        }
+        if round == 2 {
+            warm = s.dev.registered_bytes();
+        }
+        if round > 2 {
+            assert_eq!(s.dev.registered_bytes(), warm, "round {round} registered more memory");
+        }
+    }
+}
+
+/// A `handler_buf` response above the threshold is lent as it is: read by the caller, or
+/// written into its landing buffer when it advertised one (`response_hint`); a buffer of
+/// another connection is copied. The bytes are right every way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_buffer_responses_are_lent_or_written_and_foreign_ones_copied() {
+    let (s, _serial) = setup(config()).await;
+    let other = Client::connect(&s.dev, s.addr, s.cfg.clone())
+        .await
+        .expect("second client");
+    for len in [0usize, 100, 4096, THRESHOLD, THRESHOLD + 1, FRAGMENT + 1, 1 << 20] {
+        let mut want = vec![0u8; len];
+        fill(&mut want, len as u64);
+        let req = (len as u64).to_le_bytes().to_vec();
+        // The first client's connection owns the handler's buffers: no copy there.
+        let got = bounded(s.client.call(MAKE_BUF, req.clone())).await.expect("read");
+        assert!(got == want, "{len} bytes read");
+        let hinted = CallOptions {
+            response_hint: Some(len),
+            ..CallOptions::default()
+        };
+        let got = bounded(s.client.call_with(MAKE_BUF, req.clone(), hinted.clone()))
+            .await
+            .expect("written");
+        assert!(got == want, "{len} bytes written into the landing buffer");
+        let got = bounded(other.call_with(MAKE_BUF, req, hinted)).await.expect("copied");
+        assert!(got == want, "{len} bytes from another connection's buffer");
+    }
+}
+
+/// Small registered requests dropped mid-call (their buffers out in a Send, or queued), and
+/// calls that finish, on one connection: every answer is right, and once everything settles
+/// no registered memory is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_small_buffer_calls_leak_nothing() {
+    let (s, _serial) = setup(config()).await;
+    let client = s.client.clone();
+    bounded(client.call(SUM, vec![1; 8])).await.expect("first call");
+    // Each side keeps at most 8 free buffers of a size class (here 8 KiB: 4 KiB and the prefix).
+    let at_rest = s.dev.registered_bytes() + 2 * 8 * (8 << 10);
+    let mut tasks = Vec::new();
+    for caller in 0..8u64 {
+        let c = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = caller.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
+            let (mut done, mut dropped) = (0, 0);
+            for i in 0..60u64 {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let mut b = c.buffer(4096).expect("buffer");
+                fill(&mut b.bytes_mut(), caller << 32 | i);
+                let want = b.to_vec();
+                let wait = Duration::from_micros(rng % 6_000);
+                match tokio::time::timeout(wait, c.call_buf_body(SLOW_SUM, b)).await {
+                    Ok(r) => {
+                        let (got, back) = r.expect("call_buf_body");
+                        expect_answer(&got.bytes(), &want, in_slot(4096));
+                        assert!(back.bytes()[..] == want[..]);
+                        done += 1;
+                    }
+                    Err(_) => dropped += 1,
+                }
+            }
+            (done, dropped)
+        }));
+    }
+    let (done, dropped) = common::tally(tasks).await;
+    let mut settled = s.dev.registered_bytes();
+    for _ in 0..100 {
+        if settled <= at_rest {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let b = client.buffer(4096).expect("a buffer");
+        bounded(client.call_buf(SUM, b)).await.expect("healthy");
+        settled = s.dev.registered_bytes();
+    }
+    assert!(
+        settled <= at_rest,
+        "registered memory after the drops settled: {settled} > {at_rest} (a buffer leaked)"
+    );
     assert!(s.handled.load(Ordering::SeqCst) <= done + dropped);
 }

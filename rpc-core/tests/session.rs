@@ -61,6 +61,12 @@ struct Side {
     next_slot: u64,
     /// Messages the session kept in their slots.
     kept: u32,
+    /// Small payloads go as [`Payload::Placed`], from a buffer of the driver's.
+    placed: bool,
+    /// Placed buffers the session has neither sent from nor released.
+    sending: HashSet<BufId>,
+    /// Messages sent from placed buffers.
+    placed_sent: u32,
 }
 
 impl Side {
@@ -85,7 +91,15 @@ impl Side {
             slots: HashMap::new(),
             next_slot: 0,
             kept: 0,
+            placed: false,
+            sending: HashSet::new(),
+            placed_sent: 0,
         }
+    }
+
+    fn placing(mut self) -> Self {
+        self.placed = true;
+        self
     }
 
     fn in_slots(mut self) -> Self {
@@ -142,17 +156,24 @@ impl Side {
         (desc, id)
     }
 
-    fn payload(&mut self, data: Vec<u8>) -> Payload {
+    /// `data` as the driver would hand it over (`landing`: a landing descriptor goes with it).
+    fn payload(&mut self, data: Vec<u8>, landing: bool) -> Payload {
         if self.s.is_rendezvous(data.len()) {
             let (desc, buf) = self.stage(data);
             Payload::Lent { desc, buf }
+        } else if self.placed && !landing && self.s.fits_placed(data.len()) {
+            let (buf, len) = (self.next_buf, data.len());
+            self.next_buf += 1;
+            self.bufs.insert(buf, data);
+            self.sending.insert(buf);
+            Payload::Placed { buf, len }
         } else {
             Payload::Eager(data)
         }
     }
 
     fn call(&mut self, len: usize, landing: Option<usize>, budget: Option<Duration>, now: Instant) -> u32 {
-        let p = self.payload(pattern(len, len as u8));
+        let p = self.payload(pattern(len, len as u8), landing.is_some());
         let landing = landing.map(|l| self.stage(vec![0; l]));
         let id = self.s.start_call(1, p, landing, budget, now).expect("start_call");
         if self.in_slot {
@@ -228,6 +249,21 @@ fn pump(from: &mut Side, to: &mut Side) {
         );
         match t {
             Transmit::Send(m) => to.inbox.push_back(Wire::Send(m.to_vec())),
+            Transmit::SendPlaced { head, buf, len } => {
+                assert!(
+                    from.sending.remove(&buf),
+                    "sent from buffer {buf} twice or never placed"
+                );
+                let body = from.bufs.remove(&buf).expect("the placed buffer");
+                let mut m = head.to_vec();
+                m.extend_from_slice(&body[..len]);
+                from.placed_sent += 1;
+                to.inbox.push_back(Wire::Send(m));
+            }
+            Transmit::Release(b) if from.sending.remove(&b) => {
+                // Placed and never sent (the connection was lost).
+                from.bufs.remove(&b);
+            }
             Transmit::Release(b) if from.reading.remove(&b) => {
                 // A request read for a handler that will not run.
                 from.bufs.remove(&b);
@@ -275,6 +311,7 @@ fn run_rdma(from: &mut Side, to: &mut Side, now: Instant) {
                 "RDMA Write from buffer {buf} after its release"
             );
             let mut data = (len as u64).to_le_bytes().to_vec();
+            data.resize(LANDING_PREFIX, 0);
             data.extend_from_slice(&from.bufs[&buf][..len]);
             to.bufs.get_mut(&remote.addr).expect("landing")[..LANDING_PREFIX + len].copy_from_slice(&data);
             to.inbox.push_back(Wire::WriteImm { imm, len });
@@ -338,7 +375,7 @@ fn serve(server: &mut Side, resp_len: impl Fn(usize) -> usize) {
         let len = resp_len(req.len());
         let mut body = pattern(len, req.len() as u8);
         body.iter_mut().zip(req.iter()).for_each(|(b, r)| *b ^= r);
-        let p = server.payload(body);
+        let p = server.payload(body, false);
         server.s.respond(call, Ok(p));
     }
 }
@@ -383,7 +420,7 @@ fn reply_bytes(a: &Side, r: &Reply) -> Vec<u8> {
         Reply::InSlot { .. } => panic!("in-slot replies are taken out when they arrive"),
         Reply::Landed { buf } => {
             let b = &a.bufs[buf];
-            let len = u64::from_le_bytes(b[..LANDING_PREFIX].try_into().expect("prefix")) as usize;
+            let len = u64::from_le_bytes(b[..8].try_into().expect("prefix")) as usize;
             b[LANDING_PREFIX..LANDING_PREFIX + len].to_vec()
         }
     }
@@ -441,6 +478,67 @@ fn eager_and_rendezvous(client: Side, server: Side) -> (Side, Side) {
     assert!(b.reading.is_empty(), "every read buffer handed out or released");
     assert_eq!((a.rnr, b.rnr), (0, 0));
     (a, b)
+}
+
+#[test]
+fn eager_and_rendezvous_with_small_payloads_sent_from_their_buffers() {
+    let (a, b) = eager_and_rendezvous(Side::new(1000).placing(), Side::new(2000).placing());
+    assert!(
+        a.placed_sent > 0 && b.placed_sent > 0,
+        "requests and responses sent from their buffers: {} and {}",
+        a.placed_sent,
+        b.placed_sent
+    );
+    assert!(a.sending.is_empty() && b.sending.is_empty(), "every placed buffer sent");
+}
+
+#[test]
+fn placed_payloads_are_checked_and_given_back_when_unsent() {
+    let now = Instant::now();
+    let piece = 24; // cfg().fragment
+    let mut s = Session::new(cfg());
+    assert!(s.fits_placed(piece) && !s.fits_placed(piece + 1));
+    let too_long = s.start_call(1, Payload::Placed { buf: 1, len: piece + 1 }, None, None, now);
+    assert!(matches!(too_long, Err(RpcError::Protocol(_))), "{too_long:?}");
+    let landing = RemoteRegion {
+        addr: 9,
+        len: 100,
+        rkey: 1,
+    };
+    let with_landing = s.start_call(1, Payload::Placed { buf: 2, len: 4 }, Some((landing, 9)), None, now);
+    assert!(matches!(with_landing, Err(RpcError::Protocol(_))), "{with_landing:?}");
+    assert!(s.poll_transmit().is_none(), "a refused call sends nothing");
+    // Queued, then the connection dies before it leaves: the buffer comes back.
+    for _ in 0..RING {
+        s.start_call(1, Payload::Eager(vec![0]), None, None, now).expect("call");
+    }
+    s.start_call(1, Payload::Placed { buf: 3, len: 4 }, None, None, now)
+        .expect("placed call");
+    while let Some(t) = s.poll_transmit() {
+        assert!(
+            matches!(t, Transmit::Send(_)),
+            "only the calls with credits leave: {t:?}"
+        );
+    }
+    s.handle_connection_lost("gone");
+    assert_eq!(s.poll_transmit(), Some(Transmit::Release(3)));
+
+    // A server's placed response to a call cancelled meanwhile is released, not sent.
+    let (mut client, mut server) = (Session::new(cfg()), Session::new(cfg()));
+    let call = client
+        .start_call(1, Payload::Eager(b"hi".to_vec()), None, None, now)
+        .expect("call");
+    client.cancel(call);
+    while let Some(Transmit::Send(m)) = client.poll_transmit() {
+        server.handle_message(&m.to_vec(), now).expect("request, then cancel");
+    }
+    while server.poll_event().is_some() {}
+    while let Some(t) = server.poll_transmit() {
+        assert!(matches!(t, Transmit::Send(_)), "{t:?}");
+    }
+    server.respond(call, Ok(Payload::Placed { buf: 5, len: 2 }));
+    assert_eq!(server.poll_transmit(), Some(Transmit::Release(5)));
+    assert_eq!(server.poll_transmit(), None);
 }
 
 #[test]
@@ -799,10 +897,11 @@ proptest! {
     /// never RNR, credits within the ring, every live call answered once and correctly, and no
     /// buffer reached after its release.
     #[test]
-    fn random_mixes_keep_every_promise(ops in proptest::collection::vec((0u8..8, 0usize..400, 0usize..400), 1..120), held in any::<bool>(), deferred in any::<bool>(), in_slot in any::<bool>()) {
+    fn random_mixes_keep_every_promise(ops in proptest::collection::vec((0u8..8, 0usize..400, 0usize..400), 1..120), held in any::<bool>(), deferred in any::<bool>(), in_slot in any::<bool>(), placed in any::<bool>()) {
         let t0 = Instant::now();
         let server = if held { Side::new(2000).holding_reads() } else { Side::new(2000) };
         let client = Side::new(1000);
+        let (client, server) = if placed { (client.placing(), server.placing()) } else { (client, server) };
         let (client, server) = if in_slot { (client.in_slots(), server.in_slots()) } else { (client, server) };
         let (mut a, mut b) = if deferred {
             (client.deferring_reposts(), server.deferring_reposts())
@@ -853,6 +952,7 @@ proptest! {
         prop_assert_eq!(a.s.pending_calls(), 0);
         prop_assert_eq!(b.s.serving(), 0);
         prop_assert!(a.slots.is_empty() && b.slots.is_empty(), "receive slots still held");
+        prop_assert!(a.sending.is_empty() && b.sending.is_empty(), "placed buffers neither sent nor released");
     }
 }
 

@@ -93,6 +93,7 @@ pub fn session(data: &[u8]) {
     };
     let _ = s.start_call(2, lent, None, Some(Duration::from_millis(5)), t0);
     let _ = s.start_call(3, Payload::Eager(vec![]), Some((region(9000), 2)), None, t0);
+    let _ = s.start_call(4, Payload::Placed { buf: 3, len: 40 }, None, None, t0);
     drain(&mut s);
     let mut rest = data;
     let mut now = t0;
@@ -159,7 +160,15 @@ fn drain(s: &mut Session) {
             respond.push(call);
         }
     }
+    // Every other response is sent from a buffer of the driver's.
     for call in respond {
-        s.respond(call, Ok(Payload::Eager(vec![3; 4])));
+        let p = match call % 2 {
+            0 => Payload::Eager(vec![3; 4]),
+            _ => Payload::Placed {
+                buf: HELD_BASE * 2 + u64::from(call),
+                len: 4,
+            },
+        };
+        s.respond(call, Ok(p));
     }
 }

@@ -5,7 +5,7 @@ use rdma_rpc_transport::RemoteRegion;
 use super::ProtoError;
 
 /// Protocol version carried in every header.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Bytes of the fixed header.
 pub const HEADER_LEN: usize = 24;
 /// Bytes of an encoded [`RemoteRegion`] (addr, len, rkey).

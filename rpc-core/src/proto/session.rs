@@ -20,8 +20,11 @@ use crate::{RpcError, Status};
 /// A registered buffer, named by the driver that owns it.
 pub type BufId = u64;
 
-/// Bytes of the length header in front of a landed response (and of a lent buffer's payload).
-pub const LANDING_PREFIX: usize = 8;
+/// Bytes in front of a landed response (and of a lent buffer's payload): its length as a
+/// little-endian `u64`, then zeros. As long as a message header, so that a buffer laid out for
+/// lending can also be sent eagerly as it is ([`Payload::Placed`]), its header written over the
+/// prefix.
+pub const LANDING_PREFIX: usize = HEADER_LEN;
 
 /// Sizes both sides agree on (exchanged at connection set-up).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,6 +79,17 @@ pub enum Payload {
         /// The driver's name for the buffer.
         buf: BufId,
     },
+    /// Small, and already in a registered buffer after [`HEADER_LEN`] bytes of room: sent from
+    /// there in one message ([`Transmit::SendPlaced`]), no copy. At most one piece
+    /// ([`SessionConfig::fragment`]) and the eager threshold long; no landing descriptor goes
+    /// with it. The driver owns the buffer again once the Send completes, or when the session
+    /// releases it unsent ([`Transmit::Release`]).
+    Placed {
+        /// The driver's name for the buffer.
+        buf: BufId,
+        /// The payload length.
+        len: usize,
+    },
 }
 
 /// The result of a call.
@@ -115,6 +129,17 @@ pub enum Token {
 pub enum Transmit {
     /// Send this message (header and body) with a two-sided Send.
     Send(Message),
+    /// Write `head` over the first [`HEADER_LEN`] bytes of `buf` and Send the buffer's first
+    /// `HEADER_LEN + len` bytes (a [`Payload::Placed`]); `buf` is the driver's again when the
+    /// Send completes (no [`Transmit::Release`] follows).
+    SendPlaced {
+        /// The encoded header.
+        head: [u8; HEADER_LEN],
+        /// The buffer, its payload after `HEADER_LEN` bytes.
+        buf: BufId,
+        /// Payload bytes.
+        len: usize,
+    },
     /// RDMA Read `remote` into a buffer of the driver's, then call [`Session::handle_read_done`].
     Read {
         /// What for.
@@ -302,6 +327,12 @@ enum Out {
         remote: RemoteRegion,
         imm: u32,
     },
+    /// A message whose body is in a registered buffer ([`Payload::Placed`]).
+    Placed {
+        header: Header,
+        buf: BufId,
+        len: usize,
+    },
 }
 
 /// One side of an rdma-rpc connection. See the [module docs](super) for the order of calls.
@@ -422,6 +453,7 @@ impl Session {
         let len = match &payload {
             Payload::Eager(b) => b.len() as u64,
             Payload::Lent { desc, .. } => desc.len,
+            Payload::Placed { len, .. } => *len as u64,
         };
         if len > self.cfg.max_payload {
             return Err(RpcError::PayloadTooLarge {
@@ -438,6 +470,14 @@ impl Session {
                 )));
             }
         }
+        if let Payload::Placed { len, .. } = payload {
+            self.check_placed(len)?;
+            if landing.is_some() {
+                return Err(RpcError::Protocol(
+                    "a payload sent from its buffer cannot carry a landing descriptor".into(),
+                ));
+            }
+        }
         let call = self.fresh_call_id();
         let mut flags = 0;
         let mut body = Vec::new();
@@ -446,35 +486,34 @@ impl Session {
             body.reserve(DESC_LEN * 2);
             encode_desc(d, &mut body);
         }
-        let lent = match payload {
-            // The payload is the body as it stands: moved, not copied.
-            Payload::Eager(b) if body.is_empty() => {
-                body = b;
-                None
-            }
-            Payload::Eager(b) => {
-                body.extend_from_slice(&b);
-                None
-            }
+        let lent = match &payload {
             Payload::Lent { desc, buf } => {
                 flags |= FLAG_RENDEZVOUS;
-                encode_desc(&desc, &mut body);
-                Some(buf)
+                encode_desc(desc, &mut body);
+                Some(*buf)
             }
+            _ => None,
         };
         let budget_us = budget.map_or(0, |b| b.as_micros().clamp(1, u128::from(u32::MAX)) as u32);
-        self.queue.push_back(Out::Msg {
-            header: Header {
-                kind: Kind::Request,
-                flags,
-                call_id: call,
-                method,
-                status: 0,
-                credits: 0,
-                body_len: 0,
-                budget_us,
-            },
-            body,
+        let header = Header {
+            kind: Kind::Request,
+            flags,
+            call_id: call,
+            method,
+            status: 0,
+            credits: 0,
+            body_len: 0,
+            budget_us,
+        };
+        self.queue.push_back(match payload {
+            Payload::Placed { buf, len } => Out::Placed { header, buf, len },
+            // The payload is the body as it stands: moved, not copied.
+            Payload::Eager(b) if body.is_empty() => Out::Msg { header, body: b },
+            Payload::Eager(b) => {
+                body.extend_from_slice(&b);
+                Out::Msg { header, body }
+            }
+            Payload::Lent { .. } => Out::Msg { header, body },
         });
         self.calls.insert(
             call,
@@ -488,6 +527,23 @@ impl Session {
             },
         );
         Ok(call)
+    }
+
+    /// Whether a payload of `len` bytes may go as [`Payload::Placed`]: within the eager threshold
+    /// and one piece.
+    pub fn fits_placed(&self, len: usize) -> bool {
+        len <= self.cfg.eager_max && len <= self.cfg.piece()
+    }
+
+    fn check_placed(&self, len: usize) -> Result<(), RpcError> {
+        if self.fits_placed(len) {
+            return Ok(());
+        }
+        Err(RpcError::Protocol(format!(
+            "a payload of {len} bytes cannot be sent from its buffer in one message (eager_max {}, piece {})",
+            self.cfg.eager_max,
+            self.cfg.piece()
+        )))
     }
 
     fn fresh_call_id(&mut self) -> u32 {
@@ -634,12 +690,32 @@ impl Session {
     pub fn respond(&mut self, call: u32, result: Result<Payload, RpcError>) {
         let running = matches!(self.served.get(&call).map(|s| &s.state), Some(Serving::Running));
         if !running {
-            if let Ok(Payload::Lent { buf, .. }) = result {
+            if let Ok(Payload::Lent { buf, .. } | Payload::Placed { buf, .. }) = result {
                 self.actions.push_back(Transmit::Release(buf));
             }
             return;
         }
         match result {
+            Ok(Payload::Placed { buf, len }) => match self.check_placed(len) {
+                Ok(()) => {
+                    self.served.remove(&call);
+                    let header = Header {
+                        kind: Kind::Response,
+                        flags: 0,
+                        call_id: call,
+                        method: 0,
+                        status: Status::Ok as u16,
+                        credits: 0,
+                        body_len: 0,
+                        budget_us: 0,
+                    };
+                    self.queue.push_back(Out::Placed { header, buf, len });
+                }
+                Err(e) => {
+                    self.actions.push_back(Transmit::Release(buf));
+                    self.reply_error(call, &RpcError::Internal(e.to_string()));
+                }
+            },
             Ok(Payload::Eager(bytes)) if bytes.len() <= self.cfg.eager_max => {
                 self.served.remove(&call);
                 self.queue_small(Kind::Response, call, Status::Ok as u16, bytes);
@@ -967,7 +1043,12 @@ impl Session {
             return;
         }
         self.lost = Some(why.to_owned());
-        self.queue.clear();
+        for out in self.queue.drain(..) {
+            // Never sent: the driver has it back now.
+            if let Out::Placed { buf, .. } = out {
+                self.actions.push_back(Transmit::Release(buf));
+            }
+        }
         self.joining = None;
         let calls: Vec<u32> = self.calls.keys().copied().collect();
         for call in calls {
@@ -1056,6 +1137,15 @@ impl Session {
                 Out::WriteImm { buf, len, remote, imm } => {
                     self.credits.spend_silent()?;
                     Some(Transmit::WriteImm { buf, len, remote, imm })
+                }
+                Out::Placed { mut header, buf, len } => {
+                    header.credits = self.credits.spend()?;
+                    header.body_len = len as u32;
+                    Some(Transmit::SendPlaced {
+                        head: header.to_bytes(),
+                        buf,
+                        len,
+                    })
                 }
             };
         }
