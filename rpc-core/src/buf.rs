@@ -99,10 +99,8 @@ impl RegisteredBuf {
         self.len == 0
     }
 
-    /// The bytes, for reading.
-    ///
-    /// The borrow holds the buffer's lock (the provider's engine takes it to move bytes in and
-    /// out): drop it before borrowing the same buffer again, or the second borrow waits forever.
+    /// The bytes, for reading. Read borrows share the buffer; while one is held, writes into
+    /// it wait (see [`MemoryRegion::bytes`](rdma_rpc_transport::MemoryRegion::bytes)).
     pub fn bytes(&self) -> BufRef<'_> {
         let (off, len) = (self.off, self.len);
         self.region()
@@ -111,10 +109,8 @@ impl RegisteredBuf {
             .unwrap_or_else(|| unreachable_range(off, len))
     }
 
-    /// The bytes, for writing.
-    ///
-    /// The borrow holds the buffer's lock (the provider's engine takes it to move bytes in and
-    /// out): drop it before borrowing the same buffer again, or the second borrow waits forever.
+    /// The bytes, for writing. The borrow holds the buffer's lock exclusively: drop it before
+    /// borrowing the same buffer again on this thread, or the second borrow waits forever.
     pub fn bytes_mut(&mut self) -> BufMut<'_> {
         let (off, len) = (self.off, self.len);
         self.region_mut()
@@ -216,11 +212,7 @@ impl Body {
         self.len() == 0
     }
 
-    /// The bytes, for reading.
-    ///
-    /// A [`Body::Registered`] borrow holds its buffer's lock (the provider's engine takes it to
-    /// move bytes in and out): drop it before borrowing the same body again, or the second
-    /// borrow waits forever.
+    /// The bytes, for reading (read borrows share a registered body's buffer).
     pub fn bytes(&self) -> BodyRef<'_> {
         BodyRef(match self {
             Body::Bytes(b) => Inner::Slice(b),

@@ -3,7 +3,7 @@
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
-use parking_lot::{MappedMutexGuard, Mutex, MutexGuard};
+use parking_lot::{MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use serde::{Deserialize, Serialize};
 
 use crate::pd::{PdImpl, PdShared};
@@ -17,9 +17,10 @@ pub(crate) struct Region {
     // Field order is drop order: deregister (`imp`) before freeing (`mem`) before the PD goes.
     #[allow(dead_code)] // held for its Drop
     pub(crate) imp: RegionImpl,
-    /// The bytes. Local users and the software providers' progress engines go through this lock;
-    /// a real NIC reaches the same memory by DMA, as it does in every verbs program.
-    pub(crate) mem: Mutex<Mem>,
+    /// The bytes. Local users and the software providers' progress engines go through this lock
+    /// (any number of readers, or one writer); a real NIC reaches the same memory by DMA, as it
+    /// does in every verbs program.
+    pub(crate) mem: RwLock<Mem>,
     pub(crate) pd: Arc<PdShared>,
     pub(crate) addr: u64,
     pub(crate) len: usize,
@@ -97,10 +98,19 @@ pub(crate) enum RegionImpl {
 }
 
 impl Region {
-    /// Locks the bytes `[off, off + len)` of the region.
-    pub(crate) fn lock_range(&self, off: usize, len: usize) -> MappedMutexGuard<'_, [u8]> {
-        MutexGuard::map(self.mem.lock(), |words| {
+    /// Locks the bytes `[off, off + len)` of the region for writing.
+    pub(crate) fn lock_range(&self, off: usize, len: usize) -> MappedRwLockWriteGuard<'_, [u8]> {
+        RwLockWriteGuard::map(self.mem.write(), |words| {
             &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words[..])[off..off + len]
+        })
+    }
+
+    /// Locks the bytes `[off, off + len)` of the region for reading, beside other readers. A
+    /// thread that already reads the region may read it again even while a writer waits (the
+    /// second borrow of a buffer in one expression must not deadlock).
+    pub(crate) fn read_range(&self, off: usize, len: usize) -> MappedRwLockReadGuard<'_, [u8]> {
+        RwLockReadGuard::map(self.mem.read_recursive(), |words| {
+            &bytemuck::cast_slice::<u64, u8>(&words[..])[off..off + len]
         })
     }
 
@@ -116,9 +126,9 @@ impl Region {
     }
 
     /// As [`lock_range`](Self::lock_range) if nobody holds the lock; `None` if somebody does.
-    pub(crate) fn try_lock_range(&self, off: usize, len: usize) -> Option<MappedMutexGuard<'_, [u8]>> {
-        let mem = self.mem.try_lock()?;
-        Some(MutexGuard::map(mem, |words| {
+    pub(crate) fn try_lock_range(&self, off: usize, len: usize) -> Option<MappedRwLockWriteGuard<'_, [u8]>> {
+        let mem = self.mem.try_write()?;
+        Some(RwLockWriteGuard::map(mem, |words| {
             &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words[..])[off..off + len]
         }))
     }
@@ -129,7 +139,7 @@ impl Region {
     /// Shared memory (shm) uses an atomic instruction, since peers run atomics on it directly;
     /// heap memory is only reached through this lock.
     pub(crate) fn atomic(&self, off: usize, op: Rmw) -> u64 {
-        let mut mem = self.mem.lock();
+        let mut mem = self.mem.write();
         match &mut *mem {
             Mem::Shared(s) => op.apply(s.atomic_word(off / 8)),
             Mem::Heap(words) => {
@@ -204,7 +214,7 @@ impl MemoryRegion {
                     lkey,
                     rkey,
                     access,
-                    mem: Mutex::new(Mem::Shared(slice)),
+                    mem: RwLock::new(Mem::Shared(slice)),
                     imp: RegionImpl::Shm(spd.arena.clone(), rkey, lkey),
                 });
                 spd.keys.register(&region);
@@ -221,7 +231,7 @@ impl MemoryRegion {
                     lkey,
                     rkey,
                     access,
-                    mem: Mutex::new(Mem::Heap(mem)),
+                    mem: RwLock::new(Mem::Heap(mem)),
                     imp: RegionImpl::Tcp,
                 });
                 tpd.register(&region);
@@ -239,7 +249,7 @@ impl MemoryRegion {
                     lkey: mr.lkey(),
                     rkey: mr.rkey(),
                     access,
-                    mem: Mutex::new(Mem::Heap(mem)),
+                    mem: RwLock::new(Mem::Heap(mem)),
                     imp: RegionImpl::Verbs(mr),
                 })
             }
@@ -295,12 +305,17 @@ impl MemoryRegion {
         }
     }
 
-    /// The bytes, for reading.
+    /// The bytes, for reading. Read borrows of one registration share it (on any threads, and
+    /// again on a thread that already holds one); while any is held, writes into the
+    /// registration wait: [`MemoryRegion::bytes_mut`], and a software provider's delivery of a
+    /// peer's Send or Write into it.
     pub fn bytes(&self) -> BufRef<'_> {
-        BufRef(self.region.lock_range(self.off, self.len))
+        BufRef(self.region.read_range(self.off, self.len))
     }
 
-    /// The bytes, for writing.
+    /// The bytes, for writing: the registration's lock, exclusively (other pieces of it
+    /// included). Any other borrow of the same registration taken on this thread while this one
+    /// is held waits forever: drop it first.
     pub fn bytes_mut(&mut self) -> BufMut<'_> {
         BufMut(self.region.lock_range(self.off, self.len))
     }
@@ -382,7 +397,7 @@ impl std::fmt::Debug for MemoryRegion {
 }
 
 /// Read access to a [`MemoryRegion`]'s bytes.
-pub struct BufRef<'a>(MappedMutexGuard<'a, [u8]>);
+pub struct BufRef<'a>(MappedRwLockReadGuard<'a, [u8]>);
 
 impl Deref for BufRef<'_> {
     type Target = [u8];
@@ -397,12 +412,12 @@ impl<'a> BufRef<'a> {
         if range.start > range.end || range.end > self.0.len() {
             return None;
         }
-        Some(BufRef(MappedMutexGuard::map(self.0, |b| &mut b[range])))
+        Some(BufRef(MappedRwLockReadGuard::map(self.0, |b| &b[range])))
     }
 }
 
 /// Write access to a [`MemoryRegion`]'s bytes.
-pub struct BufMut<'a>(MappedMutexGuard<'a, [u8]>);
+pub struct BufMut<'a>(MappedRwLockWriteGuard<'a, [u8]>);
 
 impl<'a> BufMut<'a> {
     /// Narrows to `range`; `None` when it is not inside.
@@ -410,7 +425,7 @@ impl<'a> BufMut<'a> {
         if range.start > range.end || range.end > self.0.len() {
             return None;
         }
-        Some(BufMut(MappedMutexGuard::map(self.0, |b| &mut b[range])))
+        Some(BufMut(MappedRwLockWriteGuard::map(self.0, |b| &mut b[range])))
     }
 }
 

@@ -929,6 +929,65 @@ async fn polling_while_holding_the_memory_an_arrival_needs_neither_deadlocks_nor
     drop(s);
 }
 
+/// Borrows that read a registration share it: a peer's RDMA Read of memory the application is
+/// reading completes meanwhile, and the application may borrow the same bytes again while the
+/// provider waits to write into that registration (an arriving Send) — two reads of one buffer
+/// in one expression must not deadlock. (The borrows live on a thread of their own, so that a
+/// hang fails the test.)
+#[tokio::test]
+async fn readers_of_a_registration_share_it_even_with_a_writer_waiting() {
+    let (c, s) = pair();
+    let mut held = s.reg(8192, RW);
+    let landing = held.split_off(4096).expect("split one registration in two");
+    held.write_at(0, &pattern(64, 5)).expect("fill");
+    s.qp.post_recv(RecvWr::new(9, landing))
+        .map_err(|e| e.error)
+        .expect("post_recv");
+    let read_from = held.remote().at(0);
+    let (borrowed_tx, borrowed_rx) = std::sync::mpsc::channel();
+    let (again_tx, again_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let reader = std::thread::spawn(move || {
+        let first = held.bytes();
+        let _ = borrowed_tx.send(());
+        // By now the peer's Send waits to write into the other half of the registration.
+        let _ = release_rx.recv_timeout(WAIT);
+        let second = held.bytes();
+        let _ = again_tx.send(first[..64] == second[..64]);
+        drop((first, second));
+        (s, held)
+    });
+    tokio::task::spawn_blocking(move || borrowed_rx.recv_timeout(WAIT))
+        .await
+        .expect("join")
+        .expect("borrowed");
+    c.post(SendWr::new(1, SendOp::Read { remote: read_from }).buf(c.reg(64, AccessFlags::LOCAL_WRITE)));
+    let read = c.one().await;
+    ok(&read);
+    assert_eq!(&read.buf.as_ref().expect("buf").bytes()[..], &pattern(64, 5)[..]);
+    c.post(SendWr::send(
+        2,
+        c.filled(b"into the borrowed registration", AccessFlags::LOCAL_WRITE),
+    ));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let _ = release_tx.send(());
+    let same = tokio::task::spawn_blocking(move || again_rx.recv_timeout(WAIT))
+        .await
+        .expect("join")
+        .expect("a second borrow while a writer waits returned: no deadlock");
+    assert!(same, "both borrows read the same bytes");
+    ok(&c.one().await);
+    let (s, _held) = tokio::task::spawn_blocking(move || reader.join().expect("reader"))
+        .await
+        .expect("join");
+    let got = s.one().await;
+    ok(&got);
+    assert_eq!(
+        &got.buf.as_ref().expect("buf").bytes()[..30],
+        b"into the borrowed registration"
+    );
+}
+
 /// A target that has just polled its CQ (as after a completion of its own) and then spins on
 /// its memory, not on the CQ, still sees each of the peer's Writes land: on a software provider
 /// whose polls do the NIC's work, its own thread must take over when the polls stop.

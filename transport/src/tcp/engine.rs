@@ -309,7 +309,7 @@ impl Qp {
 /// Sends the wire frame of a request, its payload straight from registered memory.
 fn send_request(out: &Sender, d: &SendDesc<'_>) -> Result<(), ()> {
     let with_data = |enc: Encoder| match &d.local {
-        Some(l) if d.len > 0 => out.send_parts(&enc.head(d.len), &l.region.lock_range(l.off, d.len)),
+        Some(l) if d.len > 0 => out.send_parts(&enc.head(d.len), &l.region.read_range(l.off, d.len)),
         _ => out.send(&enc.finish()),
     };
     match d.op {
@@ -929,7 +929,7 @@ impl Engine {
                     Ok(region) => {
                         let off = (addr - region.addr) as usize;
                         self.flush_ack(st);
-                        let bytes = region.lock_range(off, len);
+                        let bytes = region.read_range(off, len);
                         let _ = self.out.send_parts(&Encoder::read_resp(ssn).head(len), &bytes);
                     }
                     Err(status) => fail(st, ssn, status),

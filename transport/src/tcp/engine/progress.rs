@@ -20,7 +20,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::MappedMutexGuard;
+use parking_lot::MappedRwLockWriteGuard;
 
 use super::{Engine, Stop};
 use crate::mr::Region;
@@ -360,7 +360,7 @@ impl Engine {
     /// without waiting for this thread). Others go to the reader thread.
     fn poller_may_handle(&self, frame: &Frame) -> bool {
         use crate::AccessFlags;
-        let free = |r: &Region| r.mem.try_lock().is_some();
+        let free = |r: &Region| r.mem.try_write().is_some();
         match frame {
             Frame::Ack { .. } | Frame::Nak { .. } | Frame::Fatal => true,
             // A target's checks failing means a NAK, memory untouched.
@@ -399,7 +399,7 @@ fn nanos(d: Duration) -> u64 {
 
 /// `len` bytes of `region` from `off`: waiting for the lock on the reader thread, only if free
 /// on a polling thread.
-fn lock(region: &Region, off: usize, len: usize, who: Who) -> Option<MappedMutexGuard<'_, [u8]>> {
+fn lock(region: &Region, off: usize, len: usize, who: Who) -> Option<MappedRwLockWriteGuard<'_, [u8]>> {
     match who {
         Who::Thread => Some(region.lock_range(off, len)),
         Who::Poller => region.try_lock_range(off, len),
