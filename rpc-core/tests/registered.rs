@@ -148,6 +148,51 @@ fn config() -> Config {
     }
 }
 
+/// Registered memory of the process from the end of warm-up round `at` on: it must not grow.
+struct Warm {
+    at: u64,
+    bytes: u64,
+}
+
+impl Warm {
+    fn after(at: u64) -> Self {
+        Warm { at, bytes: 0 }
+    }
+
+    /// Call at the end of each round.
+    fn check(&mut self, dev: &Device, round: u64) {
+        if round == self.at {
+            self.bytes = dev.registered_bytes();
+        }
+        if round > self.at {
+            assert_eq!(
+                dev.registered_bytes(),
+                self.bytes,
+                "round {round} registered more memory"
+            );
+        }
+    }
+}
+
+/// Lets the server finish what was cancelled (every buffer then goes back to a free list, which
+/// keeps at most 8 of a size class, or is deregistered), making healthy calls from buffers of
+/// `len` bytes (the callers' size: taken from the free lists, never registered anew) until the
+/// registered memory is down to `at_rest` or two seconds have passed; returns where it is.
+async fn settle(s: &Setup, len: usize, at_rest: u64) -> u64 {
+    let mut settled = s.dev.registered_bytes();
+    for _ in 0..100 {
+        if settled <= at_rest {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let mut b = s.client.buffer(len).expect("a buffer");
+        b.bytes_mut().fill(1);
+        bounded(s.client.call_buf(SUM, b)).await.expect("healthy");
+        settled = s.dev.registered_bytes();
+    }
+    settled
+}
+
 fn expect_answer(got: &[u8], want: &[u8], registered: bool) {
     assert_eq!(got.len(), 17, "answer {got:?}");
     assert_eq!(&got[..8], &(want.len() as u64).to_le_bytes(), "length");
@@ -373,19 +418,14 @@ async fn a_registered_buffer_longer_than_a_piece_is_lent_whatever_the_threshold(
 async fn a_buffer_lent_again_and_again_costs_no_registration() {
     let (s, _serial) = setup(config()).await;
     let mut buf = s.client.buffer(1 << 20).expect("buffer");
-    let mut warm = 0;
+    let mut warm = Warm::after(4);
     for round in 0..40u64 {
         fill(&mut buf.bytes_mut(), round);
         let want = buf.to_vec();
         let (got, back) = bounded(s.client.call_buf(SUM, buf)).await.expect("call_buf");
         expect_answer(&got, &want, true);
         buf = back;
-        if round == 4 {
-            warm = s.dev.registered_bytes();
-        }
-        if round > 4 {
-            assert_eq!(s.dev.registered_bytes(), warm, "round {round} registered more memory");
-        }
+        warm.check(&s.dev, round);
     }
 }
 
@@ -416,18 +456,13 @@ async fn with_transfer_isolation_lent_buffers_come_back_intact_without_piling_up
     let mut buf = s.client.buffer(THRESHOLD * 4).expect("buffer");
     fill(&mut buf.bytes_mut(), 3);
     let want = buf.to_vec();
-    let mut base = 0;
-    for round in 0..10 {
+    let mut warm = Warm::after(1);
+    for round in 0..10u64 {
         let (got, back) = bounded(s.client.call_buf(SUM, buf)).await.expect("call_buf");
         expect_answer(&got, &want, true);
         assert!(back.bytes()[..] == want[..], "round {round}: bytes changed");
         buf = back;
-        if round == 1 {
-            base = s.dev.registered_bytes();
-        }
-        if round > 1 {
-            assert_eq!(s.dev.registered_bytes(), base, "round {round}: registrations pile up");
-        }
+        warm.check(&s.dev, round);
     }
 }
 
@@ -477,20 +512,7 @@ async fn dropped_calls_never_expose_a_lent_buffer_and_leak_nothing() {
         }));
     }
     let (done, dropped) = common::tally(tasks).await;
-    // Let the server finish what was cancelled: every buffer then goes back to a free list
-    // (which keeps at most 8 of a size class) or is deregistered.
-    let mut settled = s.dev.registered_bytes();
-    for _ in 0..100 {
-        if settled <= at_rest {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        // Same size as the callers': taken from the free lists, never registered anew.
-        let mut b = client.buffer(THRESHOLD * 8).expect("a buffer");
-        b.bytes_mut().fill(1);
-        bounded(client.call_buf(SUM, b)).await.expect("healthy");
-        settled = s.dev.registered_bytes();
-    }
+    let settled = settle(&s, THRESHOLD * 8, at_rest).await;
     assert!(
         settled <= at_rest,
         "registered memory after the drops settled: {settled} > {at_rest} (a lent buffer leaked)"
@@ -511,7 +533,7 @@ async fn dropped_calls_never_expose_a_lent_buffer_and_leak_nothing() {
 async fn small_bodies_go_straight_from_registered_buffers_both_ways() {
     let (s, _serial) = setup(config()).await;
     let sizes = [0, 1, 7, 100, IN_SLOT_MIN, 1000, 4096, THRESHOLD - 1, THRESHOLD];
-    let mut warm = 0;
+    let mut warm = Warm::after(2);
     for round in 0..12u64 {
         for (i, &len) in sizes.iter().enumerate() {
             let mut buf = s.client.buffer(len).expect("buffer");
@@ -531,12 +553,7 @@ async fn small_bodies_go_straight_from_registered_buffers_both_ways() {
             assert!(got == reversed, "{len} bytes: wrong answer through call_buf");
             assert!(back.bytes()[..] == want[..]);
         }
-        if round == 2 {
-            warm = s.dev.registered_bytes();
-        }
-        if round > 2 {
-            assert_eq!(s.dev.registered_bytes(), warm, "round {round} registered more memory");
-        }
+        warm.check(&s.dev, round);
     }
 }
 
@@ -607,16 +624,7 @@ async fn dropped_small_buffer_calls_leak_nothing() {
         }));
     }
     let (done, dropped) = common::tally(tasks).await;
-    let mut settled = s.dev.registered_bytes();
-    for _ in 0..100 {
-        if settled <= at_rest {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        let b = client.buffer(4096).expect("a buffer");
-        bounded(client.call_buf(SUM, b)).await.expect("healthy");
-        settled = s.dev.registered_bytes();
-    }
+    let settled = settle(&s, 4096, at_rest).await;
     assert!(
         settled <= at_rest,
         "registered memory after the drops settled: {settled} > {at_rest} (a buffer leaked)"
