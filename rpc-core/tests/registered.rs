@@ -447,22 +447,28 @@ async fn another_connections_buffer_is_copied_and_given_back() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_transfer_isolation_lent_buffers_come_back_intact_without_piling_up() {
+async fn with_transfer_isolation_buffers_come_back_intact_without_piling_up() {
     let cfg = Config {
         isolation: Isolation::Transfer,
         ..config()
     };
     let (s, _serial) = setup(cfg).await;
-    let mut buf = s.client.buffer(THRESHOLD * 4).expect("buffer");
-    fill(&mut buf.bytes_mut(), 3);
-    let want = buf.to_vec();
-    let mut warm = Warm::after(1);
-    for round in 0..10u64 {
-        let (got, back) = bounded(s.client.call_buf(SUM, buf)).await.expect("call_buf");
-        expect_answer(&got, &want, true);
-        assert!(back.bytes()[..] == want[..], "round {round}: bytes changed");
-        buf = back;
-        warm.check(&s.dev, round);
+    // Lent (above the threshold), and sent from the buffer itself (small).
+    for (len, registered) in [(THRESHOLD * 4, true), (1000, in_slot(1000))] {
+        let mut buf = s.client.buffer(len).expect("buffer");
+        fill(&mut buf.bytes_mut(), 3);
+        let want = buf.to_vec();
+        let mut warm = Warm::after(1);
+        for round in 0..10u64 {
+            let (got, back) = bounded(s.client.call_buf(SUM, buf)).await.expect("call_buf");
+            expect_answer(&got, &want, registered);
+            assert!(
+                back.bytes()[..] == want[..],
+                "{len} bytes, round {round}: bytes changed"
+            );
+            buf = back;
+            warm.check(&s.dev, round);
+        }
     }
 }
 
