@@ -174,6 +174,13 @@ impl Warm {
     }
 }
 
+/// Another connection to the same server.
+async fn second_client(s: &Setup) -> Client {
+    Client::connect(&s.dev, s.addr, s.cfg.clone())
+        .await
+        .expect("second client")
+}
+
 /// Lets the server finish what was cancelled (every buffer then goes back to a free list, which
 /// keeps at most 8 of a size class, or is deregistered), making healthy calls from buffers of
 /// `len` bytes (the callers' size: taken from the free lists, never registered anew) until the
@@ -432,9 +439,7 @@ async fn a_buffer_lent_again_and_again_costs_no_registration() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_connections_buffer_is_copied_and_given_back() {
     let (s, _serial) = setup(config()).await;
-    let other = Client::connect(&s.dev, s.addr, s.cfg.clone())
-        .await
-        .expect("second client");
+    let other = second_client(&s).await;
     let mut buf = other.buffer(THRESHOLD * 3).expect("buffer");
     fill(&mut buf.bytes_mut(), 9);
     let want = buf.to_vec();
@@ -569,9 +574,7 @@ async fn small_bodies_go_straight_from_registered_buffers_both_ways() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_buffer_responses_are_lent_or_written_and_foreign_ones_copied() {
     let (s, _serial) = setup(config()).await;
-    let other = Client::connect(&s.dev, s.addr, s.cfg.clone())
-        .await
-        .expect("second client");
+    let other = second_client(&s).await;
     for len in [0usize, 100, 4096, THRESHOLD, THRESHOLD + 1, FRAGMENT + 1, 1 << 20] {
         let mut want = vec![0u8; len];
         fill(&mut want, len as u64);
