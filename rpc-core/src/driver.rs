@@ -194,6 +194,13 @@ impl Conn {
         }
     }
 
+    /// A buffer a Send went out from ([`Transmit::SendPlaced`]) is no longer in a work request:
+    /// back to the stash, released (to its owner, or the free lists).
+    fn placed_back(&mut self, id: BufId, mr: MemoryRegion) {
+        self.stash.put_back(id, mr);
+        self.stash.release(id);
+    }
+
     /// Takes the bytes of a held buffer and frees it.
     pub(crate) fn take_bytes(&mut self, buf: BufId, len: usize) -> Vec<u8> {
         let v = self
@@ -267,10 +274,8 @@ impl Conn {
     fn on_completion(&mut self, mut c: Completion) {
         if c.wr_id & !ID_MASK == PLACED {
             // The buffer is the stash's again, whatever the status (flushed after a loss too).
-            let id = c.wr_id & ID_MASK;
             if let Some(mr) = c.buf.take() {
-                self.stash.put_back(id, mr);
-                self.stash.release(id);
+                self.placed_back(c.wr_id & ID_MASK, mr);
             }
         }
         if !c.status.is_success() {
@@ -445,8 +450,7 @@ impl Conn {
                 };
                 let n = HEADER_LEN + len;
                 if n > mr.len() {
-                    self.stash.put_back(buf, mr);
-                    self.stash.release(buf);
+                    self.placed_back(buf, mr);
                     self.lose(format!("a {n}-byte message does not fit the buffer it is in"));
                     return Ok(());
                 }
@@ -509,8 +513,7 @@ impl Conn {
             for wr in e.unposted {
                 let id = wr.wr_id();
                 if let (PLACED, Some(mr)) = (id & !ID_MASK, wr.into_buf()) {
-                    self.stash.put_back(id & ID_MASK, mr);
-                    self.stash.release(id & ID_MASK);
+                    self.placed_back(id & ID_MASK, mr);
                 }
             }
             self.lose(format!("posting: {}", e.error));
