@@ -22,7 +22,7 @@ use tracing::Instrument;
 use crate::buf::Body;
 use crate::config::{CallOptions, CompletionMode, Config, Hello};
 use crate::driver::{self, Conn};
-use crate::proto::{Event, Payload, Reply, Session, SessionConfig, FRAGMENT, LANDING_PREFIX};
+use crate::proto::{Event, Payload, Reply, Route, Session, SessionConfig, FRAGMENT, LANDING_PREFIX};
 use crate::RpcError;
 
 /// A connection to a server, for byte-level calls (method id and bytes in, bytes out).
@@ -450,6 +450,8 @@ impl State {
         let conn = &mut self.conn;
         let mut staged = Vec::new();
         let mut back = Back::Nothing;
+        // A large response is written into a landing buffer the request advertises.
+        let landing_len = opts.response_hint.filter(|&h| conn.session.is_rendezvous(h));
         let result = (|| {
             let p = match payload {
                 Outgoing::Vec(v) if conn.session.is_rendezvous(v.len()) => {
@@ -458,52 +460,43 @@ impl State {
                     Payload::Lent { desc, buf }
                 }
                 Outgoing::Vec(v) => Payload::Eager(v),
-                // Lending a registered buffer costs no copy: it goes by rendezvous as soon as it
-                // would take more than one piece eagerly, whatever the threshold.
-                Outgoing::Buf(b) if conn.session.is_rendezvous(b.len()) || b.len() > FRAGMENT => {
+                Outgoing::Buf(b) => {
                     let len = b.len();
-                    match conn.stash.lend_user(b, true) {
+                    let route = conn.session.registered_route(len, landing_len.is_some());
+                    let lend = route == Route::Lend;
+                    let kept = if route != Route::Copy {
+                        conn.stash.lend_user(b, true)
+                    } else {
+                        Err(b)
+                    };
+                    match kept {
                         Ok((desc, buf)) => {
                             staged.push(buf);
                             back = Back::Kept { id: buf, len };
-                            Payload::Lent { desc, buf }
+                            if lend {
+                                Payload::Lent { desc, buf }
+                            } else {
+                                Payload::Placed { buf, len }
+                            }
                         }
-                        // Another connection's buffer: copied, as a Vec would be.
+                        // Another connection's buffer, or a small one behind a landing
+                        // descriptor: copied, as a Vec would be.
                         Err(b) => {
-                            let (desc, buf) = conn.stash.lend(&b.bytes())?;
-                            staged.push(buf);
+                            let p = if lend {
+                                let (desc, buf) = conn.stash.lend(&b.bytes())?;
+                                staged.push(buf);
+                                Payload::Lent { desc, buf }
+                            } else {
+                                Payload::Eager(b.to_vec())
+                            };
                             back = Back::Own(b);
-                            Payload::Lent { desc, buf }
+                            p
                         }
                     }
-                }
-                // Small: sent from the buffer itself, unless a landing descriptor must go first.
-                Outgoing::Buf(b)
-                    if conn.session.fits_placed(b.len())
-                        && !opts.response_hint.is_some_and(|h| conn.session.is_rendezvous(h)) =>
-                {
-                    let len = b.len();
-                    match conn.stash.lend_user(b, true) {
-                        Ok((_, buf)) => {
-                            staged.push(buf);
-                            back = Back::Kept { id: buf, len };
-                            Payload::Placed { buf, len }
-                        }
-                        Err(b) => {
-                            let v = b.to_vec();
-                            back = Back::Own(b);
-                            Payload::Eager(v)
-                        }
-                    }
-                }
-                Outgoing::Buf(b) => {
-                    let v = b.to_vec();
-                    back = Back::Own(b);
-                    Payload::Eager(v)
                 }
             };
-            let landing = match opts.response_hint {
-                Some(h) if conn.session.is_rendezvous(h) => {
+            let landing = match landing_len {
+                Some(h) => {
                     let want = h.saturating_add(LANDING_PREFIX);
                     let (buf, mr) = conn.stash.take(want)?;
                     let mut desc = mr.remote();
@@ -511,7 +504,7 @@ impl State {
                     staged.push(buf);
                     Some((desc, buf))
                 }
-                _ => None,
+                None => None,
             };
             conn.session.start_call(method, p, landing, opts.deadline, now)
         })();

@@ -27,7 +27,7 @@ pub use header::{
     HEADER_LEN, VERSION,
 };
 pub use session::{
-    BufId, Event, Message, Payload, Reply, RequestBody, Session, SessionConfig, Token, Transmit, FRAGMENT,
+    BufId, Event, Message, Payload, Reply, RequestBody, Route, Session, SessionConfig, Token, Transmit, FRAGMENT,
     LANDING_PREFIX,
 };
 

@@ -15,7 +15,7 @@ use crate::buf::{Body, RegisteredBuf};
 use crate::client::{agree, qp_caps, slot_size};
 use crate::config::{Config, Hello};
 use crate::driver::{self, Conn, Role, RoleInput};
-use crate::proto::{Event, Payload, RequestBody, Session};
+use crate::proto::{Event, Payload, RequestBody, Route, Session};
 use crate::stash::Buffers;
 use crate::RpcError;
 
@@ -270,7 +270,7 @@ fn answer(conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
     let bytes = match result {
         Ok(Response::Buf(b)) => {
             let len = b.len();
-            let lend = conn.session.is_rendezvous(len) || !conn.session.fits_placed(len);
+            let lend = conn.session.registered_route(len, false) == Route::Lend;
             match conn.stash.lend_user(b, false) {
                 Ok((desc, buf)) if lend => return conn.session.respond(call, Ok(Payload::Lent { desc, buf })),
                 Ok((_, buf)) => return conn.session.respond(call, Ok(Payload::Placed { buf, len })),

@@ -493,6 +493,21 @@ fn eager_and_rendezvous_with_small_payloads_sent_from_their_buffers() {
 }
 
 #[test]
+fn registered_payloads_are_sent_from_their_buffer_lent_or_copied_by_size() {
+    let s = Session::new(cfg()); // eager_max 64, pieces of 24
+    for len in [0, 1, 24] {
+        assert_eq!(s.registered_route(len, false), Route::Place, "{len} bytes");
+        // A landing descriptor goes in front of the payload: only a copy has room for it.
+        assert_eq!(s.registered_route(len, true), Route::Copy, "{len} bytes");
+    }
+    // Longer than a piece (lending costs no copy, whatever the threshold), or above it.
+    for len in [25, 64, 65, 1 << 20] {
+        assert_eq!(s.registered_route(len, false), Route::Lend, "{len} bytes");
+        assert_eq!(s.registered_route(len, true), Route::Lend, "{len} bytes");
+    }
+}
+
+#[test]
 fn placed_payloads_are_checked_and_given_back_when_unsent() {
     let now = Instant::now();
     let piece = 24; // cfg().fragment

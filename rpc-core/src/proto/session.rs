@@ -92,6 +92,17 @@ pub enum Payload {
     },
 }
 
+/// How a payload in a registered buffer goes ([`Session::registered_route`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// As [`Payload::Lent`], the buffer itself.
+    Lend,
+    /// As [`Payload::Placed`], sent from the buffer.
+    Place,
+    /// Copied into the message ([`Payload::Eager`]).
+    Copy,
+}
+
 /// The result of a call.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Reply {
@@ -533,6 +544,20 @@ impl Session {
     /// and one piece.
     pub fn fits_placed(&self, len: usize) -> bool {
         len <= self.cfg.eager_max && len <= self.cfg.piece()
+    }
+
+    /// How a payload of `len` bytes already in a registered buffer of the connection goes
+    /// without a copy: lent when above the threshold or longer than one piece (lending costs no
+    /// copy, whatever the threshold), sent from the buffer otherwise, unless a landing
+    /// descriptor must go in front of it (`with_landing`), which leaves only a copy.
+    pub fn registered_route(&self, len: usize, with_landing: bool) -> Route {
+        if self.is_rendezvous(len) || !self.fits_placed(len) {
+            Route::Lend
+        } else if with_landing {
+            Route::Copy
+        } else {
+            Route::Place
+        }
     }
 
     fn check_placed(&self, len: usize) -> Result<(), RpcError> {
