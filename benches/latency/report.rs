@@ -116,6 +116,17 @@ pub fn summary(rows: &[Row], provider: &str) {
             "  the RPC / a ping-pong that copies what it receives into a Vec, as the RPC's Vec API does (send-copy): worst {w:.2}x at {b} B"
         );
     }
+    if let Some((b, w)) = worst(rows, "send-copy", "send", 1.0, 4096) {
+        let bound = sizes_where(rows, "send-copy", "send", 1.0, |x| x > 1.5);
+        println!(
+            "  that copy alone, with no RPC work (send-copy / send), sizes <= 4 KiB: worst {w:.2}x at {b} B{}",
+            if bound.is_empty() {
+                String::new()
+            } else {
+                format!(": above 1.5x at {bound} B, where no API that hands each side a Vec can meet the target on this provider")
+            }
+        );
+    }
     if let Some((b, w)) = worst(rows, "rpc", "tarpc", 1.0, usize::MAX) {
         println!(
             "RPC p50 / tarpc p50, every size: worst {w:.2}x at {b} B (target <= 1.0x, never behind): {}",
@@ -130,18 +141,23 @@ fn held(rows: &[Row], mode: &str, worst: f64) -> String {
     if worst <= 1.5 {
         return String::new();
     }
+    match sizes_where(rows, mode, "send", 2.0, |x| x <= 1.5) {
+        list if list.is_empty() => " (held at no size)".into(),
+        list => format!(" (held at {list} B)"),
+    }
+}
+
+/// The sizes up to 4 KiB, listed, where `mode / (k × other)` of the medians passes `keep`.
+fn sizes_where(rows: &[Row], mode: &str, other: &str, k: f64, keep: impl Fn(f64) -> bool) -> String {
     let mut sizes: Vec<usize> = rows
         .iter()
         .filter(|r| r.mode == mode && r.bytes <= 4096)
         .map(|r| r.bytes)
-        .filter(|&b| ratio_at(rows, mode, "send", 2.0, b).is_some_and(|x| x <= 1.5))
+        .filter(|&b| ratio_at(rows, mode, other, k, b).is_some_and(&keep))
         .collect();
     sizes.sort_unstable();
-    if sizes.is_empty() {
-        return " (held at no size)".into();
-    }
     let list: Vec<String> = sizes.iter().map(usize::to_string).collect();
-    format!(" (held at {} B)", list.join(", "))
+    list.join(", ")
 }
 
 /// `mode / (k × other)` of the medians at `bytes`, when both were measured there.
