@@ -37,6 +37,7 @@ const ALL_MODES: &[&str] = &[
     "memcpy",
     "send",
     "send-copy",
+    "send-head",
     "write",
     "read",
     "atomic",
@@ -59,7 +60,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "rpc,rpc-body,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,send,send-copy,write,read,atomic,memcpy,tcp,tarpc,wake"
+        default_value = "rpc,rpc-body,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,send,send-head,send-copy,write,read,atomic,memcpy,tcp,tarpc,wake"
     )]
     modes: Vec<String>,
     /// Fixed iterations per size (default: as many as fit the time budget).
@@ -270,14 +271,14 @@ async fn measure(
             (Convention::Rtt, size, s)
         }
         "memcpy" => (Convention::Rtt, size, baseline::memcpy(size, plan).await),
-        "send" | "send-copy" => {
+        "send" | "send-head" | "send-copy" => {
             let (c, s) = raw::pair(dev, ip);
-            let copy_out = mode == "send-copy";
-            (
-                Convention::HalfRtt,
-                size,
-                raw::send(srv, c, s, size, copy_out, plan).await,
-            )
+            let touch = match mode {
+                "send-head" => raw::Touch::Head,
+                "send-copy" => raw::Touch::Copy,
+                _ => raw::Touch::Nothing,
+            };
+            (Convention::HalfRtt, size, raw::send(srv, c, s, size, touch, plan).await)
         }
         "write" => {
             let (c, s) = raw::pair(dev, ip);

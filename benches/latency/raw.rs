@@ -111,9 +111,38 @@ fn inline(size: usize, qp: &QueuePair, wr: SendWr) -> SendWr {
     }
 }
 
-/// Send/Recv ping-pong; reports half the round trip. With `copy_out` each side copies what it
-/// receives into a new `Vec` before it answers, as an RPC's `Vec` API hands bytes over.
-pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, copy_out: bool, plan: Plan) -> Samples {
+/// What each side of the Send ping-pong does with a message it receives before answering.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Touch {
+    /// Nothing, as perftest's `ib_send_lat`.
+    Nothing,
+    /// Reads its first 8 bytes, as any protocol reads its header.
+    Head,
+    /// Copies it into a new `Vec`, as an RPC's `Vec` API hands bytes over.
+    Copy,
+}
+
+impl Touch {
+    /// Does it to the first `size` bytes of `buf` (the raw `send` mode does not even borrow them).
+    fn apply(self, buf: &MemoryRegion, size: usize) {
+        match self {
+            Touch::Nothing => {}
+            Touch::Head => {
+                let mut head = [0u8; 8];
+                let n = size.min(8);
+                head[..n].copy_from_slice(&buf.bytes()[..n]);
+                std::hint::black_box(u64::from_le_bytes(head));
+            }
+            Touch::Copy => {
+                std::hint::black_box(buf.bytes()[..size].to_vec());
+            }
+        }
+    }
+}
+
+/// Send/Recv ping-pong; reports half the round trip. `touch` says what each side does with a
+/// message it receives before answering.
+pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, touch: Touch, plan: Plan) -> Samples {
     let len = size.max(1);
     for s in [&client, &server] {
         for i in 0..RING {
@@ -139,9 +168,7 @@ pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, copy_out
             if c.opcode == WcOpcode::Recv {
                 owed += 1;
                 let buf = c.buf.expect("buf");
-                if copy_out {
-                    std::hint::black_box(buf.bytes()[..size].to_vec());
-                }
+                touch.apply(&buf, size);
                 let wr = RecvWr::new(c.wr_id, buf);
                 srv.qp.post_recv(wr).map_err(|e| e.error).expect("recv");
             } else {
@@ -171,9 +198,7 @@ pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, copy_out
                 WcOpcode::Recv => {
                     got = true;
                     let buf = c.buf.expect("buf");
-                    if copy_out {
-                        std::hint::black_box(buf.bytes()[..size].to_vec());
-                    }
+                    touch.apply(&buf, size);
                     let wr = RecvWr::new(c.wr_id, buf);
                     client.qp.post_recv(wr).map_err(|e| e.error).expect("recv");
                 }

@@ -111,6 +111,14 @@ pub fn summary(rows: &[Row], provider: &str) {
             held(rows, "rpc-body", w)
         );
     }
+    if let Some((b, w)) = worst(rows, "send-head", "send", 1.0, 4096) {
+        println!(
+            "  a ping-pong whose receivers read the first 8 bytes of each message, as any protocol reads its header (send-head) / send, sizes <= 4 KiB: worst {w:.2}x at {b} B"
+        );
+        if let Some((b, w)) = worst(rows, "rpc-body", "send-head", 2.0, 4096) {
+            println!("  rpc-body / send-head, sizes <= 4 KiB: worst {w:.2}x at {b} B");
+        }
+    }
     if let Some((b, w)) = worst(rows, "rpc", "send-copy", 2.0, 4096) {
         println!(
             "  the RPC / a ping-pong that copies what it receives into a Vec, as the RPC's Vec API does (send-copy): worst {w:.2}x at {b} B"
