@@ -23,6 +23,7 @@ use crate::buf::Body;
 use crate::config::{CallOptions, CompletionMode, Config, Hello};
 use crate::driver::{self, Conn};
 use crate::proto::{Event, Payload, Reply, Route, Session, SessionConfig, FRAGMENT, LANDING_PREFIX};
+use crate::spans::{self, How};
 use crate::RpcError;
 
 /// A connection to a server, for byte-level calls (method id and bytes in, bytes out).
@@ -474,8 +475,10 @@ impl State {
                             staged.push(buf);
                             back = Back::Kept { id: buf, len };
                             if lend {
+                                spans::payload("request", len, How::Lent);
                                 Payload::Lent { desc, buf }
                             } else {
+                                spans::payload("request", len, How::SentFromBuffer);
                                 Payload::Placed { buf, len }
                             }
                         }
@@ -485,8 +488,10 @@ impl State {
                             let p = if lend {
                                 let (desc, buf) = conn.stash.lend(&b.bytes())?;
                                 staged.push(buf);
+                                spans::payload("request", len, How::CopiedAndLent);
                                 Payload::Lent { desc, buf }
                             } else {
+                                spans::payload("request", len, How::Copied);
                                 Payload::Eager(b.to_vec())
                             };
                             back = Back::Own(b);

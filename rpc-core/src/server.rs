@@ -16,6 +16,7 @@ use crate::client::{agree, qp_caps, slot_size};
 use crate::config::{Config, Hello};
 use crate::driver::{self, Conn, Role, RoleInput};
 use crate::proto::{Event, Payload, RequestBody, Route, Session};
+use crate::spans::{self, How};
 use crate::stash::Buffers;
 use crate::RpcError;
 
@@ -272,10 +273,24 @@ fn answer(conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
             let len = b.len();
             let lend = conn.session.registered_route(len, false) == Route::Lend;
             match conn.stash.lend_user(b, false) {
-                Ok((desc, buf)) if lend => return conn.session.respond(call, Ok(Payload::Lent { desc, buf })),
-                Ok((_, buf)) => return conn.session.respond(call, Ok(Payload::Placed { buf, len })),
-                // Another connection's buffer: copied, as a Vec is.
-                Err(b) => Ok(b.to_vec()),
+                Ok((desc, buf)) if lend => {
+                    spans::payload("response", len, How::Lent);
+                    return conn.session.respond(call, Ok(Payload::Lent { desc, buf }));
+                }
+                Ok((_, buf)) => {
+                    spans::payload("response", len, How::SentFromBuffer);
+                    return conn.session.respond(call, Ok(Payload::Placed { buf, len }));
+                }
+                // Another connection's buffer: copied, as a Vec is (and lent as one is).
+                Err(b) => {
+                    let how = if conn.session.is_rendezvous(len) {
+                        How::CopiedAndLent
+                    } else {
+                        How::Copied
+                    };
+                    spans::payload("response", len, how);
+                    Ok(b.to_vec())
+                }
             }
         }
         Ok(Response::Bytes(v)) => Ok(v),

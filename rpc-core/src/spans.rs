@@ -1,4 +1,5 @@
-//! The per-call tracing spans (`rpc.call` on the client, `rpc.serve` on the server).
+//! The per-call tracing spans (`rpc.call` on the client, `rpc.serve` on the server), and the
+//! `rpc.payload` event that says how a payload from a registered buffer left.
 //!
 //! A span is made only once a tracing subscriber exists (global or scoped). Without one,
 //! `tracing` with its `log` feature on (which any crate in the build can turn on: tarpc does)
@@ -25,5 +26,41 @@ pub(crate) fn serve(method: u32, call: u32, len: usize, budget: Option<std::time
         tracing::debug_span!("rpc.serve", method, call, len, ?budget)
     } else {
         Span::none()
+    }
+}
+
+/// How a payload from a registered buffer ([`Client::call_buf`](crate::Client::call_buf),
+/// [`ServerBuilder::handler_buf`](crate::ServerBuilder::handler_buf)) leaves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum How {
+    /// In one Send straight from the buffer, the header in the room in front of its bytes.
+    SentFromBuffer,
+    /// The buffer itself lent to the peer (rendezvous).
+    Lent,
+    /// Copied into the message, as a `Vec` is (another connection's buffer, or a small request
+    /// behind a landing descriptor).
+    Copied,
+    /// Copied into a buffer of this connection, which is lent (another connection's buffer,
+    /// above the threshold).
+    CopiedAndLent,
+}
+
+impl How {
+    fn as_str(self) -> &'static str {
+        match self {
+            How::SentFromBuffer => "sent from its buffer",
+            How::Lent => "lent",
+            How::Copied => "copied",
+            How::CopiedAndLent => "copied into a lent buffer",
+        }
+    }
+}
+
+/// The `rpc.payload` event (level DEBUG, fields `side`, `len`, `how`) for the `side`
+/// (`request` or `response`) of `len` bytes, once a tracing subscriber exists: where an
+/// application sees whether its registered buffers were sent as they are.
+pub(crate) fn payload(side: &'static str, len: usize, how: How) {
+    if tracing::dispatcher::has_been_set() {
+        tracing::debug!(side, len, how = how.as_str(), "rpc.payload");
     }
 }
