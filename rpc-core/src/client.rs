@@ -262,7 +262,9 @@ impl Client {
     /// of this connection's ([`Client::buffer`]) is not copied: a small one is sent as it is,
     /// in one message (the header goes in the room in front of its bytes); above the eager
     /// threshold, or when longer than one piece, it is lent to the server as it is. Buffers of
-    /// other connections are copied, as [`Client::call`] copies its `Vec`.
+    /// other connections are copied, as [`Client::call`] copies its `Vec`. With a tracing
+    /// subscriber installed, a DEBUG event `rpc.payload` (`side = "request"`, `len`, `how`) says
+    /// which of these happened.
     ///
     /// With [`Isolation::Transfer`](crate::Isolation::Transfer) the buffer comes back in a fresh
     /// registration (its bytes copied), so that the key the server saw dies with the transfer.
