@@ -436,20 +436,18 @@ async fn random_drops_never_expose_a_reused_buffer() {
     for caller in 0..16u64 {
         let c = client.clone();
         tasks.push(tokio::spawn(async move {
-            let mut rng = caller.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
+            let mut rng = common::Rng::new(caller);
             let (mut done, mut dropped) = (0, 0);
             for i in 0..150u64 {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
+                let r = rng.next();
                 let seed = caller << 32 | i;
-                let len = if rng % 2 == 0 {
-                    64 + (rng % 1000) as usize
+                let len = if r % 2 == 0 {
+                    64 + (r % 1000) as usize
                 } else {
-                    THRESHOLD + (rng % (300 << 10)) as usize
+                    THRESHOLD + (r % (300 << 10)) as usize
                 };
                 let call = c.call(CHECK, tagged(len, seed));
-                let wait = Duration::from_micros(rng % 20_000);
+                let wait = Duration::from_micros(r % 20_000);
                 match tokio::time::timeout(wait, call).await {
                     Ok(r) => {
                         assert_eq!(r.expect("call"), seed.to_le_bytes());

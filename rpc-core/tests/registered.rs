@@ -494,20 +494,18 @@ async fn dropped_calls_never_expose_a_lent_buffer_and_leak_nothing() {
     for caller in 0..8u64 {
         let c = client.clone();
         tasks.push(tokio::spawn(async move {
-            let mut rng = caller.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
+            let mut rng = common::Rng::new(caller);
             let (mut done, mut dropped) = (0, 0);
             let mut buf = Some(c.buffer(THRESHOLD * 8).expect("buffer"));
             for i in 0..60u64 {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
+                let r = rng.next();
                 let mut b = match buf.take() {
                     Some(b) => b,
                     None => c.buffer(THRESHOLD * 8).expect("a new buffer"),
                 };
                 fill(&mut b.bytes_mut(), caller << 32 | i);
                 let want = b.to_vec();
-                let wait = Duration::from_micros(rng % 6_000);
+                let wait = Duration::from_micros(r % 6_000);
                 match tokio::time::timeout(wait, c.call_buf(SLOW_SUM, b)).await {
                     Ok(r) => {
                         let (got, back) = r.expect("call_buf");
@@ -609,16 +607,14 @@ async fn dropped_small_buffer_calls_leak_nothing() {
     for caller in 0..8u64 {
         let c = client.clone();
         tasks.push(tokio::spawn(async move {
-            let mut rng = caller.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
+            let mut rng = common::Rng::new(caller);
             let (mut done, mut dropped) = (0, 0);
             for i in 0..60u64 {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
+                let r = rng.next();
                 let mut b = c.buffer(4096).expect("buffer");
                 fill(&mut b.bytes_mut(), caller << 32 | i);
                 let want = b.to_vec();
-                let wait = Duration::from_micros(rng % 6_000);
+                let wait = Duration::from_micros(r % 6_000);
                 match tokio::time::timeout(wait, c.call_buf_body(SLOW_SUM, b)).await {
                     Ok(r) => {
                         let (got, back) = r.expect("call_buf_body");

@@ -23,3 +23,19 @@ pub async fn tally(tasks: Vec<tokio::task::JoinHandle<(usize, usize)>>) -> (usiz
     assert!(done > 0, "no call completed: make the waits longer");
     (done, dropped)
 }
+
+/// A caller's reproducible xorshift stream, seeded by the caller's number.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(caller: u64) -> Self {
+        Rng(caller.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1)
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
