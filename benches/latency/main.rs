@@ -84,6 +84,10 @@ struct Args {
     /// (perftest always polls; on the tcp provider polling steals the engine's CPU).
     #[arg(long, default_value_t = 20)]
     raw_spin_us: u64,
+    /// Receives each side of the raw Send ping-pongs keeps posted; `rpc-body` posts as many
+    /// (`Config::ring`), the other RPC modes the library's default (64).
+    #[arg(long, default_value_t = raw::RING, value_parser = clap::value_parser!(u32).range(2..=256))]
+    raw_ring: u32,
     /// Write the rows as JSON here.
     #[arg(long)]
     json: Option<String>,
@@ -125,6 +129,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "event" => CompletionMode::Event,
         "adaptive" => CompletionMode::default(),
         other => return Err(format!("unknown completion mode {other}").into()),
+    };
+    let knobs = Knobs {
+        completion,
+        raw_ring: args.raw_ring,
     };
     let rows_planned: usize = args
         .modes
@@ -190,7 +198,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             };
             for &size in &mode_sizes {
                 bar.set_message(format!("{mode} {size} B (round {}/{rounds})", round + 1));
-                let (conv, moved, s) = rt.block_on(measure(&srv, &dev, args.ip, mode, size, plan, completion));
+                let (conv, moved, s) = rt.block_on(measure(&srv, &dev, args.ip, mode, size, plan, knobs));
                 match merged.get_mut(k) {
                     Some(m) => m.4.absorb(s),
                     None => merged.push((mode, size, conv, moved, s)),
@@ -209,7 +217,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let r: Vec<&Row> = rows.iter().filter(|r| &r.mode == mode).collect();
         report::table(mode, &r);
     }
-    report::summary(&rows, dev.provider());
+    report::summary(&rows, dev.provider(), args.raw_ring);
     if !args.perftest.is_empty() {
         let files: Vec<(String, String)> = args
             .perftest
@@ -238,6 +246,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// What every row of a mode is measured with, besides its size.
+#[derive(Clone, Copy)]
+struct Knobs {
+    completion: CompletionMode,
+    raw_ring: u32,
+}
+
 async fn measure(
     srv: &tokio::runtime::Handle,
     dev: &Device,
@@ -245,23 +260,24 @@ async fn measure(
     mode: &str,
     size: usize,
     plan: Plan,
-    completion: CompletionMode,
+    knobs: Knobs,
 ) -> (Convention, usize, sampler::Samples) {
+    let Knobs { completion, raw_ring } = knobs;
     match mode {
         "rpc" | "rpc-eager" | "rpc-rendezvous" | "rpc-spin" | "rpc-event" => {
-            let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion)).await;
+            let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion, raw_ring)).await;
             let s = rpc::measure(&client, size, plan).await;
             serving.abort();
             (Convention::Rtt, 2 * size, s)
         }
         "rpc-body" => {
-            let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion)).await;
+            let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion, raw_ring)).await;
             let s = rpc::in_place(&client, size, plan).await;
             serving.abort();
             (Convention::Rtt, 2 * size, s)
         }
         "rpc-upload" | "rpc-upload-vec" => {
-            let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion)).await;
+            let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion, raw_ring)).await;
             let s = if mode == "rpc-upload" {
                 rpc::upload(&client, size, plan).await
             } else {
@@ -278,7 +294,11 @@ async fn measure(
                 "send-copy" => raw::Touch::Copy,
                 _ => raw::Touch::Nothing,
             };
-            (Convention::HalfRtt, size, raw::send(srv, c, s, size, touch, plan).await)
+            (
+                Convention::HalfRtt,
+                size,
+                raw::send(srv, c, s, size, touch, raw_ring, plan).await,
+            )
         }
         "write" => {
             let (c, s) = raw::pair(dev, ip);

@@ -10,7 +10,9 @@ use tokio::runtime::Handle;
 
 use crate::sampler::{self, Plan, Samples};
 
-const RING: u64 = 16;
+/// Receives each side of the Send ping-pong keeps posted unless `--raw-ring` says otherwise
+/// (the QPs take 256 at most).
+pub const RING: u32 = 16;
 
 pub struct Side {
     pub pd: ProtectionDomain,
@@ -140,14 +142,22 @@ impl Touch {
     }
 }
 
-/// Send/Recv ping-pong; reports half the round trip. `touch` says what each side does with a
-/// message it receives before answering.
-pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, touch: Touch, plan: Plan) -> Samples {
+/// Send/Recv ping-pong with `ring` receives posted on each side; reports half the round trip.
+/// `touch` says what each side does with a message it receives before answering.
+pub async fn send(
+    rt: &Handle,
+    client: Side,
+    server: Side,
+    size: usize,
+    touch: Touch,
+    ring: u32,
+    plan: Plan,
+) -> Samples {
     let len = size.max(1);
     for s in [&client, &server] {
-        for i in 0..RING {
+        for i in 0..ring {
             s.qp.post_recv(RecvWr::new(
-                i,
+                u64::from(i),
                 s.pd.register(len, AccessFlags::LOCAL_WRITE).expect("reg"),
             ))
             .map_err(|e| e.error)
@@ -158,7 +168,7 @@ pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, touch: T
     let srv = server.clone();
     let echo = rt.spawn(async move {
         // Send completions may come back after the next request: keep a few send buffers.
-        let pool = BufferPool::new(&srv.pd, len, RING as usize, AccessFlags::NONE).expect("pool");
+        let pool = BufferPool::new(&srv.pd, len, ring as usize, AccessFlags::NONE).expect("pool");
         let mut owed = 0usize;
         loop {
             let c = next(&srv.cq).await;
