@@ -92,10 +92,11 @@ pub async fn measure(client: &Client, size: usize, plan: Plan) -> Samples {
     .await
 }
 
-/// `size` bytes each way with neither side copying or reading them, as the raw Send ping-pong:
-/// the request goes from a registered buffer (`Client::call_buf_body`), stays in its receive
-/// slot for the handler (`handler_buf`), which answers as many bytes from a registered buffer of
-/// its own, and the response stays in its slot for the caller.
+/// `size` bytes each way which neither the handler nor the caller reads, as in the raw Send
+/// ping-pong: the request goes from a registered buffer (`Client::call_buf_body`) to the handler
+/// (`handler_buf`), which answers as many bytes from a registered buffer of its own. From
+/// `IN_SLOT_MIN` (512 B with the header) each body stays in the receive slot it landed in;
+/// shorter ones the RPC copies out, which costs less than holding the slot.
 pub async fn in_place(client: &Client, size: usize, plan: Plan) -> Samples {
     let mut buf = Some(client.buffer(size).expect("a registered buffer"));
     if let Some(b) = buf.as_mut() {
