@@ -91,25 +91,60 @@ pub async fn tarpc_echo(srv: &Handle, size: usize, plan: Plan) -> Samples {
 }
 
 /// The wake-up floor of this machine: a message to a thread of the server runtime that sleeps
-/// until it comes, and back to this one, which sleeps too (futexes, through std channels).
-/// No non-spinning design can answer faster on the same placement of threads.
+/// until it comes, and back to this one, which sleeps too. Both sides sleep at once, in the
+/// kernel (`thread::park`, a futex), without spinning or yielding first: std's channels spin
+/// and yield before they block, and so caught the message awake in most rounds, which measured
+/// a few microseconds where a thread that really sleeps takes tens on a virtual machine whose
+/// idle vCPU the host has descheduled. No non-spinning design can answer faster on the same
+/// placement of threads.
 pub async fn wake(srv: &Handle, plan: Plan) -> Samples {
-    let (to_srv, from_client) = std::sync::mpsc::sync_channel::<u64>(1);
-    let (to_client, from_srv) = std::sync::mpsc::sync_channel::<u64>(1);
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use std::thread::{self, Thread};
+
+    /// Round `n` is asked for when `turn` is `2n + 1` and answered at `2n + 2`; `u64::MAX` ends.
+    struct Pair {
+        turn: AtomicU64,
+        client: Thread,
+    }
+    let pair = Arc::new(Pair {
+        turn: AtomicU64::new(0),
+        client: thread::current(),
+    });
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Thread>(1);
+    let shared = Arc::clone(&pair);
     let echo = srv.spawn_blocking(move || {
-        while let Ok(v) = from_client.recv() {
-            if to_client.send(v).is_err() {
+        tx.send(thread::current()).expect("wake echo");
+        let mut seen = 0;
+        loop {
+            let t = shared.turn.load(Ordering::Acquire);
+            if t == u64::MAX {
                 return;
+            }
+            if t > seen && t % 2 == 1 {
+                seen = t + 1;
+                shared.turn.store(seen, Ordering::Release);
+                shared.client.unpark();
+            } else {
+                thread::park();
             }
         }
     });
+    let server = rx.recv().expect("wake echo");
+    let mut turn = 0u64;
     let samples = sampler::run(plan, async || {
-        to_srv.send(1).expect("wake echo");
-        from_srv.recv().expect("wake echo");
+        turn += 1;
+        pair.turn.store(turn, Ordering::Release);
+        server.unpark();
+        turn += 1;
+        while pair.turn.load(Ordering::Acquire) != turn {
+            thread::park();
+        }
         None
     })
     .await;
-    drop(to_srv);
+    pair.turn.store(u64::MAX, Ordering::Release);
+    server.unpark();
     let _ = echo.await;
     samples
 }

@@ -38,6 +38,7 @@ const ALL_MODES: &[&str] = &[
     "send",
     "send-copy",
     "send-head",
+    "send-event",
     "write",
     "read",
     "atomic",
@@ -45,6 +46,10 @@ const ALL_MODES: &[&str] = &[
     "tarpc",
     "wake",
 ];
+
+/// Modes measured at one size only: `atomic` at 8 B, `send-event` at 64 B (beside the event-mode
+/// RPC target), `wake` with no payload.
+const ONE_ROW: &[&str] = &["atomic", "send-event", "wake"];
 
 #[derive(Parser, Debug)]
 #[command(about = "Latency by message size: rdma-rpc RPCs, raw verbs and baselines, perftest's columns")]
@@ -60,7 +65,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "rpc,rpc-body,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,send,send-head,send-copy,write,read,atomic,memcpy,tcp,tarpc,wake"
+        default_value = "rpc,rpc-body,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,send,send-head,send-copy,send-event,write,read,atomic,memcpy,tcp,tarpc,wake"
     )]
     modes: Vec<String>,
     /// Fixed iterations per size (default: as many as fit the time budget).
@@ -137,7 +142,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rows_planned: usize = args
         .modes
         .iter()
-        .map(|m| if m == "atomic" || m == "wake" { 1 } else { sizes.len() })
+        .map(|m| if ONE_ROW.contains(&m.as_str()) { 1 } else { sizes.len() })
         .sum::<usize>()
         .max(1);
     let rounds = args.rounds as usize;
@@ -193,6 +198,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for mode in &args.modes {
             let mode_sizes: Vec<usize> = match mode.as_str() {
                 "atomic" => vec![8],
+                "send-event" => vec![64],
                 "wake" => vec![0],
                 _ => sizes.clone(),
             };
@@ -287,18 +293,22 @@ async fn measure(
             (Convention::Rtt, size, s)
         }
         "memcpy" => (Convention::Rtt, size, baseline::memcpy(size, plan).await),
-        "send" | "send-head" | "send-copy" => {
+        "send" | "send-head" | "send-copy" | "send-event" => {
             let (c, s) = raw::pair(dev, ip);
-            let touch = match mode {
-                "send-head" => raw::Touch::Head,
-                "send-copy" => raw::Touch::Copy,
-                _ => raw::Touch::Nothing,
+            let how = raw::PingPong {
+                touch: match mode {
+                    "send-head" => raw::Touch::Head,
+                    "send-copy" => raw::Touch::Copy,
+                    _ => raw::Touch::Nothing,
+                },
+                ring: raw_ring,
+                spin: if mode == "send-event" {
+                    Duration::ZERO
+                } else {
+                    raw::spin_budget()
+                },
             };
-            (
-                Convention::HalfRtt,
-                size,
-                raw::send(srv, c, s, size, touch, raw_ring, plan).await,
-            )
+            (Convention::HalfRtt, size, raw::send(srv, c, s, size, how, plan).await)
         }
         "write" => {
             let (c, s) = raw::pair(dev, ip);

@@ -62,10 +62,19 @@ pub static SPIN_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 /// CQ polls between two turns through the runtime (the RPC driver's spinning calls do the same).
 const INNER_POLLS: u32 = 16;
 
-/// Next completion: polling for the spin budget, then a wait on the completion channel.
-async fn next(cq: &CompletionQueue) -> Completion {
+/// The spin budget of `--raw-spin-us`.
+pub fn spin_budget() -> Duration {
+    Duration::from_micros(SPIN_US.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+/// Next completion: polling for `budget`, then a wait on the completion channel (at once when
+/// `budget` is zero, as the RPC driver's event mode waits).
+async fn next(cq: &CompletionQueue, budget: Duration) -> Completion {
     let mut out = Vec::with_capacity(1);
-    let budget = Duration::from_micros(SPIN_US.load(std::sync::atomic::Ordering::Relaxed));
+    if budget.is_zero() {
+        cq.wait(&mut out, 1).await.expect("wait");
+        return out.pop().expect("one");
+    }
     // The clock is read only after a first round of polls finds nothing: a completion that
     // comes within it costs no clock read (one can be a syscall, e.g. in the soft-RoCE VM).
     let mut started: Option<Instant> = None;
@@ -142,17 +151,20 @@ impl Touch {
     }
 }
 
-/// Send/Recv ping-pong with `ring` receives posted on each side; reports half the round trip.
-/// `touch` says what each side does with a message it receives before answering.
-pub async fn send(
-    rt: &Handle,
-    client: Side,
-    server: Side,
-    size: usize,
-    touch: Touch,
-    ring: u32,
-    plan: Plan,
-) -> Samples {
+/// How a Send ping-pong runs.
+#[derive(Clone, Copy)]
+pub struct PingPong {
+    /// What each side does with a message it receives before answering.
+    pub touch: Touch,
+    /// Receives posted on each side.
+    pub ring: u32,
+    /// How long each side polls its CQ before it sleeps on the completion channel.
+    pub spin: Duration,
+}
+
+/// Send/Recv ping-pong as `how` says; reports half the round trip.
+pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, how: PingPong, plan: Plan) -> Samples {
+    let PingPong { touch, ring, spin } = how;
     let len = size.max(1);
     for s in [&client, &server] {
         for i in 0..ring {
@@ -171,7 +183,7 @@ pub async fn send(
         let pool = BufferPool::new(&srv.pd, len, ring as usize, AccessFlags::NONE).expect("pool");
         let mut owed = 0usize;
         loop {
-            let c = next(&srv.cq).await;
+            let c = next(&srv.cq, spin).await;
             if !c.status.is_success() {
                 return;
             }
@@ -203,7 +215,7 @@ pub async fn send(
         client.qp.post_send(wr).map_err(|e| e.error).expect("send");
         let mut got = false;
         while buf.is_none() || !got {
-            let c = ok(next(&client.cq).await);
+            let c = ok(next(&client.cq, spin).await);
             match c.opcode {
                 WcOpcode::Recv => {
                     got = true;
@@ -236,7 +248,7 @@ pub async fn read(client: Side, server: Side, size: usize, plan: Plan) -> Sample
             .buf(local.take().expect("buffer"))
             .len(size);
         client.qp.post_send(wr).map_err(|e| e.error).expect("read");
-        local = ok(next(&client.cq).await).buf;
+        local = ok(next(&client.cq, spin_budget()).await).buf;
         None
     })
     .await;
@@ -255,7 +267,7 @@ pub async fn atomic(client: Side, server: Side, plan: Plan) -> Samples {
     let r = sampler::run(plan, async || {
         let wr = SendWr::new(0, SendOp::FetchAdd { remote, add: 1 }).buf(local.take().expect("buffer"));
         client.qp.post_send(wr).map_err(|e| e.error).expect("faa");
-        local = ok(next(&client.cq).await).buf;
+        local = ok(next(&client.cq, spin_budget()).await).buf;
         None
     })
     .await;
@@ -302,7 +314,7 @@ pub async fn write(rt: &Handle, client: Side, server: Side, size: usize, plan: P
                 .len(len),
             );
             s.qp.post_send(wr).map_err(|e| e.error).expect("write");
-            src = ok(next(&s.cq).await).buf;
+            src = ok(next(&s.cq, spin_budget()).await).buf;
             expect = expect.wrapping_add(1).max(1);
         }
     });
@@ -326,7 +338,7 @@ pub async fn write(rt: &Handle, client: Side, server: Side, size: usize, plan: P
             .post_send(inline(size, &client.qp, wr))
             .map_err(|e| e.error)
             .expect("write");
-        src = ok(next(&client.cq).await).buf;
+        src = ok(next(&client.cq, spin_budget()).await).buf;
         while cdst.bytes()[len - 1] != tag {
             give_way().await;
         }

@@ -205,20 +205,7 @@ fn shm_targets(rows: &[Row]) {
         }
     }
     if let Some(ev) = find(rows, "rpc-event", 64) {
-        println!(
-            "RPC 64 B round trip, event mode (no spinning): p50 {:.2} us (target <= 15 us): {}",
-            ev.t_typical,
-            verdict(ev.t_typical <= 15.0)
-        );
-        if let Some(w) = rows.iter().find(|r| r.mode == "wake") {
-            println!(
-                "  this machine's wake-up floor (wake mode: a blocking round trip between the same two threads): p50 {:.2} us",
-                w.t_typical
-            );
-            if w.t_typical > 15.0 {
-                println!("  no design that sleeps can beat that floor here; --cpus 0,0 puts both threads on one core");
-            }
-        }
+        event(rows, ev);
     }
     // The target is for 16 MiB; a sweep without that size reports its largest common one.
     let sizes = rows
@@ -255,6 +242,50 @@ fn shm_targets(rows: &[Row]) {
             }
         }
     }
+}
+
+/// The event-mode target, with what bounds it on this machine: the provider's own sleep and
+/// wake-up without the RPC layer (`send-event`), and a futex round trip (`wake`).
+fn event(rows: &[Row], ev: &Row) {
+    println!(
+        "RPC 64 B round trip, event mode (no spinning): p50 {:.2} us (target <= 15 us): {}",
+        ev.t_typical,
+        verdict(ev.t_typical <= 15.0)
+    );
+    if let Some(raw) = find(rows, "send-event", 64) {
+        let rtt = 2.0 * raw.t_typical;
+        println!(
+            "  the raw Send ping-pong whose sides sleep on their completion channels as event mode does (send-event), 64 B round trip p50 {rtt:.2} us: the RPC / that = {:.2}x",
+            ev.t_typical / rtt
+        );
+    }
+    if let Some(w) = rows.iter().find(|r| r.mode == "wake") {
+        println!(
+            "  a futex round trip between the same two threads, both sleeping (wake): p50 {:.2} us, 99% {:.2} us",
+            w.t_typical, w.p99
+        );
+    }
+    if ev.t_typical > 15.0 {
+        if let Some(ns) = guest_halt_poll_ns() {
+            println!(
+                "  this guest's cpuidle-haltpoll polls {ns} ns before it halts an idle vCPU (/sys/module/haltpoll/parameters/guest_halt_poll_ns; Linux's default is 200000): a wake-up that finds its vCPU halted goes through the hypervisor, tens of us"
+            );
+        }
+        println!("  --cpus 0,0 puts both threads on one core");
+    }
+}
+
+/// The guest's halt-polling window when it runs the cpuidle-haltpoll driver (a KVM guest).
+fn guest_halt_poll_ns() -> Option<u64> {
+    let driver = std::fs::read_to_string("/sys/devices/system/cpu/cpuidle/current_driver").ok()?;
+    if driver.trim() != "haltpoll" {
+        return None;
+    }
+    std::fs::read_to_string("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 fn verdict(ok: bool) -> &'static str {
