@@ -154,8 +154,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     // Client and server each get one thread (the machines have two cores): the client side runs
     // on this thread, every server of every mode (RPC, raw echo, TCP, tarpc) on the other.
+    // Both CPUs are looked up before this thread is pinned: a thread's view of the machine's
+    // CPUs is its own affinity mask, which its children inherit.
     let (client_cpu, server_cpu) = match args.cpus.as_deref() {
-        Some(&[c, s]) => (Some(c), Some(s)),
+        Some(&[c, s]) => (Some(core(c)?), Some(core(s)?)),
         None => (None, None),
         Some(_) => return Err("--cpus takes two CPUs: client,server".into()),
     };
@@ -168,7 +170,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .thread_name("bench-server")
         .on_thread_start(move || {
             if let Some(s) = server_cpu {
-                let _ = pin(s);
+                if let Err(e) = pin(s) {
+                    eprintln!("warning: {e}: the server thread runs unpinned");
+                }
             }
         })
         .enable_all()
@@ -328,17 +332,21 @@ async fn measure(
     }
 }
 
-/// Pins the calling thread to `cpu`.
-fn pin(cpu: usize) -> Result<(), String> {
-    let ids = core_affinity::get_core_ids().unwrap_or_default();
-    let id = ids
+/// The CPU `cpu` among those this process may run on.
+fn core(cpu: usize) -> Result<core_affinity::CoreId, String> {
+    core_affinity::get_core_ids()
+        .unwrap_or_default()
         .into_iter()
         .find(|c| c.id == cpu)
-        .ok_or_else(|| format!("no CPU {cpu} to pin to"))?;
-    if core_affinity::set_for_current(id) {
+        .ok_or_else(|| format!("no CPU {cpu} to pin to"))
+}
+
+/// Pins the calling thread to `cpu`.
+fn pin(cpu: core_affinity::CoreId) -> Result<(), String> {
+    if core_affinity::set_for_current(cpu) {
         Ok(())
     } else {
-        Err(format!("pinning to CPU {cpu} failed"))
+        Err(format!("pinning to CPU {} failed", cpu.id))
     }
 }
 

@@ -156,24 +156,31 @@ impl OwnRq {
         std::sync::atomic::fence(Ordering::SeqCst);
     }
 
+    ///
+    /// It looks at the oldest posted entry's state, not at `head`: the entry's line is the one
+    /// the drain reads anyway, so a message costs the owner one line fetched from the peer's
+    /// core instead of two in a row (`head`, then the entry).
     pub(crate) fn has_taken(&self) -> bool {
-        self.drained.load(Ordering::Relaxed) != self.seg.header().head.load(Ordering::Acquire)
+        self.oldest_done().is_some()
     }
 
-    /// The oldest completion the peer wrote and nobody drained yet, if any. `None` also at the
-    /// first entry that is not done (the peer moves `head` only after marking the entry; a peer
-    /// that lies stalls itself). Each call moves past what it returns, so a caller may drain
-    /// again while handling an entry.
-    pub(crate) fn next_done(&self) -> Option<Done> {
-        let h = self.seg.header();
+    /// The oldest posted entry that nobody drained yet, if the peer completed it.
+    fn oldest_done(&self) -> Option<&Entry> {
         let d = self.drained.load(Ordering::Relaxed);
-        if d == h.head.load(Ordering::Acquire) || d == h.tail.load(Ordering::Relaxed) {
+        if d == self.seg.header().tail.load(Ordering::Relaxed) {
             return None;
         }
         let e = self.seg.entry(d);
-        if e.state.load(Ordering::Acquire) != DONE {
-            return None;
-        }
+        (e.state.load(Ordering::Acquire) == DONE).then_some(e)
+    }
+
+    /// The oldest completion the peer wrote and nobody drained yet, if any. `None` also at the
+    /// first entry that is not done (the peer marks entries in order, each before it moves
+    /// `head` past it; a peer that lies stalls itself). Each call moves past what it returns,
+    /// so a caller may drain again while handling an entry.
+    pub(crate) fn next_done(&self) -> Option<Done> {
+        let d = self.drained.load(Ordering::Relaxed);
+        let e = self.oldest_done()?;
         let status = match e.status.load(Ordering::Relaxed) {
             0 => WcStatus::Success,
             code => WcStatus::from_raw(code),
@@ -295,5 +302,44 @@ impl Taken<'_> {
         // entry, or this sees the owner armed.
         std::sync::atomic::fence(Ordering::SeqCst);
         h.armed.load(Ordering::Relaxed) != 0 && h.armed.swap(0, Ordering::AcqRel) != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_owner_sees_completions_in_order_and_frames_take_the_next_entry() {
+        let (fd, own) = OwnRq::create(4).expect("rq");
+        let peer = PeerRq::map(&fd).expect("map");
+        assert!(!own.has_taken() && own.next_done().is_none(), "nothing posted");
+        own.post(7, 0x1000, 64, 1);
+        own.post(8, 0x2000, 64, 1);
+        assert!(!own.has_taken(), "posted, not completed");
+        let t = peer.take().expect("counters").expect("a posted receive");
+        assert_eq!((t.addr, t.len, t.lkey), (0x1000, 64, 1));
+        assert!(!t.complete(WcStatus::Success, HAS_IMM, 5, 9), "not armed: no doorbell");
+        assert!(own.has_taken());
+        let d = own.next_done().expect("done");
+        assert_eq!((d.seq, d.byte_len, d.flags, d.imm), (7, 5, HAS_IMM, 9));
+        assert!(d.status.is_success());
+        assert!(
+            !own.has_taken() && own.next_done().is_none(),
+            "drained; the second is not done"
+        );
+        // A request that came as a frame takes the second entry; the peer's next take finds none.
+        assert!(own.take_for_frame());
+        assert!(peer.take().expect("counters").is_none());
+        assert!(!own.has_taken() && own.next_done().is_none());
+        // Reposted after a wrap-around: a drained entry's old completion is not seen again.
+        for seq in 9..13 {
+            own.post(seq, 0x3000, 64, 1);
+        }
+        assert!(!own.has_taken(), "fresh entries over drained ones");
+        own.arm();
+        let t = peer.take().expect("counters").expect("posted");
+        assert!(t.complete(WcStatus::Success, 0, 1, 0), "armed: ring the doorbell once");
+        assert_eq!(own.next_done().map(|d| d.seq), Some(9));
     }
 }
