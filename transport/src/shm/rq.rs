@@ -217,6 +217,12 @@ impl OwnRq {
 /// The peer's receive queue, as the initiator of Sends sees it.
 pub(crate) struct PeerRq {
     seg: Segment,
+    /// The peer's `tail` as this side last read it. Entries before it are posted, so a Send
+    /// reads the shared `tail` (a line the owner writes at every post, which a read then
+    /// fetches from the owner's core before the Send's stores may commit) only once it has
+    /// caught up with what it saw: once per ring's worth of messages in a steady ping-pong.
+    /// Sends (its only users) are serialised by the QP's engine.
+    tail_seen: AtomicU64,
 }
 
 /// A receive the peer posted, taken.
@@ -235,20 +241,35 @@ impl PeerRq {
         let size = usize::try_from(size).unwrap_or(0).min(bytes(1 << 16));
         let map = Arc::new(Mapping::map(fd, size).map_err(|e| Error::io("mapping the peer's receive queue", e))?);
         let seg = Segment::new(map).ok_or_else(|| Error::Protocol("the peer's receive queue is too small".into()))?;
-        Ok(PeerRq { seg })
+        Ok(PeerRq {
+            seg,
+            tail_seen: AtomicU64::new(0),
+        })
+    }
+
+    /// Receives posted from `head` on, by the `tail` last seen; the shared `tail` is read only
+    /// when that shows none, or makes no sense (the owner moves `head` too, when a frame takes
+    /// an entry). `Err` when the shared counters make no sense.
+    fn posted(&self, head: u64) -> std::result::Result<u64, ()> {
+        let cap = self.seg.cap as u64;
+        let posted = self.tail_seen.load(Ordering::Relaxed).wrapping_sub(head);
+        if posted != 0 && posted <= cap {
+            return Ok(posted);
+        }
+        let tail = self.seg.header().tail.load(Ordering::Acquire);
+        let posted = tail.wrapping_sub(head);
+        if posted > cap {
+            return Err(());
+        }
+        self.tail_seen.store(tail, Ordering::Relaxed);
+        Ok(posted)
     }
 
     /// The oldest receive the peer posted and nobody took; `Ok(None)` when there is none (RNR);
     /// `Err` when the counters make no sense.
     pub(crate) fn take(&self) -> std::result::Result<Option<Taken<'_>>, ()> {
-        let h = self.seg.header();
-        let head = h.head.load(Ordering::Acquire);
-        let tail = h.tail.load(Ordering::Acquire);
-        let posted = tail.wrapping_sub(head);
-        if posted > self.seg.cap as u64 {
-            return Err(());
-        }
-        if posted == 0 {
+        let head = self.seg.header().head.load(Ordering::Acquire);
+        if self.posted(head)? == 0 {
             return Ok(None);
         }
         let entry = self.seg.entry(head);
@@ -268,10 +289,10 @@ impl PeerRq {
     /// last: the entry's cache line is fetched for writing, and its buffer's address and key
     /// returned, so the caller can fetch the buffer's first lines too. A hint only.
     pub(crate) fn prefetch_next(&self) -> Option<(u64, u32)> {
-        let h = self.seg.header();
-        let head = h.head.load(Ordering::Relaxed);
-        let tail = h.tail.load(Ordering::Acquire);
-        let posted = tail.wrapping_sub(head);
+        let head = self.seg.header().head.load(Ordering::Relaxed);
+        // Only what was seen posted: reading the shared `tail` here would fetch its line from
+        // the owner's core after every post.
+        let posted = self.tail_seen.load(Ordering::Relaxed).wrapping_sub(head);
         if posted == 0 || posted > self.seg.cap as u64 {
             return None;
         }
@@ -333,13 +354,38 @@ mod tests {
         assert!(peer.take().expect("counters").is_none());
         assert!(!own.has_taken() && own.next_done().is_none());
         // Reposted after a wrap-around: a drained entry's old completion is not seen again.
-        for seq in 9..13 {
-            own.post(seq, 0x3000, 64, 1);
+        for seq in 9..12 {
+            own.post(seq, 0x1000 * seq, 64, 1);
         }
         assert!(!own.has_taken(), "fresh entries over drained ones");
         own.arm();
         let t = peer.take().expect("counters").expect("posted");
         assert!(t.complete(WcStatus::Success, 0, 1, 0), "armed: ring the doorbell once");
         assert_eq!(own.next_done().map(|d| d.seq), Some(9));
+        // Posted after the peer last looked: it finds them once it has taken what it saw.
+        own.post(12, 0x1000 * 12, 64, 1);
+        own.post(13, 0x1000 * 13, 64, 1);
+        for seq in 10..14 {
+            let t = peer.take().expect("counters").expect("posted");
+            assert_eq!(t.addr, 0x1000 * seq, "taken in posting order");
+            assert!(!t.complete(WcStatus::Success, 0, 1, 0));
+        }
+        assert!(peer.take().expect("counters").is_none(), "all taken");
+        assert_eq!(
+            std::iter::from_fn(|| own.next_done())
+                .map(|d| d.seq)
+                .collect::<Vec<_>>(),
+            [10, 11, 12, 13]
+        );
+        // A frame takes an entry the peer never saw posted: `head` passes what the peer saw,
+        // and the peer must not take the entry after it, which nobody posted.
+        own.post(14, 0x1000 * 14, 64, 1);
+        assert!(own.take_for_frame());
+        assert!(
+            peer.take().expect("counters").is_none(),
+            "nothing posted past the frame's"
+        );
+        own.post(15, 0x1000 * 15, 64, 1);
+        assert_eq!(peer.take().expect("counters").map(|t| t.addr), Some(0x1000 * 15));
     }
 }
