@@ -90,13 +90,12 @@ pub async fn tarpc_echo(srv: &Handle, size: usize, plan: Plan) -> Samples {
     .await
 }
 
-/// The wake-up floor of this machine: a message to a thread of the server runtime that sleeps
-/// until it comes, and back to this one, which sleeps too. Both sides sleep at once, in the
-/// kernel (`thread::park`, a futex), without spinning or yielding first: std's channels spin
-/// and yield before they block, and so caught the message awake in most rounds, which measured
-/// a few microseconds where a thread that really sleeps takes tens on a virtual machine whose
-/// idle vCPU the host has descheduled. No non-spinning design can answer faster on the same
-/// placement of threads.
+/// A futex round trip: a message to a thread of the server runtime that sleeps until it comes,
+/// and back to this one, which sleeps too. Both sides sleep in the kernel (`thread::park`)
+/// without spinning or yielding first (std's channels spin and yield before they block, and so
+/// caught most messages awake). On a KVM guest that halts idle vCPUs the row has two regimes:
+/// an answer that comes before the other vCPU has halted takes a microsecond or two, one after
+/// it tens (its 99th percentile shows them); the summary prints both beside event mode.
 pub async fn wake(srv: &Handle, plan: Plan) -> Samples {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::Arc;
