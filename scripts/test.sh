@@ -2,8 +2,8 @@
 # The whole test suite: lints, every test on the default software provider (tcp), the same
 # provider-neutral suites on the shared-memory provider (shm), then the
 # transport conformance suite and the RPC end-to-end suite on real verbs: soft-RoCE (rdma_rxe,
-# device rxe0) inside a qemu VM booted from Debian's kernel (scripts/rxe-vm.sh). Installs
-# missing apt packages first.
+# device rxe0) inside a qemu VM booted from Debian's kernel (scripts/rxe-vm.sh), and a smoke run
+# of every latency-harness mode on shm and tcp. Installs missing apt packages first.
 # Prints the tests passed per provider and ends with "N passed, N failed".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,9 +72,26 @@ else
     ((verbs_pass > 0)) || { echo "the VM lane ran no test"; fail=1; }
 fi
 
-step "benchmark lane: a short sweep on verbs (rxe0) beside perftest, same boot (a report, not a test)"
 bench_bin=$(cargo bench --bench latency --no-run --message-format=json 2>/dev/null |
       sed -n 's/.*"executable":"\([^"]*\/latency-[^"]*\)".*/\1/p' | tail -1)
+
+step "latency harness smoke run: every mode on shm and tcp at 64 B and 64 KiB, 30 iterations a row, JSON and SVG written (checks it runs, measures nothing)"
+for p in shm tcp; do
+    if [[ -z $bench_bin ]]; then break; fi
+    "$bench_bin" --provider "$p" --sizes 64,65536 --iters 30 --rounds 1 \
+        --json "$LOG/smoke-$p.json" --plot "$LOG/smoke-$p.svg" > "$LOG/smoke-$p.txt" 2>&1
+    rc=$?
+    # 16 modes at both sizes, atomic, send-event and wake at one: 35 rows, none empty.
+    rows=$(grep -c '"mode"' "$LOG/smoke-$p.json" 2>/dev/null)
+    if ((rc != 0)) || [[ $rows != 35 ]] || grep -q '"iterations": 0' "$LOG/smoke-$p.json" ||
+        ! grep -q '^=== summary' "$LOG/smoke-$p.txt" || [[ ! -s $LOG/smoke-$p.svg ]]; then
+        echo "the harness smoke run on $p failed (exit $rc, $rows rows):"; tail -20 "$LOG/smoke-$p.txt"; fail=1
+    else
+        echo "provider $p: $rows rows, summary, JSON and SVG written"
+    fi
+done
+
+step "benchmark lane: a short sweep on verbs (rxe0) beside perftest, same boot (a report, not a test)"
 if [[ -z $bench_bin ]]; then
     echo "could not build the latency harness"; fail=1
 else
