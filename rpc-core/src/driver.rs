@@ -654,7 +654,14 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
             }
             // What the polls found is handled at once; only an idle round gives way (and its
             // core too, when the provider's own threads need it).
-            if !found {
+            if found {
+                // Activity: the budget starts again from here, as after a busy round above.
+                // Without this, a message found late in the budget left the rest of it (down to
+                // nothing) for the peer's next one: the server answered and went to sleep.
+                if matches!(mode, CompletionMode::Adaptive { .. }) {
+                    last_active = Instant::now();
+                }
+            } else {
                 if conn.yield_cpu {
                     std::thread::yield_now();
                 }
