@@ -106,8 +106,7 @@ impl Arena {
         }))
     }
 
-    /// `len` bytes (rounded up to pages), zeroed and committed (see [`sys::populate`]); returns
-    /// the arena offset.
+    /// `len` bytes (rounded up to pages), zeroed; returns the arena offset.
     pub(crate) fn alloc(&self, len: u64) -> Result<u64> {
         let want = len.max(1).div_ceil(PAGE) * PAGE;
         let mut free = self.free.lock();
@@ -119,14 +118,6 @@ impl Arena {
         free.remove(&off);
         if have > want {
             free.insert(off + want, have - want);
-        }
-        drop(free);
-        if let Err(e) = sys::populate(self.at(off), want as usize) {
-            self.free(off, want);
-            return Err(Error::io(
-                "committing the pages of a registration (shm commits them when registering, as verbs pins them)",
-                e,
-            ));
         }
         Ok(off)
     }
@@ -391,29 +382,5 @@ mod tests {
         // SAFETY: `c` is ours, 12288 bytes inside the mapping.
         let first = unsafe { *arena.at(c) };
         assert_eq!(first, 0, "punched pages read as zeros");
-    }
-
-    /// Pages of `[p, p + len)` the kernel has in memory for this mapping.
-    fn resident(p: *mut u8, len: usize) -> usize {
-        let mut vec = vec![0u8; len.div_ceil(PAGE as usize)];
-        // SAFETY: `p` is page aligned and `[p, p + len)` is inside a mapping of ours; the
-        // kernel writes one byte per page into `vec`, which is that long.
-        let rc = unsafe { libc::mincore(p.cast(), len, vec.as_mut_ptr()) };
-        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
-        vec.iter().filter(|&&b| b & 1 == 1).count()
-    }
-
-    #[test]
-    fn a_registration_commits_its_pages_and_a_free_gives_them_back() {
-        let arena = Arena::new().expect("arena");
-        let len = 64 * PAGE as usize;
-        let a = arena.alloc(len as u64).expect("alloc");
-        assert_eq!(
-            resident(arena.at(a), len),
-            64,
-            "every page in memory before the first write"
-        );
-        arena.free(a, len as u64);
-        assert_eq!(resident(arena.at(a), len), 0, "punched out");
     }
 }

@@ -98,30 +98,6 @@ impl Drop for Mapping {
     }
 }
 
-/// Allocates and maps the pages of `[p, p + len)`, a range of a shared mapping, now rather than
-/// at the first touch of each page: as `ibv_reg_mr` pins a registration's pages, so that no
-/// message pays a page fault, and so that a lack of memory fails the registration instead of
-/// raising SIGBUS at the first write into it (a memfd's pages are allocated on first touch).
-/// A kernel without `MADV_POPULATE_WRITE` (before Linux 5.14) says EINVAL: the pages then come
-/// on first touch, as they did.
-pub(crate) fn populate(p: *mut u8, len: usize) -> io::Result<()> {
-    loop {
-        // SAFETY: madvise only asks the kernel to fault the range in for writing; it changes
-        // no contents (the pages are the memfd's, zero until written) and fails, touching
-        // nothing, on a range that is not mapped.
-        let rc = unsafe { libc::madvise(p.cast(), len, libc::MADV_POPULATE_WRITE) };
-        if rc == 0 {
-            return Ok(());
-        }
-        let e = io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::EINTR) => continue,
-            Some(libc::EINVAL) => return Ok(()),
-            _ => return Err(e),
-        }
-    }
-}
-
 /// Gives the pages of `[off, off + len)` back to the system (they read as zeros after).
 pub(crate) fn punch_hole(fd: &OwnedFd, off: u64, len: u64) {
     // SAFETY: a plain syscall on a descriptor we own; failure only keeps the pages.
