@@ -16,8 +16,8 @@ pub enum CompletionMode {
     /// client and a server can fall into a rhythm in which each goes to sleep just before the
     /// other's message arrives, and every call then pays two wake-ups. On KVM guests whose idle
     /// vCPUs halt at once (`guest_halt_poll_ns` 0) a wake-up takes tens of microseconds: with
-    /// 50 µs, 13 of 400 connections in the README's measurement ran most of their calls at
-    /// 60-120 µs instead of about 1 µs; with the default 200 µs, 2 did.
+    /// 50 µs, 8 of 240 fresh connections in the README's measurement ran most of their calls
+    /// at 60-120 µs instead of about 1 µs; with the default 200 µs, none did.
     Adaptive {
         /// How long to keep spinning after the last completion or command.
         spin: Duration,
