@@ -47,9 +47,16 @@ const ALL_MODES: &[&str] = &[
     "wake",
 ];
 
-/// Modes measured at one size only: `atomic` at 8 B, `send-event` at 64 B (beside the event-mode
-/// RPC target), `wake` with no payload.
-const ONE_ROW: &[&str] = &["atomic", "send-event", "wake"];
+/// The sizes a mode is measured at: one for `atomic` (8 B, the word), `send-event` (64 B, beside
+/// the event-mode RPC target) and `wake` (no payload), the sweep's for the others.
+fn mode_sizes(mode: &str, sizes: &[usize]) -> Vec<usize> {
+    match mode {
+        "atomic" => vec![8],
+        "send-event" => vec![64],
+        "wake" => vec![0],
+        _ => sizes.to_vec(),
+    }
+}
 
 #[derive(Parser, Debug)]
 #[command(about = "Latency by message size: rdma-rpc RPCs, raw verbs and baselines, perftest's columns")]
@@ -142,7 +149,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rows_planned: usize = args
         .modes
         .iter()
-        .map(|m| if ONE_ROW.contains(&m.as_str()) { 1 } else { sizes.len() })
+        .map(|m| mode_sizes(m, &sizes).len())
         .sum::<usize>()
         .max(1);
     let rounds = args.rounds as usize;
@@ -200,13 +207,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for round in 0..rounds {
         let mut k = 0;
         for mode in &args.modes {
-            let mode_sizes: Vec<usize> = match mode.as_str() {
-                "atomic" => vec![8],
-                "send-event" => vec![64],
-                "wake" => vec![0],
-                _ => sizes.clone(),
-            };
-            for &size in &mode_sizes {
+            for size in mode_sizes(mode, &sizes) {
                 bar.set_message(format!("{mode} {size} B (round {}/{rounds})", round + 1));
                 let (conv, moved, s) = rt.block_on(measure(&srv, &dev, args.ip, mode, size, plan, knobs));
                 match merged.get_mut(k) {

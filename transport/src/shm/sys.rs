@@ -240,7 +240,8 @@ fn head_lines(addr: usize, len: usize) -> usize {
 }
 
 /// Asks the CPU to start fetching the cache lines of `len` bytes at `p` (all of a short
-/// message, the first `HEAD_LINES` of a longer one: see `head_lines`), for writing when `write`: a hint, which never faults or changes memory.
+/// message, the first `HEAD_LINES` of a longer one: see `head_lines`), for writing when
+/// `write`: a hint, which never faults or changes memory.
 pub(crate) fn prefetch(p: *const u8, len: usize, write: bool) {
     for i in 0..head_lines(p as usize, len) {
         let at = p.wrapping_add(i * 64);
