@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use foldhash::{HashMap, HashSet};
+use foldhash::HashMap;
 use parking_lot::Mutex;
 
 use rdma_rpc_transport::{AccessFlags, MemoryRegion, ProtectionDomain, RemoteRegion};
@@ -18,33 +18,61 @@ use crate::{Isolation, RpcError};
 pub(crate) struct Stash {
     pd: ProtectionDomain,
     free: Arc<Mutex<Free>>,
-    held: HashMap<BufId, MemoryRegion>,
-    /// Held buffers that belong to the application: on release they wait in `kept` for it.
-    keep: HashSet<BufId>,
-    kept: HashMap<BufId, MemoryRegion>,
+    /// Every buffer the session knows by id, in one map: a call's buffer goes through several
+    /// of the states below per round trip, each a lookup of the same entry.
+    entries: HashMap<BufId, Entry>,
     next: BufId,
     isolation: Isolation,
 }
 
-/// Free buffers by size class.
+/// A buffer the session knows by id.
+struct Entry {
+    /// `None` while it is out in a work request ([`Stash::take_out`]).
+    mr: Option<MemoryRegion>,
+    /// It belongs to the application: once released it waits for [`Stash::reclaim`].
+    keep: bool,
+    /// Released by the session; only a kept buffer stays in this state.
+    released: bool,
+}
+
+impl Entry {
+    /// Held by the session (lent to the peer, or being read into), with its registration here.
+    fn held(&self) -> bool {
+        self.mr.is_some() && !self.released
+    }
+}
+
+/// Free buffers by size class: list `i` holds buffers of `MIN_CLASS << i` bytes.
 pub(crate) struct Free {
-    lists: HashMap<usize, Vec<MemoryRegion>>,
+    lists: Vec<Vec<MemoryRegion>>,
     isolation: Isolation,
 }
 
 impl Free {
     fn pop(&mut self, class: usize) -> Option<MemoryRegion> {
-        self.lists.get_mut(&class).and_then(Vec::pop)
+        self.lists.get_mut(class_index(class)?).and_then(Vec::pop)
     }
 
     /// A buffer no peer can reach through the session any more: kept for reuse, or (with
-    /// [`Isolation::Transfer`], or beyond [`KEEP`]) deregistered, so that its rkey dies.
+    /// [`Isolation::Transfer`], beyond [`KEEP`], or of no class's size) deregistered, so
+    /// that its rkey dies.
     pub(crate) fn put(&mut self, mr: MemoryRegion) {
-        let list = self.lists.entry(mr.len()).or_default();
-        if self.isolation == Isolation::Connection && list.len() < KEEP {
-            list.push(mr);
+        if self.isolation != Isolation::Connection {
+            return;
+        }
+        let Some(i) = class_index(mr.len()) else { return };
+        if self.lists.len() <= i {
+            self.lists.resize_with(i + 1, Vec::new);
+        }
+        if self.lists[i].len() < KEEP {
+            self.lists[i].push(mr);
         }
     }
+}
+
+/// The free list of buffers of `len` bytes, when that is a class's size.
+fn class_index(len: usize) -> Option<usize> {
+    (len >= MIN_CLASS && len.is_power_of_two()).then(|| (len / MIN_CLASS).trailing_zeros() as usize)
 }
 
 const MIN_CLASS: usize = 4096;
@@ -60,12 +88,10 @@ impl Stash {
         Self {
             pd: pd.clone(),
             free: Arc::new(Mutex::new(Free {
-                lists: HashMap::default(),
+                lists: Vec::new(),
                 isolation,
             })),
-            held: HashMap::default(),
-            keep: HashSet::default(),
-            kept: HashMap::default(),
+            entries: HashMap::default(),
             next: 1,
             isolation,
         }
@@ -107,27 +133,39 @@ impl Stash {
             len: len as u64,
             rkey: whole.rkey,
         };
+        Ok((desc, self.hold(mr, keep)))
+    }
+
+    /// Holds `mr` under a fresh id.
+    fn hold(&mut self, mr: MemoryRegion, keep: bool) -> BufId {
         let id = self.next;
         self.next += 1;
-        self.held.insert(id, mr);
-        if keep {
-            self.keep.insert(id);
-        }
-        Ok((desc, id))
+        let entry = Entry {
+            mr: Some(mr),
+            keep,
+            released: false,
+        };
+        self.entries.insert(id, entry);
+        id
     }
 
     /// Whether the application's buffer `id` is out in a work request (neither held nor
     /// released yet): a Send from it whose completion has not come back.
     pub(crate) fn in_flight(&self, id: BufId) -> bool {
-        self.keep.contains(&id) && !self.held.contains_key(&id) && !self.kept.contains_key(&id)
+        self.entries.get(&id).is_some_and(|e| e.keep && e.mr.is_none())
     }
 
     /// The application's lent buffer `id` of `len` bytes back, once no peer reaches it any more
     /// (released, or about to be: its call finished). With [`Isolation::Transfer`] its bytes
     /// move to a fresh registration, so that the old rkey dies.
     pub(crate) fn reclaim(&mut self, id: BufId, len: usize) -> Option<RegisteredBuf> {
-        self.keep.remove(&id);
-        let mr = self.kept.remove(&id).or_else(|| self.held.remove(&id))?;
+        let e = self.entries.get_mut(&id)?;
+        if e.mr.is_none() {
+            // Still out in a work request: when it comes back it is the connection's.
+            e.keep = false;
+            return None;
+        }
+        let mr = self.entries.remove(&id).and_then(|e| e.mr)?;
         if self.isolation == Isolation::Transfer {
             let mut fresh = self.fresh(mr.len()).ok()?;
             fresh.bytes_mut().copy_from_slice(&mr.bytes());
@@ -139,26 +177,40 @@ impl Stash {
     /// The application gave up on its lent buffer `id` (the call was cancelled): it goes back
     /// to the free lists once released.
     pub(crate) fn unkeep(&mut self, id: BufId) {
-        if self.keep.remove(&id) {
-            if let Some(mr) = self.kept.remove(&id) {
+        let Some(e) = self.entries.get_mut(&id) else { return };
+        if !e.keep {
+            return;
+        }
+        e.keep = false;
+        if e.released {
+            if let Some(mr) = self.entries.remove(&id).and_then(|e| e.mr) {
                 self.recycle(mr);
             }
         }
     }
 
+    /// Removes held buffer `id` and gives its registration.
+    fn remove_held(&mut self, id: BufId) -> Option<MemoryRegion> {
+        if !self.entries.get(&id)?.held() {
+            return None;
+        }
+        self.entries.remove(&id).and_then(|e| e.mr)
+    }
+
     /// Held buffer `id`, holding `len` bytes from its start, handed to the application.
     pub(crate) fn hand_out(&mut self, id: BufId, len: usize) -> Option<RegisteredBuf> {
-        let mr = self.held.remove(&id)?;
+        let mr = self.remove_held(id)?;
         (len <= mr.len()).then(|| RegisteredBuf::new(mr, 0, len, &self.free))
     }
 
     /// A buffer of at least `len` bytes, held under a fresh id.
     pub(crate) fn take(&mut self, len: usize) -> Result<(BufId, &mut MemoryRegion), RpcError> {
         let mr = self.fresh(len)?;
-        let id = self.next;
-        self.next += 1;
-        let slot = self.held.entry(id).or_insert(mr);
-        Ok((id, slot))
+        let id = self.hold(mr, false);
+        match self.entries.get_mut(&id).and_then(|e| e.mr.as_mut()) {
+            Some(mr) => Ok((id, mr)),
+            None => Err(RpcError::Internal("a buffer just held went missing".into())),
+        }
     }
 
     /// Stages `data` in a held buffer as [length][bytes] (the layout a landed response has, so
@@ -199,26 +251,43 @@ impl Stash {
 
     /// A held buffer, for reading its bytes.
     pub(crate) fn get(&self, id: BufId) -> Option<&MemoryRegion> {
-        self.held.get(&id)
+        self.entries.get(&id).filter(|e| e.held()).and_then(|e| e.mr.as_ref())
     }
 
     /// Takes a held buffer out (to post it); give it back with [`Stash::put_back`].
     pub(crate) fn take_out(&mut self, id: BufId) -> Option<MemoryRegion> {
-        self.held.remove(&id)
+        self.entries
+            .get_mut(&id)
+            .filter(|e| !e.released)
+            .and_then(|e| e.mr.take())
     }
 
     pub(crate) fn put_back(&mut self, id: BufId, mr: MemoryRegion) {
-        self.held.insert(id, mr);
+        match self.entries.get_mut(&id) {
+            Some(e) => e.mr = Some(mr),
+            None => {
+                let entry = Entry {
+                    mr: Some(mr),
+                    keep: false,
+                    released: false,
+                };
+                self.entries.insert(id, entry);
+            }
+        }
     }
 
-    /// The session says no peer can reach `id` any more: back to the free list.
+    /// The session says no peer can reach `id` any more: back to the free list (or, for the
+    /// application's, waiting for [`Stash::reclaim`]). A buffer out in a work request is
+    /// released after it is put back.
     pub(crate) fn release(&mut self, id: BufId) {
-        if let Some(mr) = self.held.remove(&id) {
-            if self.keep.contains(&id) {
-                self.kept.insert(id, mr);
-            } else {
-                self.recycle(mr);
-            }
+        let Some(e) = self.entries.get_mut(&id) else { return };
+        if !e.held() {
+            return;
+        }
+        if e.keep {
+            e.released = true;
+        } else if let Some(mr) = self.entries.remove(&id).and_then(|e| e.mr) {
+            self.recycle(mr);
         }
     }
 
@@ -271,5 +340,116 @@ impl Buffers {
 impl std::fmt::Debug for Buffers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Buffers").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stash() -> Stash {
+        let dev = rdma_rpc_transport::Device::open("tcp").expect("the tcp provider");
+        let pd = dev.alloc_pd().expect("a protection domain");
+        Stash::new(&pd, Isolation::Connection)
+    }
+
+    fn free_count(s: &Stash) -> usize {
+        s.free.lock().lists.iter().map(Vec::len).sum()
+    }
+
+    #[test]
+    fn an_application_buffer_goes_out_comes_back_and_is_reclaimed() {
+        let mut s = stash();
+        let buf = s.user_buffer(100).expect("a buffer");
+        let (desc, id) = s.lend_user(buf, true).expect("lendable");
+        assert_eq!(desc.len, 100);
+        assert!(s.get(id).is_some() && !s.in_flight(id));
+        let mr = s.take_out(id).expect("held");
+        assert!(s.in_flight(id) && s.get(id).is_none());
+        s.release(id); // out in a work request: nothing to release yet
+        assert!(s.in_flight(id));
+        s.put_back(id, mr);
+        assert!(!s.in_flight(id));
+        s.release(id);
+        // Kept for the application, not the session's any more.
+        assert!(s.get(id).is_none() && s.take_out(id).is_none() && !s.in_flight(id));
+        assert_eq!(free_count(&s), 0);
+        let back = s.reclaim(id, 100).expect("the application's buffer");
+        assert_eq!(back.len(), 100);
+        assert!(s.entries.is_empty());
+        drop(back);
+        assert_eq!(free_count(&s), 1, "a dropped buffer goes back to the free lists");
+    }
+
+    #[test]
+    fn a_buffer_reclaimed_while_out_returns_to_the_free_lists() {
+        let mut s = stash();
+        let buf = s.user_buffer(10).expect("a buffer");
+        let (_, id) = s.lend_user(buf, true).expect("lendable");
+        let mr = s.take_out(id).expect("held");
+        assert!(s.reclaim(id, 10).is_none());
+        assert!(!s.in_flight(id), "no longer the application's to wait for");
+        s.put_back(id, mr);
+        s.release(id);
+        assert!(s.entries.is_empty());
+        assert_eq!(free_count(&s), 1);
+    }
+
+    #[test]
+    fn unkeep_hands_a_released_buffer_to_the_free_lists() {
+        let mut s = stash();
+        let buf = s.user_buffer(10).expect("a buffer");
+        let (_, id) = s.lend_user(buf, true).expect("lendable");
+        s.release(id);
+        assert_eq!(free_count(&s), 0);
+        s.unkeep(id);
+        assert_eq!(free_count(&s), 1);
+        assert!(s.entries.is_empty() && s.reclaim(id, 10).is_none());
+        // Unkept before release: released straight to the free lists.
+        let buf = s.user_buffer(10).expect("a buffer");
+        let (_, id) = s.lend_user(buf, true).expect("lendable");
+        s.unkeep(id);
+        s.release(id);
+        assert_eq!(
+            free_count(&s),
+            1,
+            "the same class's buffer was reused, then freed again"
+        );
+        assert!(s.entries.is_empty());
+    }
+
+    #[test]
+    fn session_buffers_are_released_and_reused_by_class() {
+        let mut s = stash();
+        let (id, _) = s.take(5000).expect("a buffer");
+        assert!(s.get(id).is_some_and(|m| m.len() == 8192));
+        let mr = s.take_out(id).expect("held");
+        s.put_back(id, mr);
+        s.release(id);
+        assert!(s.entries.is_empty() && s.get(id).is_none());
+        assert_eq!(free_count(&s), 1);
+        let (id2, _) = s.take(6000).expect("the same class");
+        assert_ne!(id, id2);
+        assert_eq!(free_count(&s), 0, "taken from the free list");
+        let out = s.hand_out(id2, 6000).expect("held");
+        assert_eq!(out.len(), 6000);
+        assert!(s.hand_out(id2, 1).is_none());
+    }
+
+    #[test]
+    fn free_lists_keep_only_class_sized_buffers_and_at_most_keep_each() {
+        let dev = rdma_rpc_transport::Device::open("tcp").expect("the tcp provider");
+        let pd = dev.alloc_pd().expect("a protection domain");
+        let mut f = Free {
+            lists: Vec::new(),
+            isolation: Isolation::Connection,
+        };
+        f.put(pd.register(5000, AccessFlags::LOCAL_WRITE).expect("reg"));
+        assert!(f.lists.iter().all(Vec::is_empty), "5000 bytes is no class");
+        for _ in 0..KEEP + 2 {
+            f.put(pd.register(16384, AccessFlags::LOCAL_WRITE).expect("reg"));
+        }
+        assert_eq!(f.lists.get(2).map(Vec::len), Some(KEEP));
+        assert!(f.pop(16384).is_some() && f.pop(4096).is_none() && f.pop(1 << 40).is_none());
     }
 }
