@@ -80,6 +80,8 @@ struct State {
     /// The deadline the driver sleeps until (it fires deadlines of sleeping calls).
     driver_until: Option<Instant>,
     closed: bool,
+    /// Results handed to calls so far: a spinning call looks its own up only when this moved.
+    settled: u64,
     /// Passed as `now` to calls without a deadline (the session reads the clock's value only
     /// to place a deadline), which saves a clock read per call.
     epoch: Instant,
@@ -122,6 +124,7 @@ impl Client {
             state: Mutex::new(State {
                 conn,
                 calls: HashMap::default(),
+                settled: 0,
                 sleeping: 0,
                 driver_on_cq: false,
                 driver_until: None,
@@ -467,21 +470,24 @@ impl State {
                     let len = b.len();
                     let route = conn.session.registered_route(len, landing_len.is_some());
                     let lend = route == Route::Lend;
-                    let kept = if route != Route::Copy {
-                        conn.stash.lend_user(b, true)
-                    } else {
-                        Err(b)
+                    let kept = match route {
+                        Route::Lend => conn.stash.lend_user(b, true).map(|(desc, buf)| (Some(desc), buf)),
+                        Route::Place => conn.stash.place_user(b, true).map(|buf| (None, buf)),
+                        Route::Copy => Err(b),
                     };
                     match kept {
                         Ok((desc, buf)) => {
                             staged.push(buf);
                             back = Back::Kept { id: buf, len };
-                            if lend {
-                                spans::payload("request", len, How::Lent);
-                                Payload::Lent { desc, buf }
-                            } else {
-                                spans::payload("request", len, How::SentFromBuffer);
-                                Payload::Placed { buf, len }
+                            match desc {
+                                Some(desc) => {
+                                    spans::payload("request", len, How::Lent);
+                                    Payload::Lent { desc, buf }
+                                }
+                                None => {
+                                    spans::payload("request", len, How::SentFromBuffer);
+                                    Payload::Placed { buf, len }
+                                }
                             }
                         }
                         // Another connection's buffer, or a small one behind a landing
@@ -553,6 +559,7 @@ impl State {
                         .ok_or_else(|| RpcError::Internal("the response's receive slot went missing".into())),
                 });
                 if let Some(slot) = self.calls.get_mut(&call) {
+                    self.settled += 1;
                     slot.result = Some(result);
                     if let Some(w) = slot.waker.take() {
                         w.wake();
@@ -637,8 +644,16 @@ impl Future for Pending<'_> {
         // is the runtime's `block_on`). With other calls in flight it gives way at once, so
         // that they are posted without waiting for this one.
         if spin && st.calls.len() == 1 {
+            let mut seen = None;
             for _ in 0..INNER_SPINS {
-                if st.calls.get(&self.call).is_none_or(|s| s.result.is_some()) || st.conn.lost().is_some() {
+                // Its own result only when some result came (here, or on another thread).
+                if seen != Some(st.settled) {
+                    if st.calls.get(&self.call).is_none_or(|s| s.result.is_some()) {
+                        break;
+                    }
+                    seen = Some(st.settled);
+                }
+                if st.conn.lost().is_some() {
                     break;
                 }
                 std::hint::spin_loop();
@@ -651,13 +666,16 @@ impl Future for Pending<'_> {
                 parking_lot::MutexGuard::bump(&mut st);
             }
         }
-        let Some(slot) = st.calls.get_mut(&self.call) else {
-            // Only a finished call leaves the table, and only here.
-            self.done = true;
-            return Poll::Ready(Err(RpcError::ConnectionLost("the call was lost".into())));
+        let mut slot = match st.calls.entry(self.call) {
+            std::collections::hash_map::Entry::Occupied(e) => e,
+            std::collections::hash_map::Entry::Vacant(_) => {
+                // Only a finished call leaves the table, and only here.
+                self.done = true;
+                return Poll::Ready(Err(RpcError::ConnectionLost("the call was lost".into())));
+            }
         };
-        if let Some(result) = slot.result.take() {
-            st.calls.remove(&self.call);
+        if let Some(result) = slot.get_mut().result.take() {
+            slot.remove();
             if self.sleeping {
                 st.sleeping -= 1;
             }
@@ -681,7 +699,7 @@ impl Future for Pending<'_> {
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }
-        slot.waker = Some(cx.waker().clone());
+        slot.get_mut().waker = Some(cx.waker().clone());
         if !self.sleeping {
             self.sleeping = true;
             st.sleeping += 1;

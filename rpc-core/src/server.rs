@@ -273,13 +273,16 @@ fn answer(conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
     let bytes = match result {
         Ok(Response::Buf(b)) => {
             let len = b.len();
-            let lend = conn.session.registered_route(len, false) == Route::Lend;
-            match conn.stash.lend_user(b, false) {
-                Ok((desc, buf)) if lend => {
+            let placed = match conn.session.registered_route(len, false) {
+                Route::Lend => conn.stash.lend_user(b, false).map(|(desc, buf)| (Some(desc), buf)),
+                _ => conn.stash.place_user(b, false).map(|buf| (None, buf)),
+            };
+            match placed {
+                Ok((Some(desc), buf)) => {
                     spans::payload("response", len, How::Lent);
                     return conn.session.respond(call, Ok(Payload::Lent { desc, buf }));
                 }
-                Ok((_, buf)) => {
+                Ok((None, buf)) => {
                     spans::payload("response", len, How::SentFromBuffer);
                     return conn.session.respond(call, Ok(Payload::Placed { buf, len }));
                 }

@@ -16,7 +16,6 @@ use crate::{Isolation, RpcError};
 /// [`RegisteredBuf`]s, which come back to them when dropped), and those the session holds (lent
 /// to the peer, or being read into) by id.
 pub(crate) struct Stash {
-    pd: ProtectionDomain,
     free: Arc<Mutex<Free>>,
     /// Every buffer the session knows by id, in one map: a call's buffer goes through several
     /// of the states below per round trip, each a lookup of the same entry.
@@ -42,10 +41,12 @@ impl Entry {
     }
 }
 
-/// Free buffers by size class: list `i` holds buffers of `MIN_CLASS << i` bytes.
+/// Free buffers by size class: list `i` holds buffers of `MIN_CLASS << i` bytes; and the
+/// protection domain new ones are registered with (here, so that [`Buffers`] is one `Arc`).
 pub(crate) struct Free {
     lists: Vec<Vec<MemoryRegion>>,
     isolation: Isolation,
+    pd: ProtectionDomain,
 }
 
 impl Free {
@@ -86,10 +87,10 @@ fn class(len: usize) -> usize {
 impl Stash {
     pub(crate) fn new(pd: &ProtectionDomain, isolation: Isolation) -> Self {
         Self {
-            pd: pd.clone(),
             free: Arc::new(Mutex::new(Free {
                 lists: Vec::new(),
                 isolation,
+                pd: pd.clone(),
             })),
             entries: HashMap::default(),
             next: 1,
@@ -99,7 +100,7 @@ impl Stash {
 
     /// A free buffer of `len` bytes' class, or a new registration.
     fn fresh(&mut self, len: usize) -> Result<MemoryRegion, RpcError> {
-        fresh(&self.pd, &self.free, len)
+        fresh(&self.free, len)
     }
 
     /// A buffer for the application to fill: `len` bytes after room for the length prefix.
@@ -110,7 +111,6 @@ impl Stash {
     /// Hands out buffers of this connection, for a handler to answer from.
     pub(crate) fn buffers(&self) -> Buffers {
         Buffers {
-            pd: self.pd.clone(),
             free: self.free.clone(),
         }
     }
@@ -134,6 +134,16 @@ impl Stash {
             rkey: whole.rkey,
         };
         Ok((desc, self.hold(mr, keep)))
+    }
+
+    /// As [`Stash::lend_user`] for a buffer a Send goes out from
+    /// ([`Payload::Placed`](crate::proto::Payload::Placed)): the message's header goes where
+    /// the prefix would, so none is written.
+    pub(crate) fn place_user(&mut self, buf: RegisteredBuf, keep: bool) -> Result<BufId, RegisteredBuf> {
+        if !buf.lendable_on(&self.free, LANDING_PREFIX) {
+            return Err(buf);
+        }
+        Ok(self.hold(buf.into_region(), keep))
     }
 
     /// Holds `mr` under a fresh id.
@@ -305,12 +315,16 @@ fn write_prefix(b: &mut [u8], len: usize) {
     rest.fill(0);
 }
 
-/// A free buffer of `len` bytes' class from `free`, or a new registration with `pd`.
-fn fresh(pd: &ProtectionDomain, free: &Mutex<Free>, len: usize) -> Result<MemoryRegion, RpcError> {
+/// A free buffer of `len` bytes' class from `free`, or a new registration with its domain.
+fn fresh(free: &Mutex<Free>, len: usize) -> Result<MemoryRegion, RpcError> {
     let c = class(len);
-    if let Some(mr) = free.lock().pop(c) {
-        return Ok(mr);
-    }
+    let pd = {
+        let mut f = free.lock();
+        if let Some(mr) = f.pop(c) {
+            return Ok(mr);
+        }
+        f.pd.clone()
+    };
     let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
     pd.register(c, access)
         .map_err(|e| RpcError::Transport(format!("registering a {c}-byte buffer: {e}")))
@@ -321,7 +335,6 @@ fn fresh(pd: &ProtectionDomain, free: &Mutex<Free>, len: usize) -> Result<Memory
 /// goes to the caller straight from it, with no copy on the server. Cheap to clone.
 #[derive(Clone)]
 pub struct Buffers {
-    pd: ProtectionDomain,
     free: Arc<Mutex<Free>>,
 }
 
@@ -332,7 +345,7 @@ impl Buffers {
     /// # Errors
     /// [`RpcError::Transport`] when the memory cannot be registered.
     pub fn buffer(&self, len: usize) -> Result<RegisteredBuf, RpcError> {
-        let mr = fresh(&self.pd, &self.free, LANDING_PREFIX.saturating_add(len))?;
+        let mr = fresh(&self.free, LANDING_PREFIX.saturating_add(len))?;
         Ok(RegisteredBuf::new(mr, LANDING_PREFIX, len, &self.free))
     }
 }
@@ -443,6 +456,7 @@ mod tests {
         let mut f = Free {
             lists: Vec::new(),
             isolation: Isolation::Connection,
+            pd: pd.clone(),
         };
         f.put(pd.register(5000, AccessFlags::LOCAL_WRITE).expect("reg"));
         assert!(f.lists.iter().all(Vec::is_empty), "5000 bytes is no class");

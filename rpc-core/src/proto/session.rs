@@ -647,9 +647,9 @@ impl Session {
 
     fn handle_request(&mut self, h: &Header, body: Cow<'_, [u8]>, now: Instant) -> Result<(), ProtoError> {
         let call = h.call_id;
-        if self.served.contains_key(&call) {
+        let std::collections::hash_map::Entry::Vacant(vacant) = self.served.entry(call) else {
             return Err(ProtoError::DuplicateCall(call));
-        }
+        };
         let (landing, skip) = if h.flags & FLAG_LANDING != 0 {
             (Some(decode_desc(&body)?.0), DESC_LEN)
         } else {
@@ -667,7 +667,7 @@ impl Session {
         if h.flags & FLAG_RENDEZVOUS != 0 {
             let (desc, _) = decode_desc(rest)?;
             if desc.len > self.cfg.max_payload {
-                self.served.insert(call, sc);
+                vacant.insert(sc);
                 self.reply_error(
                     call,
                     &RpcError::PayloadTooLarge {
@@ -678,14 +678,14 @@ impl Session {
                 return Ok(());
             }
             sc.state = Serving::Reading;
-            self.served.insert(call, sc);
+            vacant.insert(sc);
             self.actions.push_back(Transmit::Read {
                 token: Token::Request(call),
                 remote: desc,
             });
             return Ok(());
         }
-        self.served.insert(call, sc);
+        vacant.insert(sc);
         let payload = match body {
             Cow::Borrowed(b) if self.offer.is_some() && self.in_slot_methods.contains(&h.method) => {
                 RequestBody::InSlot {
