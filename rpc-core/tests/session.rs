@@ -1014,3 +1014,51 @@ fn only_requests_with_a_budget_need_the_clock() {
     let response = message(&mut server);
     assert!(!Session::needs_now(&response));
 }
+
+#[test]
+fn poll_timeout_follows_deadlines_as_calls_come_and_go() {
+    let now = Instant::now();
+    let secs = Duration::from_secs;
+    let mut client = Session::new(cfg());
+    let mut server = Session::new(cfg());
+    let message = |s: &mut Session| match s.poll_transmit() {
+        Some(Transmit::Send(m)) => m.to_vec(),
+        other => panic!("expected a Send, got {other:?}"),
+    };
+    assert_eq!(client.poll_timeout(), None);
+    client
+        .start_call(1, Payload::Eager(b"timed".to_vec()), None, Some(secs(5)), now)
+        .expect("call");
+    let timed = message(&mut client);
+    client
+        .start_call(1, Payload::Eager(b"plain".to_vec()), None, None, now)
+        .expect("call");
+    let plain = message(&mut client);
+    // Seen on every look while the call lives, not only the first.
+    assert_eq!(client.poll_timeout(), Some(now + secs(5)));
+    assert_eq!(client.poll_timeout(), Some(now + secs(5)));
+    // The server sees the budget of the one request that has it, until it is answered.
+    server.handle_message(&plain, now).expect("plain request");
+    assert_eq!(server.poll_timeout(), None);
+    server.handle_message(&timed, now).expect("timed request");
+    assert_eq!(server.poll_timeout(), Some(now + secs(5)));
+    let mut responses = Vec::new();
+    while let Some(ev) = server.poll_event() {
+        if let Event::Request { call, .. } = ev {
+            server.respond(call, Ok(Payload::Eager(b"ok".to_vec())));
+            responses.push(message(&mut server));
+        }
+    }
+    assert_eq!(responses.len(), 2);
+    assert_eq!(server.poll_timeout(), None);
+    for r in &responses {
+        client.handle_message(r, now).expect("response");
+    }
+    assert_eq!(client.pending_calls(), 0);
+    assert_eq!(client.poll_timeout(), None);
+    // Looked at and found none: a deadline added after that is seen again.
+    client
+        .start_call(1, Payload::Eager(b"again".to_vec()), None, Some(secs(1)), now)
+        .expect("call");
+    assert_eq!(client.poll_timeout(), Some(now + secs(1)));
+}

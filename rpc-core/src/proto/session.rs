@@ -2,6 +2,7 @@
 
 use std::borrow::Cow;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use foldhash::{HashMap, HashSet};
@@ -364,6 +365,9 @@ pub struct Session {
     /// The slot the message being handled arrived in, while the driver lets it go to the
     /// application; taken (set to `None`) by whatever keeps the message there.
     offer: Option<u64>,
+    /// Set when a call or a served request with a deadline was added; cleared by
+    /// [`Session::poll_timeout`] once it finds none. (Atomic only to keep `Session` `Sync`.)
+    deadlines: AtomicBool,
 }
 
 struct Joining {
@@ -388,6 +392,7 @@ impl Session {
             lost: None,
             in_slot_methods: HashSet::default(),
             offer: None,
+            deadlines: AtomicBool::new(false),
         }
     }
 
@@ -431,14 +436,34 @@ impl Session {
     }
 
     /// The earliest deadline to pass to [`Session::handle_timeout`].
+    ///
+    /// Called on every round of progress: without calls or requests that carry a deadline it
+    /// looks at one flag, not at every call in flight.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let c = self.calls.values().filter(|c| c.live).filter_map(|c| c.deadline);
-        let s = self
-            .served
-            .values()
-            .filter(|s| matches!(s.state, Serving::Running))
-            .filter_map(|s| s.deadline);
-        c.chain(s).min()
+        if !self.deadlines.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut any = false;
+        let mut earliest: Option<Instant> = None;
+        let mut consider = |d: Option<Instant>, counts: bool| {
+            if let Some(d) = d {
+                any = true;
+                if counts && earliest.is_none_or(|e| d < e) {
+                    earliest = Some(d);
+                }
+            }
+        };
+        for c in self.calls.values() {
+            consider(c.deadline, c.live);
+        }
+        for s in self.served.values() {
+            // A request still being read keeps its deadline for when its handler runs.
+            consider(s.deadline, matches!(s.state, Serving::Running));
+        }
+        if !any {
+            self.deadlines.store(false, Ordering::Relaxed);
+        }
+        earliest
     }
 
     // ------------------------------------------------------------------ client side
@@ -526,11 +551,15 @@ impl Session {
             }
             Payload::Lent { .. } => Out::Msg { header, body },
         });
+        let deadline = budget.map(|b| now + b);
+        if deadline.is_some() {
+            self.deadlines.store(true, Ordering::Relaxed);
+        }
         self.calls.insert(
             call,
             ClientCall {
                 method,
-                deadline: budget.map(|b| now + b),
+                deadline,
                 lent,
                 landing: landing.map(|(_, b)| b),
                 in_slot: false,
@@ -657,9 +686,13 @@ impl Session {
         };
         let rest = &body[skip..];
         let budget = (h.budget_us > 0).then(|| Duration::from_micros(u64::from(h.budget_us)));
+        let deadline = budget.map(|b| now + b);
+        if deadline.is_some() {
+            self.deadlines.store(true, Ordering::Relaxed);
+        }
         let mut sc = ServerCall {
             method: h.method,
-            deadline: budget.map(|b| now + b),
+            deadline,
             landing,
             state: Serving::Running,
             cancelled: false,
