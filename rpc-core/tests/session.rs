@@ -1062,3 +1062,40 @@ fn poll_timeout_follows_deadlines_as_calls_come_and_go() {
         .expect("call");
     assert_eq!(client.poll_timeout(), Some(now + secs(1)));
 }
+
+#[test]
+fn a_response_replayed_after_its_call_finished_is_refused_even_when_the_id_slot_is_reused() {
+    let now = Instant::now();
+    let mut client = Session::new(cfg());
+    let mut server = Session::new(cfg());
+    let message = |s: &mut Session| match s.poll_transmit() {
+        Some(Transmit::Send(m)) => m.to_vec(),
+        other => panic!("expected a Send, got {other:?}"),
+    };
+    let mut answer = |client: &mut Session, server: &mut Session| {
+        let req = message(client);
+        server.handle_message(&req, now).expect("request");
+        let Some(Event::Request { call, .. }) = server.poll_event() else {
+            panic!("request")
+        };
+        server.respond(call, Ok(Payload::Eager(b"ok".to_vec())));
+        message(server)
+    };
+    let first = client
+        .start_call(1, Payload::Eager(b"a".to_vec()), None, None, now)
+        .expect("call");
+    let resp = answer(&mut client, &mut server);
+    client.handle_message(&resp, now).expect("response");
+    assert!(matches!(client.poll_event(), Some(Event::CallDone { call, result: Ok(_) }) if call == first));
+    // The next call takes the same table slot under a new id.
+    let second = client
+        .start_call(1, Payload::Eager(b"b".to_vec()), None, None, now)
+        .expect("call");
+    assert_ne!(first, second);
+    assert_eq!(
+        client.handle_message(&resp, now),
+        Err(ProtoError::UnknownCall(first)),
+        "the first call's response again"
+    );
+    assert_eq!(client.pending_calls(), 1);
+}
