@@ -971,19 +971,23 @@ proptest! {
     }
 }
 
+/// The message a session wants sent next, which must be a Send.
+fn sent(s: &mut Session) -> Vec<u8> {
+    match s.poll_transmit() {
+        Some(Transmit::Send(m)) => m.to_vec(),
+        other => panic!("expected a Send, got {other:?}"),
+    }
+}
+
 #[test]
 fn only_requests_with_a_budget_need_the_clock() {
     let now = Instant::now();
     let mut client = Session::new(cfg());
     let mut server = Session::new(cfg());
-    let message = |s: &mut Session| match s.poll_transmit() {
-        Some(Transmit::Send(m)) => m.to_vec(),
-        other => panic!("expected a Send, got {other:?}"),
-    };
     client
         .start_call(1, Payload::Eager(b"plain".to_vec()), None, None, now)
         .expect("call");
-    let plain = message(&mut client);
+    let plain = sent(&mut client);
     client
         .start_call(
             1,
@@ -993,7 +997,7 @@ fn only_requests_with_a_budget_need_the_clock() {
             now,
         )
         .expect("call");
-    let timed = message(&mut client);
+    let timed = sent(&mut client);
     assert!(!Session::needs_now(&plain));
     assert!(Session::needs_now(&timed));
     assert!(
@@ -1011,7 +1015,7 @@ fn only_requests_with_a_budget_need_the_clock() {
         panic!("request")
     };
     server.respond(call, Ok(Payload::Eager(b"ok".to_vec())));
-    let response = message(&mut server);
+    let response = sent(&mut server);
     assert!(!Session::needs_now(&response));
 }
 
@@ -1021,19 +1025,15 @@ fn poll_timeout_follows_deadlines_as_calls_come_and_go() {
     let secs = Duration::from_secs;
     let mut client = Session::new(cfg());
     let mut server = Session::new(cfg());
-    let message = |s: &mut Session| match s.poll_transmit() {
-        Some(Transmit::Send(m)) => m.to_vec(),
-        other => panic!("expected a Send, got {other:?}"),
-    };
     assert_eq!(client.poll_timeout(), None);
     client
         .start_call(1, Payload::Eager(b"timed".to_vec()), None, Some(secs(5)), now)
         .expect("call");
-    let timed = message(&mut client);
+    let timed = sent(&mut client);
     client
         .start_call(1, Payload::Eager(b"plain".to_vec()), None, None, now)
         .expect("call");
-    let plain = message(&mut client);
+    let plain = sent(&mut client);
     // Seen on every look while the call lives, not only the first.
     assert_eq!(client.poll_timeout(), Some(now + secs(5)));
     assert_eq!(client.poll_timeout(), Some(now + secs(5)));
@@ -1046,7 +1046,7 @@ fn poll_timeout_follows_deadlines_as_calls_come_and_go() {
     while let Some(ev) = server.poll_event() {
         if let Event::Request { call, .. } = ev {
             server.respond(call, Ok(Payload::Eager(b"ok".to_vec())));
-            responses.push(message(&mut server));
+            responses.push(sent(&mut server));
         }
     }
     assert_eq!(responses.len(), 2);
@@ -1064,22 +1064,18 @@ fn poll_timeout_follows_deadlines_as_calls_come_and_go() {
 }
 
 #[test]
-fn a_response_replayed_after_its_call_finished_is_refused_even_when_the_id_slot_is_reused() {
+fn a_response_replayed_after_its_call_finished_is_refused() {
     let now = Instant::now();
     let mut client = Session::new(cfg());
     let mut server = Session::new(cfg());
-    let message = |s: &mut Session| match s.poll_transmit() {
-        Some(Transmit::Send(m)) => m.to_vec(),
-        other => panic!("expected a Send, got {other:?}"),
-    };
-    let mut answer = |client: &mut Session, server: &mut Session| {
-        let req = message(client);
+    let answer = |client: &mut Session, server: &mut Session| {
+        let req = sent(client);
         server.handle_message(&req, now).expect("request");
         let Some(Event::Request { call, .. }) = server.poll_event() else {
             panic!("request")
         };
         server.respond(call, Ok(Payload::Eager(b"ok".to_vec())));
-        message(server)
+        sent(server)
     };
     let first = client
         .start_call(1, Payload::Eager(b"a".to_vec()), None, None, now)
@@ -1087,7 +1083,7 @@ fn a_response_replayed_after_its_call_finished_is_refused_even_when_the_id_slot_
     let resp = answer(&mut client, &mut server);
     client.handle_message(&resp, now).expect("response");
     assert!(matches!(client.poll_event(), Some(Event::CallDone { call, result: Ok(_) }) if call == first));
-    // The next call takes the same table slot under a new id.
+    // Another call in flight: the replay must not be taken for its response.
     let second = client
         .start_call(1, Payload::Eager(b"b".to_vec()), None, None, now)
         .expect("call");
