@@ -75,16 +75,17 @@ fi
 bench_bin=$(cargo bench --bench latency --no-run --message-format=json 2>/dev/null |
       sed -n 's/.*"executable":"\([^"]*\/latency-[^"]*\)".*/\1/p' | tail -1)
 
-step "latency harness smoke run: every mode on shm and tcp at 64 B and 64 KiB, 30 iterations a row, JSON and SVG written (checks it runs, measures nothing)"
+step "latency harness smoke run: every mode on shm and tcp at 64 B and 64 KiB, 30 iterations a row in 2 rounds, JSON and SVG written (checks it runs, measures nothing)"
 for p in shm tcp; do
     if [[ -z $bench_bin ]]; then break; fi
-    "$bench_bin" --provider "$p" --sizes 64,65536 --iters 30 --rounds 1 \
+    "$bench_bin" --provider "$p" --sizes 64,65536 --iters 30 --rounds 2 \
         --json "$LOG/smoke-$p.json" --plot "$LOG/smoke-$p.svg" > "$LOG/smoke-$p.txt" 2>&1
     rc=$?
     # 16 modes at both sizes, atomic, send-event and wake at one: 35 rows, none empty.
     rows=$(grep -c '"mode"' "$LOG/smoke-$p.json" 2>/dev/null)
     if ((rc != 0)) || [[ $rows != 35 ]] || grep -q '"iterations": 0' "$LOG/smoke-$p.json" ||
-        ! grep -q '^=== summary' "$LOG/smoke-$p.txt" || [[ ! -s $LOG/smoke-$p.svg ]]; then
+        ! grep -q '^=== summary' "$LOG/smoke-$p.txt" || ! grep -q 'round by round' "$LOG/smoke-$p.txt" ||
+        ! grep -q '"round_p50"' "$LOG/smoke-$p.json" || [[ ! -s $LOG/smoke-$p.svg ]]; then
         echo "the harness smoke run on $p failed (exit $rc, $rows rows):"; tail -20 "$LOG/smoke-$p.txt"; fail=1
     else
         echo "provider $p: $rows rows, summary, JSON and SVG written"

@@ -222,7 +222,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     bar.finish_and_clear();
     let rows: Vec<Row> = merged
         .iter()
-        .map(|(mode, size, conv, moved, s)| stats::row(mode, *conv, *size, *moved, &s.times, s.cpu))
+        .map(|(mode, size, conv, moved, s)| stats::row(mode, *conv, *size, *moved, s))
         .collect();
     for mode in &args.modes {
         let r: Vec<&Row> = rows.iter().filter(|r| &r.mode == mode).collect();

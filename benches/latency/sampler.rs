@@ -17,6 +17,8 @@ pub struct Plan {
 pub struct Samples {
     pub times: Vec<Duration>,
     pub cpu: Duration,
+    /// How many of `times` each round took, in order (one entry until rounds are merged).
+    pub rounds: Vec<usize>,
 }
 
 impl Samples {
@@ -24,6 +26,7 @@ impl Samples {
     pub fn absorb(&mut self, other: Samples) {
         self.times.extend(other.times);
         self.cpu += other.cpu;
+        self.rounds.extend(other.rounds);
     }
 }
 
@@ -64,6 +67,7 @@ pub async fn run(plan: Plan, mut op: impl AsyncFnMut() -> Option<Duration>) -> S
         times.push(own.unwrap_or_else(|| t.elapsed()));
     }
     Samples {
+        rounds: vec![times.len()],
         times,
         cpu: cpu0.elapsed(),
     }

@@ -5,6 +5,8 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
+use crate::sampler::Samples;
+
 /// How a row's latency is counted, as perftest does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum Convention {
@@ -40,10 +42,14 @@ pub struct Row {
     pub mb_per_s: f64,
     /// Process CPU time (user + sys) per operation.
     pub cpu_us_per_op: f64,
+    /// The median of each round alone (`--rounds`), in the order they ran: each round measures
+    /// the row on connections of its own.
+    pub round_p50: Vec<f64>,
 }
 
 /// Builds a row from per-operation samples (already halved for RTT/2 rows).
-pub fn row(mode: &str, convention: Convention, bytes: usize, moved: usize, samples: &[Duration], cpu: Duration) -> Row {
+pub fn row(mode: &str, convention: Convention, bytes: usize, moved: usize, s: &Samples) -> Row {
+    let (samples, cpu) = (&s.times[..], s.cpu);
     let mut h = Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3).expect("histogram bounds");
     let ns: Vec<u64> = samples.iter().map(|d| (d.as_nanos() as u64).max(1)).collect();
     for &v in &ns {
@@ -71,5 +77,22 @@ pub fn row(mode: &str, convention: Convention, bytes: usize, moved: usize, sampl
             0.0
         },
         cpu_us_per_op: cpu.as_secs_f64() * 1e6 / n,
+        round_p50: round_medians(samples, &s.rounds),
     }
+}
+
+/// The median of each round's stretch of `samples` (`rounds` holds their lengths), in µs.
+fn round_medians(samples: &[Duration], rounds: &[usize]) -> Vec<f64> {
+    let mut out = Vec::with_capacity(rounds.len());
+    let mut at = 0;
+    for &n in rounds {
+        let Some(round) = samples.get(at..at + n) else { break };
+        at += n;
+        let mut v: Vec<Duration> = round.to_vec();
+        v.sort_unstable();
+        if let Some(m) = v.get(v.len() / 2) {
+            out.push(m.as_secs_f64() * 1e6);
+        }
+    }
+    out
 }
