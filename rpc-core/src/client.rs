@@ -691,7 +691,7 @@ impl Future for Pending<'_> {
         if spin {
             // Spinning on: through the runtime, and off the core for a moment when the
             // provider's own threads need it.
-            let yield_cpu = st.conn.yield_cpu || self.since.is_some_and(|s| driver::gives_way(shared.mode, s));
+            let yield_cpu = st.conn.yield_cpu;
             drop(st);
             if yield_cpu {
                 std::thread::yield_now();

@@ -18,12 +18,6 @@ pub enum CompletionMode {
     /// vCPUs halt at once (`guest_halt_poll_ns` 0) a wake-up takes tens of microseconds: with
     /// 50 µs, 8 of 240 fresh connections in the README's measurement ran most of their calls
     /// at 60-120 µs instead of about 1 µs; with the default 200 µs, none did.
-    ///
-    /// After the first 10 µs of a wait the spinner offers its core to any other runnable thread
-    /// between turns (`sched_yield`, which returns at once when there is none), so a peer that
-    /// shares the core (an oversubscribed host, a container held to one CPU) answers at once
-    /// instead of after the whole budget: a call took 425 µs with both ends on one core before,
-    /// 27-30 µs after (event mode: 7 µs).
     Adaptive {
         /// How long to keep spinning after the last completion or command.
         spin: Duration,

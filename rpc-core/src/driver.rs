@@ -662,7 +662,7 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
                     last_active = Instant::now();
                 }
             } else {
-                if conn.yield_cpu || gives_way(mode, last_active) {
+                if conn.yield_cpu {
                     std::thread::yield_now();
                 }
                 reschedule().await;
@@ -689,18 +689,6 @@ pub(crate) async fn reschedule() {
         std::task::Poll::Pending
     })
     .await;
-}
-
-/// How long an adaptive spinner polls without giving its core away. Past it, each turn of the
-/// spin yields the CPU to any other runnable thread first (`sched_yield`, which returns at
-/// once when there is none): a peer that shares the core then runs at once, where it waited
-/// for the whole budget (a call took twice the budget, 425 µs, with both benchmark threads on
-/// one core). Calls answered on other cores come well within it.
-pub(crate) const PURE_SPIN: std::time::Duration = std::time::Duration::from_micros(10);
-
-/// Whether an adaptive spinner that has waited `since` gives its core away between turns.
-pub(crate) fn gives_way(mode: CompletionMode, since: Instant) -> bool {
-    matches!(mode, CompletionMode::Adaptive { .. }) && since.elapsed() >= PURE_SPIN
 }
 
 /// Whether `mode` spins on this connection's provider `since` the last activity.
