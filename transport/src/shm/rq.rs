@@ -147,7 +147,6 @@ impl OwnRq {
         h.tail.store(tail.wrapping_add(1), Ordering::Release);
     }
 
-    /// Whether the peer took an entry not drained yet (a cheap look before locking anything).
     /// Asks the peer to ring the doorbell after its next completion (one-shot, as
     /// `ibv_req_notify_cq`). Poll once more after arming: a completion written just before
     /// was not rung for.
@@ -156,7 +155,7 @@ impl OwnRq {
         std::sync::atomic::fence(Ordering::SeqCst);
     }
 
-    ///
+    /// Whether the peer took an entry not drained yet (a cheap look before locking anything).
     /// It looks at the oldest posted entry's state, not at `head`: the entry's line is the one
     /// the drain reads anyway, so a message costs the owner one line fetched from the peer's
     /// core instead of two in a row (`head`, then the entry).
@@ -164,14 +163,14 @@ impl OwnRq {
         self.oldest_done().is_some()
     }
 
-    /// The oldest posted entry that nobody drained yet, if the peer completed it.
-    fn oldest_done(&self) -> Option<&Entry> {
+    /// The oldest posted entry that nobody drained yet, with its index, if the peer completed it.
+    fn oldest_done(&self) -> Option<(u64, &Entry)> {
         let d = self.drained.load(Ordering::Relaxed);
         if d == self.seg.header().tail.load(Ordering::Relaxed) {
             return None;
         }
         let e = self.seg.entry(d);
-        (e.state.load(Ordering::Acquire) == DONE).then_some(e)
+        (e.state.load(Ordering::Acquire) == DONE).then_some((d, e))
     }
 
     /// The oldest completion the peer wrote and nobody drained yet, if any. `None` also at the
@@ -179,8 +178,7 @@ impl OwnRq {
     /// `head` past it; a peer that lies stalls itself). Each call moves past what it returns,
     /// so a caller may drain again while handling an entry.
     pub(crate) fn next_done(&self) -> Option<Done> {
-        let d = self.drained.load(Ordering::Relaxed);
-        let e = self.oldest_done()?;
+        let (d, e) = self.oldest_done()?;
         let status = match e.status.load(Ordering::Relaxed) {
             0 => WcStatus::Success,
             code => WcStatus::from_raw(code),
