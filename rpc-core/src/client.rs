@@ -470,12 +470,7 @@ impl State {
                     let len = b.len();
                     let route = conn.session.registered_route(len, landing_len.is_some());
                     let lend = route == Route::Lend;
-                    let kept = match route {
-                        Route::Lend => conn.stash.lend_user(b, true).map(|(desc, buf)| (Some(desc), buf)),
-                        Route::Place => conn.stash.place_user(b, true).map(|buf| (None, buf)),
-                        Route::Copy => Err(b),
-                    };
-                    match kept {
+                    match conn.stash.stage_user(b, route, true) {
                         Ok((desc, buf)) => {
                             staged.push(buf);
                             back = Back::Kept { id: buf, len };

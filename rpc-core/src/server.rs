@@ -15,7 +15,7 @@ use crate::buf::{Body, RegisteredBuf};
 use crate::client::{agree, qp_caps, slot_size};
 use crate::config::{Config, Hello};
 use crate::driver::{self, Conn, Role, RoleInput};
-use crate::proto::{Event, Payload, RequestBody, Route, Session};
+use crate::proto::{Event, Payload, RequestBody, Session};
 use crate::spans::{self, How};
 use crate::stash::Buffers;
 use crate::RpcError;
@@ -273,11 +273,11 @@ fn answer(conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
     let bytes = match result {
         Ok(Response::Buf(b)) => {
             let len = b.len();
-            let placed = match conn.session.registered_route(len, false) {
-                Route::Lend => conn.stash.lend_user(b, false).map(|(desc, buf)| (Some(desc), buf)),
-                _ => conn.stash.place_user(b, false).map(|buf| (None, buf)),
-            };
-            match placed {
+            // Without a landing descriptor the route is never a copy.
+            match conn
+                .stash
+                .stage_user(b, conn.session.registered_route(len, false), false)
+            {
                 Ok((Some(desc), buf)) => {
                     spans::payload("response", len, How::Lent);
                     return conn.session.respond(call, Ok(Payload::Lent { desc, buf }));

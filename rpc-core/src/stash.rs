@@ -3,13 +3,15 @@
 
 use std::sync::Arc;
 
+use std::collections::hash_map::Entry as Slot;
+
 use foldhash::HashMap;
 use parking_lot::Mutex;
 
 use rdma_rpc_transport::{AccessFlags, MemoryRegion, ProtectionDomain, RemoteRegion};
 
 use crate::buf::RegisteredBuf;
-use crate::proto::{BufId, LANDING_PREFIX};
+use crate::proto::{BufId, Route, LANDING_PREFIX};
 use crate::{Isolation, RpcError};
 
 /// The buffers of one connection: free ones by size class (shared with the application's
@@ -120,7 +122,7 @@ impl Stash {
     /// gives it back to the application; otherwise it goes to the free lists when released.
     /// The same layout serves a Send straight from the buffer
     /// ([`Payload::Placed`](crate::proto::Payload::Placed)): the header goes over the prefix.
-    pub(crate) fn lend_user(&mut self, buf: RegisteredBuf, keep: bool) -> Result<(RemoteRegion, BufId), RegisteredBuf> {
+    fn lend_user(&mut self, buf: RegisteredBuf, keep: bool) -> Result<(RemoteRegion, BufId), RegisteredBuf> {
         if !buf.lendable_on(&self.free, LANDING_PREFIX) {
             return Err(buf);
         }
@@ -139,11 +141,28 @@ impl Stash {
     /// As [`Stash::lend_user`] for a buffer a Send goes out from
     /// ([`Payload::Placed`](crate::proto::Payload::Placed)): the message's header goes where
     /// the prefix would, so none is written.
-    pub(crate) fn place_user(&mut self, buf: RegisteredBuf, keep: bool) -> Result<BufId, RegisteredBuf> {
+    fn place_user(&mut self, buf: RegisteredBuf, keep: bool) -> Result<BufId, RegisteredBuf> {
         if !buf.lendable_on(&self.free, LANDING_PREFIX) {
             return Err(buf);
         }
         Ok(self.hold(buf.into_region(), keep))
+    }
+
+    /// Stages the application's buffer as `route` says, without a copy: lent (with the
+    /// descriptor the peer reads it by) or held to be sent from as it is. `Err` gives the
+    /// buffer back when it must be copied instead: the route says so, or it is another
+    /// connection's (see [`RegisteredBuf::lendable_on`]).
+    pub(crate) fn stage_user(
+        &mut self,
+        buf: RegisteredBuf,
+        route: Route,
+        keep: bool,
+    ) -> Result<(Option<RemoteRegion>, BufId), RegisteredBuf> {
+        match route {
+            Route::Lend => self.lend_user(buf, keep).map(|(desc, id)| (Some(desc), id)),
+            Route::Place => self.place_user(buf, keep).map(|id| (None, id)),
+            Route::Copy => Err(buf),
+        }
     }
 
     /// Holds `mr` under a fresh id.
@@ -169,13 +188,15 @@ impl Stash {
     /// (released, or about to be: its call finished). With [`Isolation::Transfer`] its bytes
     /// move to a fresh registration, so that the old rkey dies.
     pub(crate) fn reclaim(&mut self, id: BufId, len: usize) -> Option<RegisteredBuf> {
-        let e = self.entries.get_mut(&id)?;
-        if e.mr.is_none() {
+        let Slot::Occupied(mut e) = self.entries.entry(id) else {
+            return None;
+        };
+        if e.get().mr.is_none() {
             // Still out in a work request: when it comes back it is the connection's.
-            e.keep = false;
+            e.get_mut().keep = false;
             return None;
         }
-        let mr = self.entries.remove(&id).and_then(|e| e.mr)?;
+        let mr = e.remove().mr?;
         if self.isolation == Isolation::Transfer {
             let mut fresh = self.fresh(mr.len()).ok()?;
             fresh.bytes_mut().copy_from_slice(&mr.bytes());
@@ -187,24 +208,25 @@ impl Stash {
     /// The application gave up on its lent buffer `id` (the call was cancelled): it goes back
     /// to the free lists once released.
     pub(crate) fn unkeep(&mut self, id: BufId) {
-        let Some(e) = self.entries.get_mut(&id) else { return };
-        if !e.keep {
+        let Slot::Occupied(mut e) = self.entries.entry(id) else {
+            return;
+        };
+        if !e.get().keep {
             return;
         }
-        e.keep = false;
-        if e.released {
-            if let Some(mr) = self.entries.remove(&id).and_then(|e| e.mr) {
-                self.recycle(mr);
-            }
+        if !e.get().released {
+            e.get_mut().keep = false;
+        } else if let Some(mr) = e.remove().mr {
+            self.recycle(mr);
         }
     }
 
     /// Removes held buffer `id` and gives its registration.
     fn remove_held(&mut self, id: BufId) -> Option<MemoryRegion> {
-        if !self.entries.get(&id)?.held() {
-            return None;
+        match self.entries.entry(id) {
+            Slot::Occupied(e) if e.get().held() => e.remove().mr,
+            _ => None,
         }
-        self.entries.remove(&id).and_then(|e| e.mr)
     }
 
     /// Held buffer `id`, holding `len` bytes from its start, handed to the application.
@@ -290,13 +312,15 @@ impl Stash {
     /// application's, waiting for [`Stash::reclaim`]). A buffer out in a work request is
     /// released after it is put back.
     pub(crate) fn release(&mut self, id: BufId) {
-        let Some(e) = self.entries.get_mut(&id) else { return };
-        if !e.held() {
+        let Slot::Occupied(mut e) = self.entries.entry(id) else {
+            return;
+        };
+        if !e.get().held() {
             return;
         }
-        if e.keep {
-            e.released = true;
-        } else if let Some(mr) = self.entries.remove(&id).and_then(|e| e.mr) {
+        if e.get().keep {
+            e.get_mut().released = true;
+        } else if let Some(mr) = e.remove().mr {
             self.recycle(mr);
         }
     }
