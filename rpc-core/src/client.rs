@@ -625,7 +625,7 @@ impl Future for Pending<'_> {
         let shared = self.shared;
         let mut st = shared.state.lock();
         st.progress();
-        let spin = !self.sleeping
+        let mut spin = !self.sleeping
             && match shared.mode {
                 CompletionMode::Adaptive { .. } => {
                     let since = *self.since.get_or_insert_with(Instant::now);
@@ -659,6 +659,13 @@ impl Future for Pending<'_> {
                 // A caller on another thread waiting to start a call gets the lock now (one
                 // atomic load when nobody waits).
                 parking_lot::MutexGuard::bump(&mut st);
+            }
+            // The server's poller on this core: spinning on keeps it from answering. Sleep.
+            if matches!(shared.mode, CompletionMode::Adaptive { .. })
+                && st.calls.get(&self.call).is_some_and(|s| s.result.is_none())
+                && st.conn.peer_shares_cpu()
+            {
+                spin = false;
             }
         }
         let mut slot = match st.calls.entry(self.call) {

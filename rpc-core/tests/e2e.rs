@@ -268,6 +268,54 @@ async fn concurrent_callers_in_every_completion_mode() {
     }
 }
 
+/// Callers and server on one core (every thread of the runtime, and the provider's, pinned to
+/// the first) in the default adaptive mode. A poller spinning there keeps its peer from running
+/// until its budget ends; on shm the two ends learn that they share the core and sleep instead.
+/// Either way every call comes back, whole, one caller at a time and eight at once.
+#[test]
+fn callers_and_server_on_one_core() {
+    let core = core_affinity::get_core_ids().expect("this machine's cores")[0];
+    std::thread::spawn(move || {
+        assert!(core_affinity::set_for_current(core), "pin the test's thread");
+        // Threads started from here on inherit the pinning.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        rt.block_on(async {
+            let (client, probe) = start(config()).await;
+            for i in 0..300u64 {
+                let got = bounded(client.call(CHECK, tagged(64 + (i as usize * 13) % 5000, i)))
+                    .await
+                    .expect("call");
+                assert_eq!(got, i.to_le_bytes(), "call {i}");
+            }
+            let tasks: Vec<_> = (1..=8u64)
+                .map(|caller| {
+                    let c = client.clone();
+                    tokio::spawn(async move {
+                        for i in 0..100u64 {
+                            let seed = caller << 32 | i;
+                            let got = c
+                                .call(CHECK, tagged(8 + (i as usize * 37) % 3000, seed))
+                                .await
+                                .expect("call");
+                            assert_eq!(got, seed.to_le_bytes(), "caller {caller} call {i}");
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                bounded(t).await.expect("caller");
+            }
+            assert_eq!(probe.corrupt.load(Ordering::SeqCst), 0);
+        });
+    })
+    .join()
+    .expect("the pinned test");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_a_call_cancels_the_handler() {
     let (client, probe) = start(config()).await;

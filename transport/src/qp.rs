@@ -150,6 +150,14 @@ impl QpImpl {
             QpImpl::Verbs(qp) => qp.is_error(),
         }
     }
+
+    fn peer_shares_cpu(&self) -> bool {
+        match self {
+            QpImpl::Tcp(qp) => qp.peer_shares_cpu(),
+            #[cfg(feature = "verbs")]
+            QpImpl::Verbs(_) => false,
+        }
+    }
 }
 
 /// A post that was refused at once (as `ibv_post_send` returning an errno): the work requests
@@ -293,6 +301,42 @@ impl QueuePair {
     /// True once the QP is in the error state: every request now completes with a flush error.
     pub fn is_error(&self) -> bool {
         self.imp.is_error()
+    }
+
+    /// Whether the peer's poller last ran on the CPU this thread runs on now, as far as the
+    /// provider can tell: a hint for a thread about to spin for a completion only the peer can
+    /// cause. While the two share a core, spinning only keeps the peer from running; sleep on
+    /// the completion channel instead. Each call also tells the peer where this thread runs.
+    ///
+    /// Only the shm provider can tell (both ends on one host); tcp and verbs always say false.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use rdma_rpc_transport::{connect, Device, Listener, QpOptions};
+    /// let dev = Device::open("shm")?;
+    /// let (pd, cq) = (dev.alloc_pd()?, dev.create_cq(64)?);
+    /// let listener = Listener::bind(&dev, "127.0.0.1:0".parse().unwrap())?;
+    /// let addr = listener.local_addr()?;
+    /// let opts = QpOptions::new(&pd, &cq);
+    /// let server = std::thread::spawn({
+    ///     let opts = opts.clone();
+    ///     move || listener.accept(Some(Duration::from_secs(5)))?.accept(&opts, b"")
+    /// });
+    /// let (qp, _) = connect(addr, &opts, b"", Duration::from_secs(5))?;
+    /// let server_qp = server.join().unwrap()?;
+    /// // Nobody told the client where the server's poller runs yet.
+    /// assert!(!qp.peer_shares_cpu());
+    /// // The server's poller says where it runs; a client poller about to wait decides.
+    /// server_qp.peer_shares_cpu();
+    /// if qp.peer_shares_cpu() {
+    ///     // Same core: sleep on the CQ's completion channel (`CompletionQueue::wait`).
+    /// } else {
+    ///     // Another core (or it moved since): spinning on `poll` may pay off.
+    /// }
+    /// # Ok::<(), rdma_rpc_transport::Error>(())
+    /// ```
+    pub fn peer_shares_cpu(&self) -> bool {
+        self.imp.peer_shares_cpu()
     }
 
     /// Number of send-queue requests posted and not yet reaped (signaled or not).

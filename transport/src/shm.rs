@@ -40,6 +40,7 @@ use std::sync::Arc;
 
 pub(crate) use arena::{Arena, PeerArena};
 pub(crate) use rq::OwnRq;
+pub(crate) use sys::current_cpu;
 
 use crate::cq::CqImpl;
 use crate::{AccessFlags, DeviceCaps, Error, QpOptions, Result};

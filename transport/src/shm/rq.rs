@@ -38,6 +38,12 @@ struct Header {
     /// owner costs its peer no wake-up.
     armed: AtomicU32,
     _p2: [u8; 60],
+    /// The CPU the owner's poller last ran on, plus one (0: not told yet), for the peer to
+    /// see whether the two share a core (`peer_shares_cpu`). Written only when it changes, so
+    /// its line stays shared while neither side moves. A hint: a peer writing garbage only
+    /// misleads our spinning.
+    cpu: AtomicU32,
+    _p3: [u8; 60],
 }
 
 #[repr(C, align(64))]
@@ -145,6 +151,15 @@ impl OwnRq {
         e.byte_len.store(0, Ordering::Relaxed);
         e.state.store(POSTED, Ordering::Relaxed);
         h.tail.store(tail.wrapping_add(1), Ordering::Release);
+    }
+
+    /// Tells the peer which CPU our poller runs on (a store only when that changed).
+    pub(crate) fn publish_cpu(&self, cpu: u32) {
+        let word = &self.seg.header().cpu;
+        let v = cpu.wrapping_add(1);
+        if word.load(Ordering::Relaxed) != v {
+            word.store(v, Ordering::Relaxed);
+        }
     }
 
     /// Asks the peer to ring the doorbell after its next completion (one-shot, as
@@ -283,6 +298,11 @@ impl PeerRq {
 }
 
 impl PeerRq {
+    /// The CPU the peer's poller last told us it runs on, if it told us.
+    pub(crate) fn cpu(&self) -> Option<u32> {
+        self.seg.header().cpu.load(Ordering::Relaxed).checked_sub(1)
+    }
+
     /// Where the next Send will land, when the peer has a receive posted beyond the one taken
     /// last: the entry's cache line is fetched for writing, and its buffer's address and key
     /// returned, so the caller can fetch the buffer's first lines too. A hint only.

@@ -217,6 +217,14 @@ pub(crate) fn recv_with_fds(sock: &UnixStream, max: usize) -> io::Result<(Vec<u8
     Ok((buf, fds))
 }
 
+/// The CPU the calling thread runs on now (it may run elsewhere a moment later), if the
+/// kernel tells.
+pub(crate) fn current_cpu() -> Option<u32> {
+    // SAFETY: sched_getcpu takes no arguments and touches no memory of ours (the vDSO's getcpu).
+    let cpu = unsafe { libc::sched_getcpu() };
+    u32::try_from(cpu).ok()
+}
+
 /// Lines a prefetch or a demotion covers at most in a message longer than `WHOLE`: its first
 /// lines, where its header is, which the receiving core reads first.
 const HEAD_LINES: usize = 4;

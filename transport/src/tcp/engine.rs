@@ -208,6 +208,19 @@ impl Qp {
         self.engine.error.load(Ordering::Acquire)
     }
 
+    /// shm: tells the peer which CPU this thread runs on, and whether the peer's poller said
+    /// it runs on the same one. tcp: false (the peer may be anywhere).
+    pub(crate) fn peer_shares_cpu(&self) -> bool {
+        let (Some(peer), Some(own)) = (&self.engine.direct, &self.engine.own_rq) else {
+            return false;
+        };
+        let Some(me) = crate::shm::current_cpu() else {
+            return false;
+        };
+        own.publish_cpu(me);
+        peer.rq.cpu() == Some(me)
+    }
+
     pub(crate) fn post_send(&self, descs: &[SendDesc<'_>]) -> Result<(), (usize, Error)> {
         let e = &self.engine;
         let _serial = e.post.lock();
