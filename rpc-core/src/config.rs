@@ -20,9 +20,10 @@ pub enum CompletionMode {
     /// at 60-120 µs instead of about 1 µs; with the default 200 µs, none did.
     ///
     /// On the shm provider a poller stops spinning at once when the peer's poller runs on its
-    /// own core ([`QueuePair::peer_shares_cpu`](crate::transport::QueuePair::peer_shares_cpu)): spinning there only keeps the peer from
-    /// answering, and a call then took two whole budgets (about 420 µs; 12-17 µs with the two
-    /// ends sleeping instead, in the README's measurement). `Spin` always spins.
+    /// own core ([`peer_shares_cpu`](crate::transport::QueuePair::peer_shares_cpu)):
+    /// spinning there only keeps the peer from answering, and a call then took two whole
+    /// budgets (about 420 µs; 12-17 µs with the two ends sleeping instead, in the README's
+    /// measurement). `Spin` always spins.
     Adaptive {
         /// How long to keep spinning after the last completion or command.
         spin: Duration,

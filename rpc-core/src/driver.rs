@@ -251,13 +251,13 @@ impl Conn {
         while self.poll_cq() {}
     }
 
-    /// Reaps completions without blocking; returns whether there were any.
     /// Whether the peer's poller runs on this thread's core (see
     /// `QueuePair::peer_shares_cpu`): then a spinning wait only delays it.
     pub(crate) fn peer_shares_cpu(&self) -> bool {
         self.qp.peer_shares_cpu()
     }
 
+    /// Reaps completions without blocking; returns whether there were any.
     pub(crate) fn poll_cq(&mut self) -> bool {
         let mut done = std::mem::take(&mut self.scratch);
         let n = match self.cq.poll(&mut done, 64) {
@@ -669,8 +669,8 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
                 }
             } else if matches!(mode, CompletionMode::Adaptive { .. }) && conn.peer_shares_cpu() {
                 // The peer's poller is on this core: spinning only keeps it from running
-                // (both budgets spent per round trip, 0.4 ms). Sleep now; the wake-up also
-                // lets the scheduler move one of the two to an idle core.
+                // (both budgets spent per round trip, 0.4 ms). Sleep now. (The scheduler may
+                // then keep the two on one core a while longer: see the README, Adaptive.)
                 wait(&mut conn, &mut role).await;
                 last_active = Instant::now();
             } else {
