@@ -454,7 +454,9 @@ impl State {
             None => self.epoch,
         };
         let conn = &mut self.conn;
-        let mut staged = Vec::new();
+        // What to give back if the call cannot start: the payload's buffer and the landing
+        // buffer, at most one each (an array: no allocation per call).
+        let mut staged: [Option<crate::proto::BufId>; 2] = [None, None];
         let mut back = Back::Nothing;
         // A large response is written into a landing buffer the request advertises.
         let landing_len = opts.response_hint.filter(|&h| conn.session.is_rendezvous(h));
@@ -462,7 +464,7 @@ impl State {
             let p = match payload {
                 Outgoing::Vec(v) if conn.session.is_rendezvous(v.len()) => {
                     let (desc, buf) = conn.stash.lend(&v)?;
-                    staged.push(buf);
+                    staged[0] = Some(buf);
                     Payload::Lent { desc, buf }
                 }
                 Outgoing::Vec(v) => Payload::Eager(v),
@@ -472,7 +474,7 @@ impl State {
                     let lend = route == Route::Lend;
                     match conn.stash.stage_user(b, route, true) {
                         Ok((desc, buf)) => {
-                            staged.push(buf);
+                            staged[0] = Some(buf);
                             back = Back::Kept { id: buf, len };
                             match desc {
                                 Some(desc) => {
@@ -490,7 +492,7 @@ impl State {
                         Err(b) => {
                             let p = if lend {
                                 let (desc, buf) = conn.stash.lend(&b.bytes())?;
-                                staged.push(buf);
+                                staged[0] = Some(buf);
                                 spans::payload("request", len, How::CopiedAndLent);
                                 Payload::Lent { desc, buf }
                             } else {
@@ -509,7 +511,7 @@ impl State {
                     let (buf, mr) = conn.stash.take(want)?;
                     let mut desc = mr.remote();
                     desc.len = want as u64;
-                    staged.push(buf);
+                    staged[1] = Some(buf);
                     Some((desc, buf))
                 }
                 None => None,
@@ -523,7 +525,7 @@ impl State {
                 Ok((call, back))
             }
             Err(e) => {
-                for b in staged {
+                for b in staged.into_iter().flatten() {
                     conn.stash.release(b);
                 }
                 if let Back::Kept { id, .. } = back {

@@ -593,6 +593,35 @@ async fn large_buffer_responses_are_lent_or_written_and_foreign_ones_copied() {
     }
 }
 
+/// A call refused before it starts (its payload above `max_payload`) after its buffer was
+/// staged to be lent: the buffer goes back to the connection, so refusing again and again
+/// registers nothing more, and the connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_refused_after_staging_gives_its_buffer_back() {
+    let cfg = Config {
+        max_payload: 64 << 10,
+        ..config()
+    };
+    let (s, _serial) = setup(cfg).await;
+    let len = 128 << 10;
+    assert!(
+        registered(len, THRESHOLD),
+        "lent, so staged before the session refuses it"
+    );
+    let mut warm = Warm::after(1);
+    for round in 0..20 {
+        let mut b = s.client.buffer(len).expect("a buffer");
+        b.bytes_mut().fill(3);
+        let r = bounded(s.client.call_buf(SUM, b)).await;
+        assert!(matches!(r, Err(RpcError::PayloadTooLarge { .. })), "{r:?}");
+        warm.check(&s.dev, round);
+    }
+    let got = bounded(s.client.call(SUM, vec![5; 100]))
+        .await
+        .expect("the connection goes on");
+    expect_answer(&got, &[5; 100], false);
+}
+
 /// Small registered requests dropped mid-call (their buffers out in a Send, or queued), and
 /// calls that finish, on one connection: every answer is right, and once everything settles
 /// no registered memory is left behind.
