@@ -642,15 +642,18 @@ impl Future for Pending<'_> {
         // that they are posted without waiting for this one.
         if spin && st.calls.len() == 1 {
             let mut seen = None;
+            let mut ran_out = true;
             for _ in 0..INNER_SPINS {
                 // Its own result only when some result came (here, or on another thread).
                 if seen != Some(st.settled) {
                     if st.calls.get(&self.call).is_none_or(|s| s.result.is_some()) {
+                        ran_out = false;
                         break;
                     }
                     seen = Some(st.settled);
                 }
                 if st.conn.lost().is_some() {
+                    ran_out = false;
                     break;
                 }
                 std::hint::spin_loop();
@@ -662,11 +665,10 @@ impl Future for Pending<'_> {
                 // atomic load when nobody waits).
                 parking_lot::MutexGuard::bump(&mut st);
             }
-            // The server's poller on this core: spinning on keeps it from answering. Sleep.
-            if matches!(shared.mode, CompletionMode::Adaptive { .. })
-                && st.calls.get(&self.call).is_some_and(|s| s.result.is_none())
-                && st.conn.peer_shares_cpu()
-            {
+            // The polls found nothing and the server's poller is on this core: spinning on
+            // keeps it from answering. Sleep. (A result that came in the last poll is taken
+            // below whatever `spin` says.)
+            if ran_out && matches!(shared.mode, CompletionMode::Adaptive { .. }) && st.conn.peer_shares_cpu() {
                 spin = false;
             }
         }

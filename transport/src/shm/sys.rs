@@ -220,7 +220,9 @@ pub(crate) fn recv_with_fds(sock: &UnixStream, max: usize) -> io::Result<(Vec<u8
 /// The CPU the calling thread runs on now (it may run elsewhere a moment later), if the
 /// kernel tells.
 pub(crate) fn current_cpu() -> Option<u32> {
-    // SAFETY: sched_getcpu takes no arguments and touches no memory of ours (the vDSO's getcpu).
+    // glibc's, not rustix's: glibc reads the CPU from the thread's rseq area (or the vDSO),
+    // rustix makes a getcpu syscall each time.
+    // SAFETY: sched_getcpu takes no arguments and touches no memory of ours.
     let cpu = unsafe { libc::sched_getcpu() };
     u32::try_from(cpu).ok()
 }
