@@ -164,11 +164,13 @@ fn logsync_replicates_mebibytes_byte_exact_and_in_order() {
 
 #[test]
 fn logsync_primary_waits_for_a_slow_backup_and_overwrites_nothing() {
-    // 500 us per apply: well past the 200 us after which the tcp provider stops leaving a quiet
-    // backup's arrivals to its next poll. With 200 us, right at that line, the backup's acks
-    // paced the primary on tcp and it waited for credits in some runs only.
+    // 5 ms per apply: well past the 200 us after which the tcp provider stops leaving a quiet
+    // backup's arrivals to its next poll (with 200 us, right at that line, the backup's acks
+    // paced the primary on tcp and it waited for credits in some runs only), and several times
+    // an append in the soft-RoCE VM, whose emulated appends took 770 us at the median in one
+    // run (with 500 us per apply the backup kept up there and the primary never waited).
     let (primary, _) = logsync(
-        &["--ring", "16384", "--apply-delay-us", "500"],
+        &["--ring", "16384", "--apply-delay-us", "5000"],
         &["--mib", "1", "--rpc-appends", "10"],
         "slow",
     );
