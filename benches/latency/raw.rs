@@ -59,8 +59,14 @@ pub fn pair(dev: &Device, ip: IpAddr) -> (Side, Side) {
 /// perftest only polls: give a large value to compare with it.
 pub static SPIN_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(20);
 
-/// CQ polls between two turns through the runtime (the RPC driver's spinning calls do the same).
-const INNER_POLLS: u32 = 16;
+/// CQ polls between two turns through the runtime, and between two clock reads: as many as the
+/// RPC's spinning caller makes (`rpc-core`'s client, 256; its server driver makes 64), so that the
+/// raw baseline polls at least as closely as the RPC it is compared with. With 16, the raw
+/// ping-pong read the clock every 16 polls, which in the soft-RoCE VM (clocksource HPET: each
+/// read an emulated MMIO access) slowed our raw Send against perftest's, which never reads it
+/// while polling: 64 B 52.8, 51.5, 61.2 us with 16 against 44.5, 49.7, 55.3 us with 256, in three
+/// interleaved VM runs.
+const INNER_POLLS: u32 = 256;
 
 /// The spin budget of `--raw-spin-us`.
 pub fn spin_budget() -> Duration {
@@ -271,6 +277,18 @@ pub async fn atomic(client: Side, server: Side, plan: Plan) -> Samples {
     r
 }
 
+/// Whether the last of `len` bytes of `mr` reads `tag`, checked up to [`INNER_POLLS`] times
+/// back to back (as ib_write_lat spins on it) before the caller gives way to the runtime.
+fn landed(mr: &MemoryRegion, len: usize, tag: u8) -> bool {
+    (0..INNER_POLLS).any(|_| {
+        let seen = mr.bytes()[len - 1] == tag;
+        if !seen {
+            std::hint::spin_loop();
+        }
+        seen
+    })
+}
+
 /// Write ping-pong as ib_write_lat: each side writes the other's buffer and polls its own last
 /// byte for the round's tag; reports half the round trip.
 pub async fn write(rt: &Handle, client: Side, server: Side, size: usize, plan: Plan) -> Samples {
@@ -290,7 +308,7 @@ pub async fn write(rt: &Handle, client: Side, server: Side, size: usize, plan: P
         let mut src = Some(s.pd.register(len, AccessFlags::NONE).expect("reg"));
         let mut expect: u8 = 1;
         while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
-            if mine.bytes()[len - 1] != expect {
+            if !landed(mine, len, expect) {
                 give_way().await;
                 continue;
             }
@@ -335,7 +353,7 @@ pub async fn write(rt: &Handle, client: Side, server: Side, size: usize, plan: P
             .map_err(|e| e.error)
             .expect("write");
         src = ok(next(&client.cq, spin_budget()).await).buf;
-        while cdst.bytes()[len - 1] != tag {
+        while !landed(&cdst, len, tag) {
             give_way().await;
         }
         tag = tag.wrapping_add(1).max(1);
