@@ -148,6 +148,50 @@ pub async fn wake(srv: &Handle, plan: Plan) -> Samples {
     samples
 }
 
+/// A round trip of one atomic word between this thread and a thread of the server runtime, both
+/// spinning on it: each side waits for the other's store, so a round trip is two handoffs of
+/// one cache line between the two cores, the floor of any messaging between those threads.
+/// The summary counts the other round trips in it: on these VMs it moves between 80 and over
+/// 200 ns from boot to boot and hour to hour, and everything on shm moves with it.
+pub async fn spin_word(srv: &Handle, plan: Plan) -> Samples {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    // Round `n` is asked for when the word is `2n + 1` and answered at `2n + 2`; `u64::MAX`
+    // ends. Timed per round trip like every other row (two clock reads in each sample).
+    let word = Arc::new(AtomicU64::new(0));
+    let shared = Arc::clone(&word);
+    let echo = srv.spawn_blocking(move || {
+        let mut seen = 0;
+        loop {
+            let t = shared.load(Ordering::Acquire);
+            if t == u64::MAX {
+                return;
+            }
+            if t > seen && t % 2 == 1 {
+                seen = t + 1;
+                shared.store(seen, Ordering::Release);
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    });
+    let mut turn = 0u64;
+    let samples = sampler::run(plan, async || {
+        turn += 1;
+        word.store(turn, Ordering::Release);
+        turn += 1;
+        while word.load(Ordering::Acquire) != turn {
+            std::hint::spin_loop();
+        }
+        None
+    })
+    .await;
+    word.store(u64::MAX, Ordering::Release);
+    let _ = echo.await;
+    samples
+}
+
 /// A plain copy of `size` bytes between two buffers of this process: the speed limit of any
 /// software provider on one host.
 pub async fn memcpy(size: usize, plan: Plan) -> Samples {

@@ -45,15 +45,18 @@ const ALL_MODES: &[&str] = &[
     "tcp",
     "tarpc",
     "wake",
+    "spin-word",
 ];
 
-/// The sizes a mode is measured at: one for `atomic` (8 B, the word), `send-event` (64 B, beside
-/// the event-mode RPC target) and `wake` (no payload), the sweep's for the others.
+/// The sizes a mode is measured at: one for `atomic` and `spin-word` (8 B, the word),
+/// `send-event` (64 B, beside the event-mode RPC target) and `wake` (no payload), the sweep's
+/// for the others.
 fn mode_sizes(mode: &str, sizes: &[usize]) -> Vec<usize> {
     match mode {
         "atomic" => vec![8],
         "send-event" => vec![64],
         "wake" => vec![0],
+        "spin-word" => vec![8],
         _ => sizes.to_vec(),
     }
 }
@@ -72,7 +75,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "rpc,rpc-body,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,send,send-head,send-copy,send-event,write,read,atomic,memcpy,tcp,tarpc,wake"
+        default_value = "rpc,rpc-body,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,send,send-head,send-copy,send-event,write,read,atomic,memcpy,tcp,tarpc,wake,spin-word"
     )]
     modes: Vec<String>,
     /// Fixed iterations per size (default: as many as fit the time budget).
@@ -329,6 +332,7 @@ async fn measure(
         }
         "tcp" => (Convention::Rtt, 2 * size, baseline::tcp_echo(srv, size, plan).await),
         "wake" => (Convention::Rtt, 0, baseline::wake(srv, plan).await),
+        "spin-word" => (Convention::Rtt, 0, baseline::spin_word(srv, plan).await),
         _ => (Convention::Rtt, 2 * size, baseline::tarpc_echo(srv, size, plan).await),
     }
 }

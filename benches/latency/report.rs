@@ -138,6 +138,7 @@ pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
             }
         );
     }
+    spin_word(rows);
     if let Some((b, w)) = worst(rows, "rpc", "tarpc", 1.0, usize::MAX) {
         println!(
             "RPC p50 / tarpc p50, every size: worst {w:.2}x at {b} B (target <= 1.0x, never behind): {}",
@@ -145,6 +146,32 @@ pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
         );
     }
     shm_targets(rows);
+}
+
+/// The machine's cross-core round trip (`spin-word`), and the 64 B round trips of the Send
+/// ping-pongs and the RPCs counted in it: what a run on a noisy VM means, whatever that round
+/// trip cost on the day (it moves 2x between boots here, and everything on shm with it).
+fn spin_word(rows: &[Row]) {
+    let Some(w) = rows
+        .iter()
+        .find(|r| r.mode == "spin-word")
+        .filter(|w| w.t_typical > 0.0)
+    else {
+        return;
+    };
+    let counts: Vec<String> = [("send", 2.0), ("send-head", 2.0), ("rpc-body", 1.0), ("rpc", 1.0)]
+        .into_iter()
+        .filter_map(|(mode, k)| find(rows, mode, 64).map(|r| format!("{mode} {:.1}", k * r.t_typical / w.t_typical)))
+        .collect();
+    println!(
+        "the two threads' cross-core round trip, both spinning on one atomic word (spin-word): p50 {:.0} ns{}",
+        w.t_typical * 1000.0,
+        if counts.is_empty() {
+            String::new()
+        } else {
+            format!("; 64 B round trips in such round trips: {}", counts.join(", "))
+        }
+    );
 }
 
 /// For a ratio to the raw ping-pong above 1.5x: the sizes (up to 4 KiB) where it held.
