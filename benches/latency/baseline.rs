@@ -151,18 +151,32 @@ pub async fn wake(srv: &Handle, plan: Plan) -> Samples {
 /// A round trip of one atomic word between this thread and a thread of the server runtime, both
 /// spinning on it: each side waits for the other's store, so a round trip is two handoffs of
 /// one cache line between the two cores, the floor of any messaging between those threads.
-/// The summary counts the other round trips in it: on these VMs it moves between 80 and over
-/// 200 ns from boot to boot and hour to hour, and everything on shm moves with it.
+/// The summary counts the other round trips in it. It moves with the host's placement of the
+/// two vCPUs: DESIGN.md measured about 80 ns; on a later hour a plain two-thread ping-pong took
+/// 134-233 ns, and this row (which also reads the clock twice a round trip, as every row does)
+/// 255-362 ns; everything on shm moves with it.
 pub async fn spin_word(srv: &Handle, plan: Plan) -> Samples {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::Arc;
+
+    /// Spins without news before a side offers its core (`--cpus 0,0` puts both on one; on
+    /// two cores a round trip takes a few dozen spins).
+    const PATIENCE: u32 = 4096;
+    fn wait_a_little(spins: &mut u32) {
+        *spins += 1;
+        if *spins % PATIENCE == 0 {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
 
     // Round `n` is asked for when the word is `2n + 1` and answered at `2n + 2`; `u64::MAX`
     // ends. Timed per round trip like every other row (two clock reads in each sample).
     let word = Arc::new(AtomicU64::new(0));
     let shared = Arc::clone(&word);
     let echo = srv.spawn_blocking(move || {
-        let mut seen = 0;
+        let (mut seen, mut spins) = (0, 0);
         loop {
             let t = shared.load(Ordering::Acquire);
             if t == u64::MAX {
@@ -171,8 +185,9 @@ pub async fn spin_word(srv: &Handle, plan: Plan) -> Samples {
             if t > seen && t % 2 == 1 {
                 seen = t + 1;
                 shared.store(seen, Ordering::Release);
+                spins = 0;
             } else {
-                std::hint::spin_loop();
+                wait_a_little(&mut spins);
             }
         }
     });
@@ -181,8 +196,9 @@ pub async fn spin_word(srv: &Handle, plan: Plan) -> Samples {
         turn += 1;
         word.store(turn, Ordering::Release);
         turn += 1;
+        let mut spins = 0;
         while word.load(Ordering::Acquire) != turn {
-            std::hint::spin_loop();
+            wait_a_little(&mut spins);
         }
         None
     })

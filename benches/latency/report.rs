@@ -164,7 +164,7 @@ fn spin_word(rows: &[Row]) {
         .filter_map(|(mode, k)| find(rows, mode, 64).map(|r| format!("{mode} {:.1}", k * r.t_typical / w.t_typical)))
         .collect();
     println!(
-        "the two threads' cross-core round trip, both spinning on one atomic word (spin-word): p50 {:.0} ns{}",
+        "the two threads' round trip through one atomic word, both spinning on it (spin-word; between their two cores unless --cpus put them on one): p50 {:.0} ns{}",
         w.t_typical * 1000.0,
         if counts.is_empty() {
             String::new()
