@@ -113,9 +113,16 @@ struct Args {
     /// run under taskset); `0,0` puts both on one core. Threads they start inherit the pinning.
     #[arg(long, value_delimiter = ',')]
     cpus: Option<Vec<usize>>,
-    /// perftest reports to compare with, e.g. send=send.txt,write=write.txt,read=read.txt.
+    /// perftest reports to compare with, e.g. send=send.txt,write=write.txt,read=read.txt. A
+    /// file may hold several reports (runs before and after the sweep): each size's median of
+    /// them is compared.
     #[arg(long, value_delimiter = ',')]
     perftest: Vec<String>,
+    /// Measure nothing: read the rows of an earlier run (its `--json` file) and print only the
+    /// comparison with `--perftest`, so that perftest can run both before and after that sweep
+    /// (as `scripts/vm-bench.sh` does).
+    #[arg(long, requires = "perftest")]
+    rows: Option<String>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -123,6 +130,13 @@ struct Args {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    if let Some(path) = &args.rows {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("reading the rows in {path}: {e}"))?;
+        let rows: Vec<Row> =
+            serde_json::from_str(&text).map_err(|e| format!("{path} is not the JSON of a --json run: {e}"))?;
+        perftest::compare(&rows, &perftest_files(&args.perftest));
+        return Ok(());
+    }
     let from_env = std::env::var(rdma_rpc::transport::PROVIDER_ENV)
         .ok()
         .filter(|p| !p.trim().is_empty());
@@ -233,12 +247,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     report::summary(&rows, dev.provider(), args.raw_ring);
     if !args.perftest.is_empty() {
-        let files: Vec<(String, String)> = args
-            .perftest
-            .iter()
-            .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())))
-            .collect();
-        perftest::compare(&rows, &files);
+        perftest::compare(&rows, &perftest_files(&args.perftest));
     }
     for p in [&args.json, &args.plot].into_iter().flatten() {
         if let Some(dir) = std::path::Path::new(p).parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -335,6 +344,14 @@ async fn measure(
         "spin-word" => (Convention::Rtt, 0, baseline::spin_word(srv, plan).await),
         _ => (Convention::Rtt, 2 * size, baseline::tarpc_echo(srv, size, plan).await),
     }
+}
+
+/// `op=path` pairs of `--perftest`.
+fn perftest_files(specs: &[String]) -> Vec<(String, String)> {
+    specs
+        .iter()
+        .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())))
+        .collect()
 }
 
 /// The CPU `cpu` among those this process may run on.

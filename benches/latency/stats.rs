@@ -3,12 +3,12 @@
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::sampler::Samples;
 
 /// How a row's latency is counted, as perftest does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Convention {
     /// Full round trip (RPCs, Read, atomics, baselines).
     Rtt,
@@ -25,7 +25,7 @@ impl Convention {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Row {
     pub mode: String,
     pub convention: Convention,
