@@ -602,8 +602,8 @@ const INNER_SPINS: u32 = 256;
 struct Pending<'a> {
     shared: &'a Shared,
     call: u32,
-    /// When the call started spinning (read from the clock only in adaptive mode).
-    since: Option<Instant>,
+    /// The adaptive spin budget (its clock read only once a round of polls found nothing).
+    budget: driver::Budget,
     sleeping: bool,
     done: bool,
 }
@@ -613,7 +613,7 @@ impl<'a> Pending<'a> {
         Self {
             shared,
             call,
-            since: None,
+            budget: driver::Budget::default(),
             sleeping: false,
             done: false,
         }
@@ -627,15 +627,7 @@ impl Future for Pending<'_> {
         let shared = self.shared;
         let mut st = shared.state.lock();
         st.progress();
-        let mut spin = !self.sleeping
-            && match shared.mode {
-                CompletionMode::Adaptive { .. } => {
-                    let since = *self.since.get_or_insert_with(Instant::now);
-                    driver::spins(shared.mode, since)
-                }
-                CompletionMode::Spin => true,
-                _ => false,
-            };
+        let mut spin = !self.sleeping && self.budget.spins(shared.mode);
         // The only call in flight spins right here for a while: giving way to the runtime
         // between polls costs more than a round trip on shm (a syscall per turn when the caller
         // is the runtime's `block_on`). With other calls in flight it gives way at once, so
@@ -696,7 +688,9 @@ impl Future for Pending<'_> {
         }
         if spin {
             // Spinning on: through the runtime, and off the core for a moment when the
-            // provider's own threads need it.
+            // provider's own threads need it. This poll found nothing of its own: the budget
+            // runs from here.
+            self.budget.idle_round();
             let yield_cpu = st.conn.yield_cpu;
             drop(st);
             if yield_cpu {

@@ -25,7 +25,10 @@ pub enum CompletionMode {
     /// budgets (about 420 µs; 12-17 µs with the two ends sleeping instead, in the README's
     /// measurement). `Spin` always spins.
     Adaptive {
-        /// How long to keep spinning after the last completion or command.
+        /// How long to keep spinning after the last completion or command. The clock starts
+        /// at the end of the first round of polls (256) that found nothing, so that a
+        /// connection busy enough to find something every round reads no clock: a waiter
+        /// spins at most one round longer than this.
         spin: Duration,
     },
 }

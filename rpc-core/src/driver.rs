@@ -619,7 +619,7 @@ const INNER_SPINS: u32 = 64;
 
 /// Runs a connection until it is lost or its role is finished.
 pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: CompletionMode) {
-    let mut last_active = Instant::now();
+    let mut budget = Budget::default();
     loop {
         let mut busy = role.drain_inputs(&mut conn);
         busy |= conn.progress();
@@ -637,12 +637,10 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
             return;
         }
         if busy {
-            if matches!(mode, CompletionMode::Adaptive { .. }) {
-                last_active = Instant::now();
-            }
+            budget.restart();
             continue;
         }
-        if spins(mode, last_active) {
+        if budget.spins(mode) {
             // Poll a while before giving way: a turn through the runtime costs more than the
             // polls, and a message usually comes within them.
             let mut found = false;
@@ -661,19 +659,18 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
             // What the polls found is handled at once; only an idle round gives way (and its
             // core too, when the provider's own threads need it).
             if found {
-                // Activity: the budget starts again from here, as after a busy round above.
-                // Without this, a message found late in the budget left the rest of it (down to
+                // Activity: the budget starts again, as after a busy round above. Without
+                // this, a message found late in the budget left the rest of it (down to
                 // nothing) for the peer's next one: the server answered and went to sleep.
-                if matches!(mode, CompletionMode::Adaptive { .. }) {
-                    last_active = Instant::now();
-                }
+                budget.restart();
             } else if matches!(mode, CompletionMode::Adaptive { .. }) && conn.peer_shares_cpu() {
                 // The peer's poller is on this core: spinning only keeps it from running
                 // (both budgets spent per round trip, 0.4 ms). Sleep now. (The scheduler may
                 // then keep the two on one core a while longer: see the README, Adaptive.)
                 wait(&mut conn, &mut role).await;
-                last_active = Instant::now();
+                budget.restart();
             } else {
+                budget.idle_round();
                 if conn.yield_cpu {
                     std::thread::yield_now();
                 }
@@ -682,7 +679,7 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
             continue;
         }
         wait(&mut conn, &mut role).await;
-        last_active = Instant::now();
+        budget.restart();
     }
 }
 
@@ -703,15 +700,39 @@ pub(crate) async fn reschedule() {
     .await;
 }
 
-/// Whether `mode` spins on this connection's provider `since` the last activity.
-/// On every provider, tcp included: a wake-up costs more than the spin budget's CPU (on tcp a
-/// spinning poll also reads the socket itself, where a sleeping caller waits for the engine's
-/// reader thread and then for its own wake-up).
-pub(crate) fn spins(mode: CompletionMode, since: Instant) -> bool {
-    match mode {
-        CompletionMode::Spin => true,
-        CompletionMode::Adaptive { spin } => since.elapsed() < spin,
-        _ => false,
+/// The spin budget of [`CompletionMode::Adaptive`], timed from the first round of polls that
+/// found nothing after the last activity, not from the activity itself: a connection whose
+/// messages come within a round (a ping-pong, a busy server) then reads no clock at all, where
+/// it read it twice per message (a syscall per read on hosts whose clocksource is the HPET,
+/// such as the soft-RoCE VM). A waiter so spins at most one round longer than the budget.
+#[derive(Debug, Default)]
+pub(crate) struct Budget {
+    /// When the first idle round since the last activity ended; `None` before it.
+    idle_since: Option<Instant>,
+}
+
+impl Budget {
+    /// Activity (a completion, a command): the budget starts again at the next idle round.
+    pub(crate) fn restart(&mut self) {
+        self.idle_since = None;
+    }
+
+    /// A round of polls found nothing: the budget's clock starts, unless it runs already.
+    pub(crate) fn idle_round(&mut self) {
+        if self.idle_since.is_none() {
+            self.idle_since = Some(Instant::now());
+        }
+    }
+
+    /// Whether `mode` spins on. On every provider, tcp included: a wake-up costs more than
+    /// the spin budget's CPU (on tcp a spinning poll also reads the socket itself, where a
+    /// sleeping caller waits for the engine's reader thread and then for its own wake-up).
+    pub(crate) fn spins(&self, mode: CompletionMode) -> bool {
+        match mode {
+            CompletionMode::Spin => true,
+            CompletionMode::Adaptive { spin } => self.idle_since.is_none_or(|t| t.elapsed() < spin),
+            _ => false,
+        }
     }
 }
 
@@ -741,5 +762,30 @@ async fn wait<R: Role>(conn: &mut Conn, role: &mut R) {
             }
         }
         () = sleep => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn the_adaptive_budget_runs_from_the_first_idle_round_and_restarts_on_activity() {
+        let none_left = CompletionMode::Adaptive { spin: Duration::ZERO };
+        let mut b = Budget::default();
+        assert!(b.spins(none_left), "no idle round yet: the budget has not started");
+        b.idle_round();
+        assert!(!b.spins(none_left), "a zero budget is spent by its first idle round");
+        b.idle_round();
+        assert!(!b.spins(none_left), "a later idle round does not start it again");
+        b.restart();
+        assert!(b.spins(none_left), "activity: the budget starts again");
+        let plenty = CompletionMode::Adaptive {
+            spin: Duration::from_secs(3600),
+        };
+        b.idle_round();
+        assert!(b.spins(plenty) && !b.spins(none_left));
+        assert!(b.spins(CompletionMode::Spin) && !b.spins(CompletionMode::Event));
     }
 }
