@@ -28,7 +28,7 @@ pub enum CompletionMode {
         /// How long to keep spinning after the last completion or command. The clock starts
         /// at the end of the first round of polls (256) that found nothing, so that a
         /// connection busy enough to find something every round reads no clock: a waiter
-        /// spins at most one round longer than this.
+        /// spins at most one round longer than this. Zero never spins (as `Event`).
         spin: Duration,
     },
 }

@@ -730,6 +730,8 @@ impl Budget {
     pub(crate) fn spins(&self, mode: CompletionMode) -> bool {
         match mode {
             CompletionMode::Spin => true,
+            // No budget: no spinning at all, not even the first round.
+            CompletionMode::Adaptive { spin } if spin.is_zero() => false,
             CompletionMode::Adaptive { spin } => self.idle_since.is_none_or(|t| t.elapsed() < spin),
             _ => false,
         }
@@ -772,20 +774,26 @@ mod tests {
 
     #[test]
     fn the_adaptive_budget_runs_from_the_first_idle_round_and_restarts_on_activity() {
-        let none_left = CompletionMode::Adaptive { spin: Duration::ZERO };
+        let tiny = CompletionMode::Adaptive {
+            spin: Duration::from_nanos(1),
+        };
         let mut b = Budget::default();
-        assert!(b.spins(none_left), "no idle round yet: the budget has not started");
+        assert!(b.spins(tiny), "no idle round yet: the budget has not started");
         b.idle_round();
-        assert!(!b.spins(none_left), "a zero budget is spent by its first idle round");
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(!b.spins(tiny), "a 1 ns budget is spent 2 ms after its first idle round");
         b.idle_round();
-        assert!(!b.spins(none_left), "a later idle round does not start it again");
+        assert!(!b.spins(tiny), "a later idle round does not start it again");
         b.restart();
-        assert!(b.spins(none_left), "activity: the budget starts again");
+        assert!(b.spins(tiny), "activity: the budget starts again");
         let plenty = CompletionMode::Adaptive {
             spin: Duration::from_secs(3600),
         };
         b.idle_round();
-        assert!(b.spins(plenty) && !b.spins(none_left));
+        assert!(b.spins(plenty));
+        let none = CompletionMode::Adaptive { spin: Duration::ZERO };
+        b.restart();
+        assert!(!b.spins(none), "a zero budget never spins, not even a first round");
         assert!(b.spins(CompletionMode::Spin) && !b.spins(CompletionMode::Event));
     }
 }
