@@ -690,7 +690,7 @@ impl Future for Pending<'_> {
             // Spinning on: through the runtime, and off the core for a moment when the
             // provider's own threads need it. This poll found nothing of its own: the budget
             // runs from here.
-            self.budget.idle_round();
+            self.budget.idle_round(shared.mode);
             let yield_cpu = st.conn.yield_cpu;
             drop(st);
             if yield_cpu {

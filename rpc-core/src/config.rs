@@ -26,9 +26,10 @@ pub enum CompletionMode {
     /// measurement). `Spin` always spins.
     Adaptive {
         /// How long to keep spinning after the last completion or command. The clock starts
-        /// at the end of the first round of polls (256) that found nothing, so that a
-        /// connection busy enough to find something every round reads no clock: a waiter
-        /// spins at most one round longer than this. Zero never spins (as `Event`).
+        /// at the end of the first round of polls that found nothing (256 by a waiting call,
+        /// 64 by the connection's driver), so that a connection busy enough to find something
+        /// every round reads no clock: a waiter spins at most one round longer than this.
+        /// Zero never spins (as `Event`).
         spin: Duration,
     },
 }

@@ -670,7 +670,7 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
                 wait(&mut conn, &mut role).await;
                 budget.restart();
             } else {
-                budget.idle_round();
+                budget.idle_round(mode);
                 if conn.yield_cpu {
                     std::thread::yield_now();
                 }
@@ -701,9 +701,10 @@ pub(crate) async fn reschedule() {
 }
 
 /// The spin budget of [`CompletionMode::Adaptive`], timed from the first round of polls that
-/// found nothing after the last activity, not from the activity itself: a connection whose
-/// messages come within a round (a ping-pong, a busy server) then reads no clock at all, where
-/// it read it twice per message (a syscall per read on hosts whose clocksource is the HPET,
+/// found nothing after the last activity (a round: 256 polls of a waiting call, 64 of the
+/// connection's driver), not from the activity itself: a connection whose messages come
+/// within a round (a ping-pong, a busy server) then reads no clock at all, where it read it
+/// twice per message (a syscall per read on hosts whose clocksource is the HPET,
 /// such as the soft-RoCE VM). A waiter so spins at most one round longer than the budget.
 #[derive(Debug, Default)]
 pub(crate) struct Budget {
@@ -717,9 +718,10 @@ impl Budget {
         self.idle_since = None;
     }
 
-    /// A round of polls found nothing: the budget's clock starts, unless it runs already.
-    pub(crate) fn idle_round(&mut self) {
-        if self.idle_since.is_none() {
+    /// A round of polls found nothing: the budget's clock starts, unless it runs already. Only
+    /// an adaptive budget has a clock: `Spin` (the VM lane's mode) reads none.
+    pub(crate) fn idle_round(&mut self, mode: CompletionMode) {
+        if self.idle_since.is_none() && matches!(mode, CompletionMode::Adaptive { spin } if !spin.is_zero()) {
             self.idle_since = Some(Instant::now());
         }
     }
@@ -779,21 +781,24 @@ mod tests {
         };
         let mut b = Budget::default();
         assert!(b.spins(tiny), "no idle round yet: the budget has not started");
-        b.idle_round();
+        b.idle_round(tiny);
         std::thread::sleep(Duration::from_millis(2));
         assert!(!b.spins(tiny), "a 1 ns budget is spent 2 ms after its first idle round");
-        b.idle_round();
+        b.idle_round(tiny);
         assert!(!b.spins(tiny), "a later idle round does not start it again");
         b.restart();
         assert!(b.spins(tiny), "activity: the budget starts again");
         let plenty = CompletionMode::Adaptive {
             spin: Duration::from_secs(3600),
         };
-        b.idle_round();
+        b.idle_round(plenty);
         assert!(b.spins(plenty));
         let none = CompletionMode::Adaptive { spin: Duration::ZERO };
         b.restart();
         assert!(!b.spins(none), "a zero budget never spins, not even a first round");
         assert!(b.spins(CompletionMode::Spin) && !b.spins(CompletionMode::Event));
+        b.idle_round(CompletionMode::Spin);
+        b.idle_round(none);
+        assert!(b.idle_since.is_none(), "only an adaptive budget reads the clock");
     }
 }
