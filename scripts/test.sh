@@ -91,6 +91,20 @@ for p in shm tcp; do
         echo "provider $p: $rows rows, summary, JSON and SVG written"
     fi
 done
+# --rows with a perftest report of three passes (t_typical 1, 2 and 9 us at 64 B: neither the
+# first nor the last is the median): it must compare the shm run's rows with their median, 2 us
+# (4 us a round trip for the RPC).
+if [[ -n $bench_bin && -s $LOG/smoke-shm.json ]]; then
+    hdr=' #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]'
+    for t in 1.00 2.00 9.00; do printf '%s\n 64      1000    0.50    20.00    %s    3.00    1.00    10.00    20.00\n' "$hdr" "$t"; done > "$LOG/pt-send.txt"
+    "$bench_bin" --rows "$LOG/smoke-shm.json" --perftest "send=$LOG/pt-send.txt" > "$LOG/rows.txt" 2>&1
+    if grep -q 'ib_send_lat 2.00 us = .*(median of 3 runs: 1.00, 2.00, 9.00)' "$LOG/rows.txt" &&
+        grep -q 'ib_send_lat round trip 4.00 us' "$LOG/rows.txt"; then
+        echo "--rows: the saved rows compared with the median of three perftest passes"
+    else
+        echo "--rows did not compare with the median of the perftest passes:"; cat "$LOG/rows.txt"; fail=1
+    fi
+fi
 
 step "benchmark lane: a short sweep on verbs (rxe0) beside perftest, same boot (a report, not a test)"
 if [[ -z $bench_bin ]]; then
