@@ -623,11 +623,16 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
     loop {
         let mut busy = role.drain_inputs(&mut conn);
         busy |= conn.progress();
+        let mut events = false;
         while let Some(ev) = conn.session.poll_event() {
             role.on_event(&mut conn, ev);
+            events = true;
+        }
+        // What the events made the session send (`progress` flushed what came before them).
+        if events {
+            conn.flush();
             busy = true;
         }
-        busy |= conn.flush();
         if let Some(why) = conn.lost.clone() {
             role.on_lost(&why);
             conn.drain_flushed();

@@ -337,6 +337,11 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
 
 impl Role for ServerRole {
     fn drain_inputs(&mut self, conn: &mut Conn) -> bool {
+        // Only a handler running in a task of its own sends here; with none running, whatever
+        // an aborted one left is for `respond` to drop anyway, later.
+        if self.running.is_empty() {
+            return false;
+        }
         let mut any = false;
         while let Ok((call, result)) = self.rx.try_recv() {
             self.respond(conn, call, result);
