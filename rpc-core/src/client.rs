@@ -213,18 +213,15 @@ impl Client {
         opts: CallOptions,
         in_slot: bool,
     ) -> Result<Body, RpcError> {
-        let shared = &self.handle.shared;
         let span = crate::spans::call(method, payload.len());
-        let call = {
-            let mut st = shared.state.lock();
-            let (call, _) = st.start(method, Outgoing::Vec(payload), opts)?;
-            if in_slot {
-                // Before anyone polls: the response cannot have arrived yet.
-                st.conn.session.keep_in_slot(call);
-            }
-            call
+        let start = Start {
+            method,
+            payload: Outgoing::Vec(payload),
+            opts,
+            in_slot,
         };
-        Pending::new(shared, call).instrument(span).await
+        let (body, _) = Call::new(&self.handle.shared, start).instrument(span).await?;
+        Ok(body)
     }
 
     /// A buffer of `len` bytes registered with this connection, to fill in place and send with
@@ -369,45 +366,16 @@ impl Client {
         opts: CallOptions,
         in_slot: bool,
     ) -> Result<(Body, crate::RegisteredBuf), RpcError> {
-        let shared = &self.handle.shared;
         let span = crate::spans::call(method, buf.len());
-        let (call, back) = {
-            let mut st = shared.state.lock();
-            let (call, back) = st.start(method, Outgoing::Buf(buf), opts)?;
-            if in_slot {
-                // Before anyone polls: the response cannot have arrived yet.
-                st.conn.session.keep_in_slot(call);
-            }
-            (call, back)
+        let start = Start {
+            method,
+            payload: Outgoing::Buf(buf),
+            opts,
+            in_slot,
         };
-        let mut keep = KeepGuard {
-            shared,
-            kept: match &back {
-                Back::Kept { id, .. } => Some(*id),
-                _ => None,
-            },
-        };
-        let result = Pending::new(shared, call).instrument(span).await;
-        keep.kept = None;
-        let mut st = shared.state.lock();
-        match (result, back) {
-            (Ok(v), Back::Own(b)) => Ok((v, b)),
-            (Ok(v), Back::Kept { id, len }) => {
-                wait_sent(&mut st, id);
-                match st.conn.stash.reclaim(id, len) {
-                    Some(b) => Ok((v, b)),
-                    None => Err(match st.conn.lost() {
-                        Some(why) => RpcError::ConnectionLost(why.to_owned()),
-                        None => RpcError::Transport("re-registering the lent buffer failed".into()),
-                    }),
-                }
-            }
-            (Ok(_), Back::Nothing) => Err(RpcError::Internal("the call's buffer went missing".into())),
-            (Err(e), Back::Kept { id, .. }) => {
-                st.conn.stash.unkeep(id);
-                Err(e)
-            }
-            (Err(e), _) => Err(e),
+        match Call::new(&self.handle.shared, start).instrument(span).await? {
+            (body, Some(buf)) => Ok((body, buf)),
+            (_, None) => Err(RpcError::Internal("the call's buffer went missing".into())),
         }
     }
 }
@@ -428,21 +396,6 @@ enum Back {
         id: crate::proto::BufId,
         len: usize,
     },
-}
-
-/// A cancelled [`Client::call_buf`]: its lent buffer goes back to the connection, not to the
-/// caller, once released.
-struct KeepGuard<'a> {
-    shared: &'a Shared,
-    kept: Option<crate::proto::BufId>,
-}
-
-impl Drop for KeepGuard<'_> {
-    fn drop(&mut self) {
-        if let Some(id) = self.kept {
-            self.shared.state.lock().conn.stash.unkeep(id);
-        }
-    }
 }
 
 impl State {
@@ -597,21 +550,39 @@ fn wait_sent(st: &mut parking_lot::MutexGuard<'_, State>, id: crate::proto::BufI
 /// microseconds on shm).
 const INNER_SPINS: u32 = 256;
 
-/// A call in flight; cancels it when dropped before its result.
-struct Pending<'a> {
+/// What a call starts with.
+struct Start {
+    method: u32,
+    payload: Outgoing,
+    opts: CallOptions,
+    /// An eager response may stay in its receive slot ([`Client::call_body`]).
+    in_slot: bool,
+}
+
+/// A call: started on its first poll, then in flight until its result; cancels it when dropped
+/// before the result. Starting, waiting and giving the caller's buffer back happen under one
+/// lock when the result comes within the first poll's spin, as it nearly always does on a
+/// fast provider (each lock taken and released is two atomic read-modify-writes).
+struct Call<'a> {
     shared: &'a Shared,
+    /// Until the first poll.
+    start: Option<Start>,
     call: u32,
+    /// What to give back to the caller besides the response; `None` once given.
+    back: Option<Back>,
     /// The adaptive spin budget (its clock read only once a round of polls found nothing).
     budget: driver::Budget,
     sleeping: bool,
     done: bool,
 }
 
-impl<'a> Pending<'a> {
-    fn new(shared: &'a Shared, call: u32) -> Self {
+impl<'a> Call<'a> {
+    fn new(shared: &'a Shared, start: Start) -> Self {
         Self {
             shared,
-            call,
+            start: Some(start),
+            call: 0,
+            back: None,
             budget: driver::Budget::default(),
             sleeping: false,
             done: false,
@@ -619,13 +590,52 @@ impl<'a> Pending<'a> {
     }
 }
 
-impl Future for Pending<'_> {
-    type Output = Result<Body, RpcError>;
+/// The caller's buffer back with the response (after the Send it went out in is done).
+fn give_back(
+    st: &mut parking_lot::MutexGuard<'_, State>,
+    result: Body,
+    back: Back,
+) -> Result<(Body, Option<crate::RegisteredBuf>), RpcError> {
+    match back {
+        Back::Nothing => Ok((result, None)),
+        Back::Own(b) => Ok((result, Some(b))),
+        Back::Kept { id, len } => {
+            wait_sent(st, id);
+            match st.conn.stash.reclaim(id, len) {
+                Some(b) => Ok((result, Some(b))),
+                None => Err(match st.conn.lost() {
+                    Some(why) => RpcError::ConnectionLost(why.to_owned()),
+                    None => RpcError::Transport("re-registering the lent buffer failed".into()),
+                }),
+            }
+        }
+    }
+}
+
+impl Future for Call<'_> {
+    type Output = Result<(Body, Option<crate::RegisteredBuf>), RpcError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let shared = self.shared;
         let mut st = shared.state.lock();
-        st.progress();
+        if let Some(start) = self.start.take() {
+            match st.start(start.method, start.payload, start.opts) {
+                Ok((call, back)) => {
+                    if start.in_slot {
+                        // Before anyone polls: the response cannot have arrived yet.
+                        st.conn.session.keep_in_slot(call);
+                    }
+                    self.call = call;
+                    self.back = Some(back);
+                }
+                Err(e) => {
+                    self.done = true;
+                    return Poll::Ready(Err(e));
+                }
+            }
+        } else {
+            st.progress();
+        }
         let mut spin = !self.sleeping && self.budget.spins(shared.mode);
         // The only call in flight spins right here for a while: giving way to the runtime
         // between polls costs more than a round trip on shm (a syscall per turn when the caller
@@ -666,7 +676,11 @@ impl Future for Pending<'_> {
         let Some(slot) = st.calls.get_mut(self.call) else {
             // Only a finished call leaves the table, and only here.
             self.done = true;
-            return Poll::Ready(Err(RpcError::ConnectionLost("the call was lost".into())));
+            let e = RpcError::ConnectionLost("the call was lost".into());
+            if let Some(Back::Kept { id, .. }) = self.back.take() {
+                st.conn.stash.unkeep(id);
+            }
+            return Poll::Ready(Err(e));
         };
         if let Some(result) = slot.result.take() {
             st.calls.remove(self.call);
@@ -674,13 +688,23 @@ impl Future for Pending<'_> {
                 st.sleeping -= 1;
             }
             self.done = true;
+            let back = self.back.take().unwrap_or(Back::Nothing);
+            let out = match result {
+                Ok(body) => give_back(&mut st, body, back),
+                Err(e) => {
+                    if let Back::Kept { id, .. } = back {
+                        st.conn.stash.unkeep(id);
+                    }
+                    Err(e)
+                }
+            };
             // The last spinning call leaving: whoever sleeps now needs the driver on the CQ.
             let kick = !st.driver_on_cq && st.needs_watch();
             drop(st);
             if kick {
                 shared.kick.notify_one();
             }
-            return Poll::Ready(result);
+            return Poll::Ready(out);
         }
         if spin {
             // Spinning on: through the runtime, and off the core for a moment when the
@@ -716,9 +740,10 @@ impl Future for Pending<'_> {
     }
 }
 
-impl Drop for Pending<'_> {
+impl Drop for Call<'_> {
     fn drop(&mut self) {
-        if self.done {
+        // Never polled (nothing started), or finished.
+        if self.done || self.start.is_some() {
             return;
         }
         let mut st = self.shared.state.lock();
@@ -730,6 +755,11 @@ impl Drop for Pending<'_> {
                 st.conn.session.cancel(self.call);
                 st.conn.flush();
             }
+        }
+        // A cancelled call's lent buffer goes back to the connection, not to the caller, once
+        // the server is done with it.
+        if let Some(Back::Kept { id, .. }) = self.back.take() {
+            st.conn.stash.unkeep(id);
         }
         // The driver finishes what the cancel started (the server's last word, credits).
         drop(st);
