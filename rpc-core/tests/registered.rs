@@ -669,3 +669,44 @@ async fn dropped_small_buffer_calls_leak_nothing() {
     );
     assert!(s.handled.load(Ordering::SeqCst) <= done + dropped);
 }
+
+/// A call dropped before it was ever polled starts nothing: the server sees no request, the
+/// buffer goes back to the connection's free list (no registration grows), and later calls
+/// are answered as if it never was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_dropped_before_its_first_poll_sends_nothing_and_gives_its_buffer_back() {
+    let (s, _serial) = setup(config()).await;
+    let mut b = s.client.buffer(4096).expect("buffer");
+    b.bytes_mut().fill(3);
+    bounded(s.client.call_buf(SLOW_SUM, b)).await.expect("warm-up call");
+    // One buffer of each size class registered and in the free lists, before the count.
+    for len in [100, 4096, 3 * THRESHOLD] {
+        drop(s.client.buffer(len).expect("buffer"));
+    }
+    let before = (s.handled.load(Ordering::SeqCst), s.dev.registered_bytes());
+    for len in [100, 4096, 3 * THRESHOLD] {
+        for _ in 0..20 {
+            let mut b = s.client.buffer(len).expect("buffer");
+            b.bytes_mut().fill(9);
+            drop(s.client.call_buf_body(SLOW_SUM, b));
+            drop(s.client.call(SLOW_SUM, vec![9; len]));
+        }
+    }
+    let mut b = s.client.buffer(4096).expect("buffer");
+    fill(&mut b.bytes_mut(), 11);
+    let want = b.to_vec();
+    let (got, back) = bounded(s.client.call_buf(SLOW_SUM, b))
+        .await
+        .expect("a call after the drops");
+    expect_answer(&got, &want, in_slot(4096));
+    assert!(back.bytes()[..] == want[..]);
+    drop(back);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        s.handled.load(Ordering::SeqCst),
+        before.0 + 1,
+        "only the last call reached the server"
+    );
+    let settled = settle(&s, 4096, before.1).await;
+    assert!(settled <= before.1, "registered memory grew: {settled} > {}", before.1);
+}
