@@ -424,6 +424,8 @@ impl Conn {
             }
             return Ok(());
         }
+        // A message's own bytes (a `Vec` body) are freed after the post, off its path.
+        let mut sent = None;
         let wr = match t {
             Transmit::Send(bytes) => {
                 let Some(mut buf) = self.send_pool.take() else {
@@ -443,11 +445,13 @@ impl Conn {
                 } else {
                     self.unsignaled = 0;
                 }
-                if bytes.len() <= self.max_inline {
+                let wr = if bytes.len() <= self.max_inline {
                     wr.inline()
                 } else {
                     wr
-                }
+                };
+                sent = Some(bytes);
+                wr
             }
             Transmit::SendPlaced { head, buf, len } => {
                 let Some(mut mr) = self.stash.take_out(buf) else {
@@ -524,6 +528,7 @@ impl Conn {
             }
             self.lose(format!("posting: {}", e.error));
         }
+        drop(sent);
         Ok(())
     }
 }

@@ -395,6 +395,9 @@ impl Role for ServerRole {
                 if let std::task::Poll::Ready(r) = first {
                     let result = r.unwrap_or_else(|p| Err(RpcError::HandlerPanic(panic_message(p))));
                     answer(conn, call, result);
+                    // The response goes out now; the handler's future and the request are
+                    // dropped after it, off the round trip's path.
+                    conn.send_pending();
                     return;
                 }
                 let tx = self.tx.clone();
