@@ -6,7 +6,6 @@
 //! completion queue and wakes it. The driver also keeps the connection going when no call
 //! polls (cancels waiting for credits, deadlines) and closes it after the last handle.
 
-use foldhash::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -22,7 +21,7 @@ use tracing::Instrument;
 use crate::buf::Body;
 use crate::config::{CallOptions, CompletionMode, Config, Hello};
 use crate::driver::{self, Conn};
-use crate::proto::{Event, Payload, Reply, Route, Session, SessionConfig, FRAGMENT, LANDING_PREFIX};
+use crate::proto::{CallMap, Event, Payload, Reply, Route, Session, SessionConfig, FRAGMENT, LANDING_PREFIX};
 use crate::spans::{self, How};
 use crate::RpcError;
 
@@ -72,7 +71,7 @@ struct Shared {
 
 struct State {
     conn: Conn,
-    calls: HashMap<u32, Slot>,
+    calls: CallMap<u32, Slot>,
     /// Calls whose futures wait for the driver to wake them.
     sleeping: usize,
     /// The driver task waits on the CQ (it wakes sleeping calls without being kicked).
@@ -123,7 +122,7 @@ impl Client {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 conn,
-                calls: HashMap::default(),
+                calls: CallMap::default(),
                 settled: 0,
                 sleeping: 0,
                 driver_on_cq: false,
@@ -508,7 +507,7 @@ impl State {
                         .map(Body::Registered)
                         .ok_or_else(|| RpcError::Internal("the response's receive slot went missing".into())),
                 });
-                if let Some(slot) = self.calls.get_mut(&call) {
+                if let Some(slot) = self.calls.get_mut(call) {
                     self.settled += 1;
                     slot.result = Some(result);
                     if let Some(w) = slot.waker.take() {
@@ -648,7 +647,7 @@ impl Future for Call<'_> {
             for _ in 0..INNER_SPINS {
                 // Its own result only when some result came (here, or on another thread).
                 if seen != Some(st.settled) {
-                    if st.calls.get(&self.call).is_none_or(|s| s.result.is_some()) {
+                    if st.calls.get(self.call).is_none_or(|s| s.result.is_some()) {
                         ran_out = false;
                         break;
                     }
@@ -674,7 +673,7 @@ impl Future for Call<'_> {
                 spin = false;
             }
         }
-        let Some(slot) = st.calls.get_mut(&self.call) else {
+        let Some(slot) = st.calls.get_mut(self.call) else {
             // Only a finished call leaves the table, and only here.
             self.done = true;
             let e = RpcError::ConnectionLost("the call was lost".into());
@@ -684,7 +683,7 @@ impl Future for Call<'_> {
             return Poll::Ready(Err(e));
         };
         if let Some(result) = slot.result.take() {
-            st.calls.remove(&self.call);
+            st.calls.remove(self.call);
             if self.sleeping {
                 st.sleeping -= 1;
             }
@@ -751,7 +750,7 @@ impl Drop for Call<'_> {
         if self.sleeping {
             st.sleeping -= 1;
         }
-        if let Some(slot) = st.calls.remove(&self.call) {
+        if let Some(slot) = st.calls.remove(self.call) {
             if slot.result.is_none() {
                 st.conn.session.cancel(self.call);
                 st.conn.flush();

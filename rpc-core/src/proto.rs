@@ -16,11 +16,13 @@
 //! Buffers are named by [`BufId`]s the driver gives: the session never frees memory, it tells the
 //! driver when a buffer a peer could reach may be released ([`Transmit::Release`]).
 
+mod calls;
 mod credits;
 mod header;
 mod session;
 
 pub use crate::config::Hello;
+pub(crate) use calls::CallMap;
 pub use credits::Credits;
 pub use header::{
     decode_desc, encode_desc, Header, Kind, DESC_LEN, FLAG_FRAGMENT, FLAG_LANDING, FLAG_RENDEZVOUS, FRAG_PREFIX,

@@ -3,15 +3,12 @@
 
 use std::sync::Arc;
 
-use std::collections::hash_map::Entry as Slot;
-
-use foldhash::HashMap;
 use parking_lot::Mutex;
 
 use rdma_rpc_transport::{AccessFlags, MemoryRegion, ProtectionDomain, RemoteRegion};
 
 use crate::buf::RegisteredBuf;
-use crate::proto::{BufId, Route, LANDING_PREFIX};
+use crate::proto::{BufId, CallMap, Route, LANDING_PREFIX};
 use crate::{Isolation, RpcError};
 
 /// The buffers of one connection: free ones by size class (shared with the application's
@@ -20,8 +17,9 @@ use crate::{Isolation, RpcError};
 pub(crate) struct Stash {
     free: Arc<Mutex<Free>>,
     /// Every buffer the session knows by id, in one map: a call's buffer goes through several
-    /// of the states below per round trip, each a lookup of the same entry.
-    entries: HashMap<BufId, Entry>,
+    /// of the states below per round trip, each a lookup of the same entry. Ids go in
+    /// sequence: an array indexed by their low bits finds them (see [`CallMap`]).
+    entries: CallMap<BufId, Entry>,
     next: BufId,
     isolation: Isolation,
 }
@@ -94,7 +92,7 @@ impl Stash {
                 isolation,
                 pd: pd.clone(),
             })),
-            entries: HashMap::default(),
+            entries: CallMap::default(),
             next: 1,
             isolation,
         }
@@ -181,22 +179,20 @@ impl Stash {
     /// Whether the application's buffer `id` is out in a work request (neither held nor
     /// released yet): a Send from it whose completion has not come back.
     pub(crate) fn in_flight(&self, id: BufId) -> bool {
-        self.entries.get(&id).is_some_and(|e| e.keep && e.mr.is_none())
+        self.entries.get(id).is_some_and(|e| e.keep && e.mr.is_none())
     }
 
     /// The application's lent buffer `id` of `len` bytes back, once no peer reaches it any more
     /// (released, or about to be: its call finished). With [`Isolation::Transfer`] its bytes
     /// move to a fresh registration, so that the old rkey dies.
     pub(crate) fn reclaim(&mut self, id: BufId, len: usize) -> Option<RegisteredBuf> {
-        let Slot::Occupied(mut e) = self.entries.entry(id) else {
-            return None;
-        };
-        if e.get().mr.is_none() {
+        let e = self.entries.get_mut(id)?;
+        if e.mr.is_none() {
             // Still out in a work request: when it comes back it is the connection's.
-            e.get_mut().keep = false;
+            e.keep = false;
             return None;
         }
-        let mr = e.remove().mr?;
+        let mr = self.entries.remove(id)?.mr?;
         if self.isolation == Isolation::Transfer {
             let mut fresh = self.fresh(mr.len()).ok()?;
             fresh.bytes_mut().copy_from_slice(&mr.bytes());
@@ -208,25 +204,25 @@ impl Stash {
     /// The application gave up on its lent buffer `id` (the call was cancelled): it goes back
     /// to the free lists once released.
     pub(crate) fn unkeep(&mut self, id: BufId) {
-        let Slot::Occupied(mut e) = self.entries.entry(id) else {
+        let Some(e) = self.entries.get_mut(id) else {
             return;
         };
-        if !e.get().keep {
+        if !e.keep {
             return;
         }
-        if !e.get().released {
-            e.get_mut().keep = false;
-        } else if let Some(mr) = e.remove().mr {
+        if !e.released {
+            e.keep = false;
+        } else if let Some(mr) = self.entries.remove(id).and_then(|e| e.mr) {
             self.recycle(mr);
         }
     }
 
     /// Removes held buffer `id` and gives its registration.
     fn remove_held(&mut self, id: BufId) -> Option<MemoryRegion> {
-        match self.entries.entry(id) {
-            Slot::Occupied(e) if e.get().held() => e.remove().mr,
-            _ => None,
+        if !self.entries.get(id).is_some_and(Entry::held) {
+            return None;
         }
+        self.entries.remove(id).and_then(|e| e.mr)
     }
 
     /// Held buffer `id`, holding `len` bytes from its start, handed to the application.
@@ -239,7 +235,7 @@ impl Stash {
     pub(crate) fn take(&mut self, len: usize) -> Result<(BufId, &mut MemoryRegion), RpcError> {
         let mr = self.fresh(len)?;
         let id = self.hold(mr, false);
-        match self.entries.get_mut(&id).and_then(|e| e.mr.as_mut()) {
+        match self.entries.get_mut(id).and_then(|e| e.mr.as_mut()) {
             Some(mr) => Ok((id, mr)),
             None => Err(RpcError::Internal("a buffer just held went missing".into())),
         }
@@ -283,19 +279,19 @@ impl Stash {
 
     /// A held buffer, for reading its bytes.
     pub(crate) fn get(&self, id: BufId) -> Option<&MemoryRegion> {
-        self.entries.get(&id).filter(|e| e.held()).and_then(|e| e.mr.as_ref())
+        self.entries.get(id).filter(|e| e.held()).and_then(|e| e.mr.as_ref())
     }
 
     /// Takes a held buffer out (to post it); give it back with [`Stash::put_back`].
     pub(crate) fn take_out(&mut self, id: BufId) -> Option<MemoryRegion> {
         self.entries
-            .get_mut(&id)
+            .get_mut(id)
             .filter(|e| !e.released)
             .and_then(|e| e.mr.take())
     }
 
     pub(crate) fn put_back(&mut self, id: BufId, mr: MemoryRegion) {
-        match self.entries.get_mut(&id) {
+        match self.entries.get_mut(id) {
             Some(e) => e.mr = Some(mr),
             None => {
                 let entry = Entry {
@@ -312,15 +308,12 @@ impl Stash {
     /// application's, waiting for [`Stash::reclaim`]). A buffer out in a work request is
     /// released after it is put back.
     pub(crate) fn release(&mut self, id: BufId) {
-        let Slot::Occupied(mut e) = self.entries.entry(id) else {
+        let Some(e) = self.entries.get_mut(id).filter(|e| e.held()) else {
             return;
         };
-        if !e.get().held() {
-            return;
-        }
-        if e.get().keep {
-            e.get_mut().released = true;
-        } else if let Some(mr) = e.remove().mr {
+        if e.keep {
+            e.released = true;
+        } else if let Some(mr) = self.entries.remove(id).and_then(|e| e.mr) {
             self.recycle(mr);
         }
     }
@@ -413,7 +406,7 @@ mod tests {
         assert_eq!(free_count(&s), 0);
         let back = s.reclaim(id, 100).expect("the application's buffer");
         assert_eq!(back.len(), 100);
-        assert!(s.entries.is_empty());
+        assert!(s.entries.len() == 0);
         drop(back);
         assert_eq!(free_count(&s), 1, "a dropped buffer goes back to the free lists");
     }
@@ -428,7 +421,7 @@ mod tests {
         assert!(!s.in_flight(id), "no longer the application's to wait for");
         s.put_back(id, mr);
         s.release(id);
-        assert!(s.entries.is_empty());
+        assert!(s.entries.len() == 0);
         assert_eq!(free_count(&s), 1);
     }
 
@@ -441,7 +434,7 @@ mod tests {
         assert_eq!(free_count(&s), 0);
         s.unkeep(id);
         assert_eq!(free_count(&s), 1);
-        assert!(s.entries.is_empty() && s.reclaim(id, 10).is_none());
+        assert!(s.entries.len() == 0 && s.reclaim(id, 10).is_none());
         // Unkept before release: released straight to the free lists.
         let buf = s.user_buffer(10).expect("a buffer");
         let (_, id) = s.lend_user(buf, true).expect("lendable");
@@ -452,7 +445,7 @@ mod tests {
             1,
             "the same class's buffer was reused, then freed again"
         );
-        assert!(s.entries.is_empty());
+        assert!(s.entries.len() == 0);
     }
 
     #[test]
@@ -463,7 +456,7 @@ mod tests {
         let mr = s.take_out(id).expect("held");
         s.put_back(id, mr);
         s.release(id);
-        assert!(s.entries.is_empty() && s.get(id).is_none());
+        assert!(s.entries.len() == 0 && s.get(id).is_none());
         assert_eq!(free_count(&s), 1);
         let (id2, _) = s.take(6000).expect("the same class");
         assert_ne!(id, id2);

@@ -5,7 +5,9 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use foldhash::{HashMap, HashSet};
+use foldhash::HashSet;
+
+use super::calls::CallMap;
 use std::time::{Duration, Instant};
 
 use rdma_rpc_transport::RemoteRegion;
@@ -352,8 +354,8 @@ pub struct Session {
     cfg: SessionConfig,
     credits: Credits,
     next_call: u32,
-    calls: HashMap<u32, ClientCall>,
-    served: HashMap<u32, ServerCall>,
+    calls: CallMap<u32, ClientCall>,
+    served: CallMap<u32, ServerCall>,
     queue: VecDeque<Out>,
     actions: VecDeque<Transmit>,
     events: VecDeque<Event>,
@@ -383,8 +385,8 @@ impl Session {
             credits: Credits::new(cfg.ring.max(2)),
             cfg,
             next_call: 1,
-            calls: HashMap::default(),
-            served: HashMap::default(),
+            calls: CallMap::default(),
+            served: CallMap::default(),
             queue: VecDeque::new(),
             actions: VecDeque::new(),
             events: VecDeque::new(),
@@ -405,7 +407,7 @@ impl Session {
     /// The caller of `call` takes an eager response in the receive slot it arrives in
     /// ([`Reply::InSlot`]) when the driver offers the slot, instead of copied out.
     pub fn keep_in_slot(&mut self, call: u32) {
-        if let Some(c) = self.calls.get_mut(&call) {
+        if let Some(c) = self.calls.get_mut(call) {
             c.in_slot = true;
         }
     }
@@ -604,7 +606,7 @@ impl Session {
         loop {
             let id = self.next_call;
             self.next_call = self.next_call.wrapping_add(1).max(1);
-            if !self.calls.contains_key(&id) {
+            if !self.calls.contains_key(id) {
                 return id;
             }
         }
@@ -613,7 +615,7 @@ impl Session {
     /// The caller gave up on `call` (its future was dropped). The server is told; the call's
     /// buffers stay lent until the server's last word on it.
     pub fn cancel(&mut self, call: u32) {
-        if let Some(c) = self.calls.get_mut(&call) {
+        if let Some(c) = self.calls.get_mut(call) {
             if c.live {
                 c.live = false;
                 self.queue_small(Kind::Cancel, call, 0, Vec::new());
@@ -622,7 +624,7 @@ impl Session {
     }
 
     fn finish_call(&mut self, call: u32, result: Result<Reply, RpcError>) {
-        let Some(c) = self.calls.remove(&call) else { return };
+        let Some(c) = self.calls.remove(call) else { return };
         if let Some(b) = c.lent {
             self.actions.push_back(Transmit::Release(b));
         }
@@ -639,7 +641,7 @@ impl Session {
 
     fn handle_response(&mut self, h: &Header, body: Cow<'_, [u8]>) -> Result<(), ProtoError> {
         let call = h.call_id;
-        let Some(c) = self.calls.get(&call) else {
+        let Some(c) = self.calls.get(call) else {
             return Err(ProtoError::UnknownCall(call));
         };
         if h.flags & FLAG_RENDEZVOUS != 0 {
@@ -676,9 +678,9 @@ impl Session {
 
     fn handle_request(&mut self, h: &Header, body: Cow<'_, [u8]>, now: Instant) -> Result<(), ProtoError> {
         let call = h.call_id;
-        let std::collections::hash_map::Entry::Vacant(vacant) = self.served.entry(call) else {
+        if self.served.contains_key(call) {
             return Err(ProtoError::DuplicateCall(call));
-        };
+        }
         let (landing, skip) = if h.flags & FLAG_LANDING != 0 {
             (Some(decode_desc(&body)?.0), DESC_LEN)
         } else {
@@ -700,7 +702,7 @@ impl Session {
         if h.flags & FLAG_RENDEZVOUS != 0 {
             let (desc, _) = decode_desc(rest)?;
             if desc.len > self.cfg.max_payload {
-                vacant.insert(sc);
+                self.served.insert(call, sc);
                 self.reply_error(
                     call,
                     &RpcError::PayloadTooLarge {
@@ -711,14 +713,14 @@ impl Session {
                 return Ok(());
             }
             sc.state = Serving::Reading;
-            vacant.insert(sc);
+            self.served.insert(call, sc);
             self.actions.push_back(Transmit::Read {
                 token: Token::Request(call),
                 remote: desc,
             });
             return Ok(());
         }
-        vacant.insert(sc);
+        self.served.insert(call, sc);
         let payload = match body {
             Cow::Borrowed(b) if self.offer.is_some() && self.in_slot_methods.contains(&h.method) => {
                 RequestBody::InSlot {
@@ -746,7 +748,7 @@ impl Session {
     /// read otherwise. A response to a call that was cancelled or timed out is dropped (a lent
     /// buffer is released at once).
     pub fn respond(&mut self, call: u32, result: Result<Payload, RpcError>) {
-        let running = matches!(self.served.get(&call).map(|s| &s.state), Some(Serving::Running));
+        let running = matches!(self.served.get(call).map(|s| &s.state), Some(Serving::Running));
         if !running {
             if let Ok(Payload::Lent { buf, .. } | Payload::Placed { buf, .. }) = result {
                 self.actions.push_back(Transmit::Release(buf));
@@ -756,7 +758,7 @@ impl Session {
         match result {
             Ok(Payload::Placed { buf, len }) => match self.check_placed(len) {
                 Ok(()) => {
-                    self.served.remove(&call);
+                    self.served.remove(call);
                     let header = Header {
                         kind: Kind::Response,
                         flags: 0,
@@ -775,7 +777,7 @@ impl Session {
                 }
             },
             Ok(Payload::Eager(bytes)) if bytes.len() <= self.cfg.eager_max => {
-                self.served.remove(&call);
+                self.served.remove(call);
                 self.queue_small(Kind::Response, call, Status::Ok as u16, bytes);
             }
             Ok(Payload::Eager(bytes)) => {
@@ -796,8 +798,8 @@ impl Session {
                     );
                     return;
                 }
-                let landing = self.served.get(&call).and_then(|s| s.landing);
-                if let Some(sc) = self.served.get_mut(&call) {
+                let landing = self.served.get(call).and_then(|s| s.landing);
+                if let Some(sc) = self.served.get_mut(call) {
                     match landing.filter(|l| l.len >= desc.len + LANDING_PREFIX as u64) {
                         Some(remote) => {
                             sc.state = Serving::Writing(buf);
@@ -825,7 +827,7 @@ impl Session {
     }
 
     fn reply_error(&mut self, call: u32, e: &RpcError) {
-        self.served.remove(&call);
+        self.served.remove(call);
         let (status, msg) = e.to_wire();
         let mut body = msg.into_bytes();
         body.truncate(self.cfg.eager_max.max(64));
@@ -833,13 +835,13 @@ impl Session {
     }
 
     fn handle_cancel(&mut self, call: u32) {
-        match self.served.get_mut(&call).map(|s| &mut s.state) {
+        match self.served.get_mut(call).map(|s| &mut s.state) {
             Some(Serving::Running) => {
                 self.events.push_back(Event::Abort { call });
                 self.reply_error(call, &RpcError::Cancelled);
             }
             Some(Serving::Reading) => {
-                if let Some(s) = self.served.get_mut(&call) {
+                if let Some(s) = self.served.get_mut(call) {
                     s.cancelled = true;
                 }
             }
@@ -850,10 +852,10 @@ impl Session {
     }
 
     fn handle_read_done_msg(&mut self, call: u32) -> Result<(), ProtoError> {
-        match self.served.get(&call).map(|s| &s.state) {
+        match self.served.get(call).map(|s| &s.state) {
             Some(Serving::Lent(buf)) => {
                 let buf = *buf;
-                self.served.remove(&call);
+                self.served.remove(call);
                 self.actions.push_back(Transmit::Release(buf));
                 Ok(())
             }
@@ -989,7 +991,7 @@ impl Session {
     /// [`ProtoError::UnknownCall`] when no call of ours advertised a landing buffer under `imm`.
     pub fn handle_write_imm(&mut self, imm: u32, len: usize) -> Result<(), ProtoError> {
         let _ = len; // the length travels in the landing buffer's prefix
-        match self.calls.get(&imm) {
+        match self.calls.get(imm) {
             Some(c) if c.landing.is_some() => {
                 let buf = c.landing.unwrap_or_default();
                 self.finish_call(imm, Ok(Reply::Landed { buf }));
@@ -1003,7 +1005,7 @@ impl Session {
     pub fn handle_read_done(&mut self, token: Token, result: Result<Vec<u8>, RpcError>, now: Instant) {
         match token {
             Token::Response(call) => {
-                if !self.calls.contains_key(&call) {
+                if !self.calls.contains_key(call) {
                     return;
                 }
                 self.queue_small(Kind::ReadDone, call, 0, Vec::new());
@@ -1019,7 +1021,7 @@ impl Session {
     /// the buffer comes back as a [`Transmit::Release`].
     pub fn handle_request_read(&mut self, call: u32, result: Result<(BufId, usize), RpcError>, now: Instant) {
         let buf = result.as_ref().ok().map(|&(b, _)| b);
-        let runs = self.served.get(&call).is_some_and(|s| !s.cancelled);
+        let runs = self.served.get(call).is_some_and(|s| !s.cancelled);
         if !runs || result.is_err() {
             if let Some(b) = buf {
                 self.actions.push_back(Transmit::Release(b));
@@ -1029,7 +1031,7 @@ impl Session {
     }
 
     fn request_fetched(&mut self, call: u32, result: Result<RequestBody, RpcError>, now: Instant) {
-        let Some(sc) = self.served.get_mut(&call) else { return };
+        let Some(sc) = self.served.get_mut(call) else { return };
         let (cancelled, method) = (sc.cancelled, sc.method);
         sc.state = Serving::Running;
         match result {
@@ -1038,7 +1040,7 @@ impl Session {
             Ok(payload) => {
                 let budget = self
                     .served
-                    .get(&call)
+                    .get(call)
                     .and_then(|s| s.deadline)
                     .map(|d| d.saturating_duration_since(now));
                 self.events.push_back(Event::Request {
@@ -1057,9 +1059,9 @@ impl Session {
             .served
             .iter()
             .find(|(_, s)| matches!(s.state, Serving::Writing(b) if b == buf))
-            .map(|(c, _)| *c);
+            .map(|(c, _)| c);
         if let Some(call) = call {
-            self.served.remove(&call);
+            self.served.remove(call);
         }
         self.actions.push_back(Transmit::Release(buf));
     }
@@ -1070,10 +1072,10 @@ impl Session {
             .calls
             .iter()
             .filter(|(_, c)| c.live && c.deadline.is_some_and(|d| d <= now))
-            .map(|(id, _)| *id)
+            .map(|(id, _)| id)
             .collect();
         for call in expired {
-            if let Some(c) = self.calls.get_mut(&call) {
+            if let Some(c) = self.calls.get_mut(call) {
                 c.live = false;
             }
             self.events.push_back(Event::CallDone {
@@ -1086,7 +1088,7 @@ impl Session {
             .served
             .iter()
             .filter(|(_, s)| matches!(s.state, Serving::Running) && s.deadline.is_some_and(|d| d <= now))
-            .map(|(id, _)| *id)
+            .map(|(id, _)| id)
             .collect();
         for call in late {
             self.events.push_back(Event::Abort { call });
@@ -1108,7 +1110,7 @@ impl Session {
             }
         }
         self.joining = None;
-        let calls: Vec<u32> = self.calls.keys().copied().collect();
+        let calls: Vec<u32> = self.calls.iter().map(|(id, _)| id).collect();
         for call in calls {
             self.finish_call(call, Err(RpcError::ConnectionLost(why.to_owned())));
         }
