@@ -16,7 +16,6 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use rdma_rpc_transport::{Device, QpCaps, QpOptions};
 use tokio::sync::Notify;
-use tracing::Instrument;
 
 use crate::buf::Body;
 use crate::config::{CallOptions, CompletionMode, Config, Hello};
@@ -148,16 +147,23 @@ impl Client {
     /// # Cancel safety
     /// Dropping the future cancels the call: the server is told and aborts the handler. Buffers
     /// the server may still read stay registered and untouched until it is done with them.
-    pub async fn call(&self, method: u32, payload: Vec<u8>) -> Result<Vec<u8>, RpcError> {
-        self.call_with(method, payload, CallOptions::default()).await
+    pub fn call(&self, method: u32, payload: Vec<u8>) -> impl Future<Output = Result<Vec<u8>, RpcError>> + Send + '_ {
+        self.call_with(method, payload, CallOptions::default())
     }
 
     /// As [`Client::call`], with a deadline and a response-size hint.
     ///
     /// # Errors
     /// As [`Client::call`].
-    pub async fn call_with(&self, method: u32, payload: Vec<u8>, opts: CallOptions) -> Result<Vec<u8>, RpcError> {
-        self.call_vec(method, payload, opts, false).await.map(Body::into_vec)
+    pub fn call_with(
+        &self,
+        method: u32,
+        payload: Vec<u8>,
+        opts: CallOptions,
+    ) -> impl Future<Output = Result<Vec<u8>, RpcError>> + Send + '_ {
+        self.begin(method, Outgoing::Vec(payload), opts, false, |body, _| {
+            Ok(body.into_vec())
+        })
     }
 
     /// As [`Client::call`], with the response as a [`Body`], without the copy into a `Vec`: an
@@ -192,36 +198,41 @@ impl Client {
     /// drop(body); // the receive slot goes back to the ring
     /// # Ok(()) }
     /// ```
-    pub async fn call_body(&self, method: u32, payload: Vec<u8>) -> Result<Body, RpcError> {
-        self.call_body_with(method, payload, CallOptions::default()).await
+    pub fn call_body(&self, method: u32, payload: Vec<u8>) -> impl Future<Output = Result<Body, RpcError>> + Send + '_ {
+        self.call_body_with(method, payload, CallOptions::default())
     }
 
     /// As [`Client::call_body`], with a deadline and a response-size hint.
     ///
     /// # Errors
     /// As [`Client::call`].
-    pub async fn call_body_with(&self, method: u32, payload: Vec<u8>, opts: CallOptions) -> Result<Body, RpcError> {
-        self.call_vec(method, payload, opts, true).await
-    }
-
-    /// Starts a call with a `Vec` request and waits for its result; with `in_slot` an eager
-    /// response may stay in its receive slot.
-    async fn call_vec(
+    pub fn call_body_with(
         &self,
         method: u32,
         payload: Vec<u8>,
         opts: CallOptions,
+    ) -> impl Future<Output = Result<Body, RpcError>> + Send + '_ {
+        self.begin(method, Outgoing::Vec(payload), opts, true, |body, _| Ok(body))
+    }
+
+    /// A call of `method` with `payload`, started on its first poll; `finish` turns the
+    /// response and the caller's buffer into what the public method gives. With `in_slot` an
+    /// eager response may stay in its receive slot.
+    fn begin<T>(
+        &self,
+        method: u32,
+        payload: Outgoing,
+        opts: CallOptions,
         in_slot: bool,
-    ) -> Result<Body, RpcError> {
-        let span = crate::spans::call(method, payload.len());
+        finish: Finish<T>,
+    ) -> Call<'_, T> {
         let start = Start {
             method,
-            payload: Outgoing::Vec(payload),
+            payload,
             opts,
             in_slot,
         };
-        let (body, _) = Call::new(&self.handle.shared, start).instrument(span).await?;
-        Ok(body)
+        Call::new(&self.handle.shared, start, finish)
     }
 
     /// A buffer of `len` bytes registered with this connection, to fill in place and send with
@@ -275,26 +286,27 @@ impl Client {
     /// # Cancel safety
     /// As [`Client::call`]: dropping the future cancels the call, and the buffer goes back to
     /// the connection once the server is done with it.
-    pub async fn call_buf(
+    pub fn call_buf(
         &self,
         method: u32,
         buf: crate::RegisteredBuf,
-    ) -> Result<(Vec<u8>, crate::RegisteredBuf), RpcError> {
-        self.call_buf_with(method, buf, CallOptions::default()).await
+    ) -> impl Future<Output = Result<(Vec<u8>, crate::RegisteredBuf), RpcError>> + Send + '_ {
+        self.call_buf_with(method, buf, CallOptions::default())
     }
 
     /// As [`Client::call_buf`], with a deadline and a response-size hint.
     ///
     /// # Errors
     /// As [`Client::call_buf`].
-    pub async fn call_buf_with(
+    pub fn call_buf_with(
         &self,
         method: u32,
         buf: crate::RegisteredBuf,
         opts: CallOptions,
-    ) -> Result<(Vec<u8>, crate::RegisteredBuf), RpcError> {
-        let (body, buf) = self.call_registered(method, buf, opts, false).await?;
-        Ok((body.into_vec(), buf))
+    ) -> impl Future<Output = Result<(Vec<u8>, crate::RegisteredBuf), RpcError>> + Send + '_ {
+        self.begin(method, Outgoing::Buf(buf), opts, false, |body, buf| {
+            with_buffer(body, buf).map(|(body, buf)| (body.into_vec(), buf))
+        })
     }
 
     /// As [`Client::call_buf`], with the response as a [`Body`] as [`Client::call_body`] gives
@@ -336,54 +348,47 @@ impl Client {
     /// }
     /// # Ok(()) }
     /// ```
-    pub async fn call_buf_body(
+    pub fn call_buf_body(
         &self,
         method: u32,
         buf: crate::RegisteredBuf,
-    ) -> Result<(Body, crate::RegisteredBuf), RpcError> {
-        self.call_buf_body_with(method, buf, CallOptions::default()).await
+    ) -> impl Future<Output = Result<(Body, crate::RegisteredBuf), RpcError>> + Send + '_ {
+        self.call_buf_body_with(method, buf, CallOptions::default())
     }
 
     /// As [`Client::call_buf_body`], with a deadline and a response-size hint.
     ///
     /// # Errors
     /// As [`Client::call_buf`].
-    pub async fn call_buf_body_with(
+    pub fn call_buf_body_with(
         &self,
         method: u32,
         buf: crate::RegisteredBuf,
         opts: CallOptions,
-    ) -> Result<(Body, crate::RegisteredBuf), RpcError> {
-        self.call_registered(method, buf, opts, true).await
+    ) -> impl Future<Output = Result<(Body, crate::RegisteredBuf), RpcError>> + Send + '_ {
+        self.begin(method, Outgoing::Buf(buf), opts, true, with_buffer)
     }
+}
 
-    /// Starts a call with a registered request buffer and waits for its result and the buffer;
-    /// with `in_slot` an eager response may stay in its receive slot.
-    async fn call_registered(
-        &self,
-        method: u32,
-        buf: crate::RegisteredBuf,
-        opts: CallOptions,
-        in_slot: bool,
-    ) -> Result<(Body, crate::RegisteredBuf), RpcError> {
-        let span = crate::spans::call(method, buf.len());
-        let start = Start {
-            method,
-            payload: Outgoing::Buf(buf),
-            opts,
-            in_slot,
-        };
-        match Call::new(&self.handle.shared, start).instrument(span).await? {
-            (body, Some(buf)) => Ok((body, buf)),
-            (_, None) => Err(RpcError::Internal("the call's buffer went missing".into())),
-        }
-    }
+/// The response and the caller's buffer, which a call from a registered buffer always has.
+fn with_buffer(body: Body, buf: Option<crate::RegisteredBuf>) -> Result<(Body, crate::RegisteredBuf), RpcError> {
+    buf.map(|buf| (body, buf))
+        .ok_or_else(|| RpcError::Internal("the call's buffer went missing".into()))
 }
 
 /// A request's bytes as the caller hands them over.
 enum Outgoing {
     Vec(Vec<u8>),
     Buf(crate::RegisteredBuf),
+}
+
+impl Outgoing {
+    fn len(&self) -> usize {
+        match self {
+            Outgoing::Vec(v) => v.len(),
+            Outgoing::Buf(b) => b.len(),
+        }
+    }
 }
 
 /// What a call gives back to its caller besides the response.
@@ -563,10 +568,14 @@ struct Start {
 /// before the result. Starting, waiting and giving the caller's buffer back happen under one
 /// lock when the result comes within the first poll's spin, as it nearly always does on a
 /// fast provider (each lock taken and released is two atomic read-modify-writes).
-struct Call<'a> {
+struct Call<'a, T> {
     shared: &'a Shared,
     /// Until the first poll.
     start: Option<Start>,
+    /// The call's `rpc.call` span (made at the first poll; entered at each), or none without
+    /// a subscriber.
+    span: tracing::Span,
+    finish: Finish<T>,
     call: u32,
     /// What to give back to the caller besides the response; `None` once given.
     back: Option<Back>,
@@ -576,11 +585,17 @@ struct Call<'a> {
     done: bool,
 }
 
-impl<'a> Call<'a> {
-    fn new(shared: &'a Shared, start: Start) -> Self {
+/// Turns a finished call's response and the caller's buffer back into what the public method
+/// gives.
+type Finish<T> = fn(Body, Option<crate::RegisteredBuf>) -> Result<T, RpcError>;
+
+impl<'a, T> Call<'a, T> {
+    fn new(shared: &'a Shared, start: Start, finish: Finish<T>) -> Self {
         Self {
             shared,
             start: Some(start),
+            span: tracing::Span::none(),
+            finish,
             call: 0,
             back: None,
             budget: driver::Budget::default(),
@@ -612,10 +627,25 @@ fn give_back(
     }
 }
 
-impl Future for Call<'_> {
-    type Output = Result<(Body, Option<crate::RegisteredBuf>), RpcError>;
+impl<T> Future for Call<'_, T> {
+    type Output = Result<T, RpcError>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        if let Some(start) = &this.start {
+            this.span = spans::call(start.method, start.payload.len());
+        }
+        // A span without a subscriber is nothing: its clone and enter cost a branch each.
+        let span = this.span.clone();
+        let _entered = span.enter();
+        this.poll_call(cx)
+            .map(|r| r.and_then(|(body, buf)| (this.finish)(body, buf)))
+    }
+}
+
+impl<T> Call<'_, T> {
+    /// The call's progress, under the connection's lock: starts it on the first poll.
+    fn poll_call(&mut self, cx: &mut Context<'_>) -> Poll<Result<(Body, Option<crate::RegisteredBuf>), RpcError>> {
         let shared = self.shared;
         let mut st = shared.state.lock();
         if let Some(start) = self.start.take() {
@@ -740,7 +770,7 @@ impl Future for Call<'_> {
     }
 }
 
-impl Drop for Call<'_> {
+impl<T> Drop for Call<'_, T> {
     fn drop(&mut self) {
         // Never polled (nothing started), or finished.
         if self.done || self.start.is_some() {
