@@ -100,21 +100,14 @@ impl<K: Key, V> CallMap<K, V> {
     /// Adds `v` as call `id`; gives back the value it replaces.
     #[inline]
     pub(crate) fn insert(&mut self, id: K, v: V) -> Option<V> {
+        if let Some(old) = self.get_mut(id) {
+            return Some(std::mem::replace(old, v));
+        }
         if self.direct >= self.slots.len() / 2 && self.slots.len() < MAX_DIRECT {
             self.grow();
         }
-        let i = self.index(id);
-        match &mut self.slots[i] {
-            Some((k, old)) if *k == id => Some(std::mem::replace(old, v)),
-            // Not in the array: perhaps in the overflow map (its index was taken when it came).
-            _ if !self.overflow.is_empty() && self.overflow.contains_key(&id) => self.overflow.insert(id, v),
-            slot @ None => {
-                *slot = Some((id, v));
-                self.direct += 1;
-                None
-            }
-            Some(_) => self.overflow.insert(id, v),
-        }
+        self.place(id, v);
+        None
     }
 
     /// Puts an entry not in the table where it belongs (the array, else the overflow map).
