@@ -605,6 +605,14 @@ impl<'a, T> Call<'a, T> {
     }
 }
 
+/// A call that ends without its response (an error, a cancel): the caller's lent buffer goes
+/// back to the connection, not to the caller, once the server is done with it.
+fn unkeep(st: &mut State, back: Option<Back>) {
+    if let Some(Back::Kept { id, .. }) = back {
+        st.conn.stash.unkeep(id);
+    }
+}
+
 /// The caller's buffer back with the response (after the Send it went out in is done).
 fn give_back(
     st: &mut parking_lot::MutexGuard<'_, State>,
@@ -706,11 +714,8 @@ impl<T> Call<'_, T> {
         let Some(slot) = st.calls.get_mut(self.call) else {
             // Only a finished call leaves the table, and only here.
             self.done = true;
-            let e = RpcError::ConnectionLost("the call was lost".into());
-            if let Some(Back::Kept { id, .. }) = self.back.take() {
-                st.conn.stash.unkeep(id);
-            }
-            return Poll::Ready(Err(e));
+            unkeep(&mut st, self.back.take());
+            return Poll::Ready(Err(RpcError::ConnectionLost("the call was lost".into())));
         };
         if let Some(result) = slot.result.take() {
             st.calls.remove(self.call);
@@ -722,9 +727,7 @@ impl<T> Call<'_, T> {
             let out = match result {
                 Ok(body) => give_back(&mut st, body, back),
                 Err(e) => {
-                    if let Back::Kept { id, .. } = back {
-                        st.conn.stash.unkeep(id);
-                    }
+                    unkeep(&mut st, Some(back));
                     Err(e)
                 }
             };
@@ -786,11 +789,7 @@ impl<T> Drop for Call<'_, T> {
                 st.conn.flush();
             }
         }
-        // A cancelled call's lent buffer goes back to the connection, not to the caller, once
-        // the server is done with it.
-        if let Some(Back::Kept { id, .. }) = self.back.take() {
-            st.conn.stash.unkeep(id);
-        }
+        unkeep(&mut st, self.back.take());
         // The driver finishes what the cancel started (the server's last word, credits).
         drop(st);
         self.shared.kick.notify_one();
