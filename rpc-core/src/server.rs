@@ -237,6 +237,7 @@ async fn serve_connection(
         buffers: conn.stash.buffers(),
         handlers,
         running: HashMap::default(),
+        aborted: Vec::new(),
         tx,
         rx,
     };
@@ -253,6 +254,9 @@ struct ServerRole {
     /// The connection's registered buffers, for handlers that answer from one.
     buffers: Buffers,
     running: HashMap<u32, AbortHandle>,
+    /// Handler tasks aborted before they finished: one may still have sent its result (a
+    /// registered buffer, maybe), which must be taken out of the channel and dropped.
+    aborted: Vec<AbortHandle>,
     tx: mpsc::UnboundedSender<Done>,
     rx: mpsc::UnboundedReceiver<Done>,
 }
@@ -337,11 +341,12 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
 
 impl Role for ServerRole {
     fn drain_inputs(&mut self, conn: &mut Conn) -> bool {
-        // Only a handler running in a task of its own sends here; with none running, whatever
-        // an aborted one left is for `respond` to drop anyway, later.
-        if self.running.is_empty() {
+        // Only a handler task sends here: with none running or aborted, nothing can be waiting.
+        if self.running.is_empty() && self.aborted.is_empty() {
             return false;
         }
+        // A finished task sent whatever it sent before it finished: the drain below sees it.
+        self.aborted.retain(|h| !h.is_finished());
         let mut any = false;
         while let Ok((call, result)) = self.rx.try_recv() {
             self.respond(conn, call, result);
@@ -416,6 +421,7 @@ impl Role for ServerRole {
             Event::Abort { call } => {
                 if let Some(h) = self.running.remove(&call) {
                     h.abort();
+                    self.aborted.push(h);
                 }
             }
             Event::CallDone { .. } => {}
@@ -441,5 +447,6 @@ impl Role for ServerRole {
         for (_, h) in self.running.drain() {
             h.abort();
         }
+        self.aborted.clear();
     }
 }
