@@ -74,9 +74,11 @@ pub fn spin_budget() -> Duration {
 }
 
 /// Next completion: polling for `budget`, then a wait on the completion channel (at once when
-/// `budget` is zero, as the RPC driver's event mode waits).
-async fn next(cq: &CompletionQueue, budget: Duration) -> Completion {
-    let mut out = Vec::with_capacity(1);
+/// `budget` is zero, as the RPC driver's event mode waits). `out` is the caller's scratch
+/// vector, kept from call to call: perftest allocates nothing per poll, and neither may the
+/// baseline (a vector per call cost the raw ping-pong about 500 instructions per round trip).
+async fn next(cq: &CompletionQueue, budget: Duration, out: &mut Vec<Completion>) -> Completion {
+    out.clear();
     // The clock is read only after a first round of polls finds nothing: a completion that
     // comes within it costs no clock read (one can be a syscall, e.g. in the soft-RoCE VM).
     let mut started: Option<Instant> = None;
@@ -84,7 +86,7 @@ async fn next(cq: &CompletionQueue, budget: Duration) -> Completion {
         // Polls back to back, as perftest does, reading the clock and giving way to the
         // runtime only between rounds.
         for _ in 0..INNER_POLLS {
-            if cq.poll(&mut out, 1).expect("poll") > 0 {
+            if cq.poll(out, 1).expect("poll") > 0 {
                 return out.pop().expect("one");
             }
             std::hint::spin_loop();
@@ -92,7 +94,7 @@ async fn next(cq: &CompletionQueue, budget: Duration) -> Completion {
         started.get_or_insert_with(Instant::now);
         give_way().await;
     }
-    cq.wait(&mut out, 1).await.expect("wait");
+    cq.wait(out, 1).await.expect("wait");
     out.pop().expect("one")
 }
 
@@ -184,8 +186,9 @@ pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, how: Pin
         // Send completions may come back after the next request: keep a few send buffers.
         let pool = BufferPool::new(&srv.pd, len, ring as usize, AccessFlags::NONE).expect("pool");
         let mut owed = 0usize;
+        let mut out = Vec::with_capacity(1);
         loop {
-            let c = next(&srv.cq, spin).await;
+            let c = next(&srv.cq, spin, &mut out).await;
             if !c.status.is_success() {
                 return;
             }
@@ -207,6 +210,7 @@ pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, how: Pin
         }
     });
     let mut buf = Some(client.pd.register(len, AccessFlags::NONE).expect("reg"));
+    let mut out = Vec::with_capacity(1);
     let samples = sampler::run(plan, async || {
         let t = Instant::now();
         let wr = inline(
@@ -217,7 +221,7 @@ pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, how: Pin
         client.qp.post_send(wr).map_err(|e| e.error).expect("send");
         let mut got = false;
         while buf.is_none() || !got {
-            let c = ok(next(&client.cq, spin).await);
+            let c = ok(next(&client.cq, spin, &mut out).await);
             match c.opcode {
                 WcOpcode::Recv => {
                     got = true;
@@ -245,12 +249,13 @@ pub async fn read(client: Side, server: Side, size: usize, plan: Plan) -> Sample
         .expect("reg");
     let remote = target.remote().at(0);
     let mut local = Some(client.pd.register(len, AccessFlags::LOCAL_WRITE).expect("reg"));
+    let mut out = Vec::with_capacity(1);
     let r = sampler::run(plan, async || {
         let wr = SendWr::new(0, SendOp::Read { remote })
             .buf(local.take().expect("buffer"))
             .len(size);
         client.qp.post_send(wr).map_err(|e| e.error).expect("read");
-        local = ok(next(&client.cq, spin_budget()).await).buf;
+        local = ok(next(&client.cq, spin_budget(), &mut out).await).buf;
         None
     })
     .await;
@@ -266,10 +271,11 @@ pub async fn atomic(client: Side, server: Side, plan: Plan) -> Samples {
         .expect("reg");
     let remote = word.remote().at(0);
     let mut local = Some(client.pd.register(8, AccessFlags::LOCAL_WRITE).expect("reg"));
+    let mut out = Vec::with_capacity(1);
     let r = sampler::run(plan, async || {
         let wr = SendWr::new(0, SendOp::FetchAdd { remote, add: 1 }).buf(local.take().expect("buffer"));
         client.qp.post_send(wr).map_err(|e| e.error).expect("faa");
-        local = ok(next(&client.cq, spin_budget()).await).buf;
+        local = ok(next(&client.cq, spin_budget(), &mut out).await).buf;
         None
     })
     .await;
@@ -307,6 +313,7 @@ pub async fn write(rt: &Handle, client: Side, server: Side, size: usize, plan: P
         let (s, mine) = (&srv.0, &srv.1);
         let mut src = Some(s.pd.register(len, AccessFlags::NONE).expect("reg"));
         let mut expect: u8 = 1;
+        let mut out = Vec::with_capacity(1);
         while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
             if !landed(mine, len, expect) {
                 give_way().await;
@@ -328,12 +335,13 @@ pub async fn write(rt: &Handle, client: Side, server: Side, size: usize, plan: P
                 .len(len),
             );
             s.qp.post_send(wr).map_err(|e| e.error).expect("write");
-            src = ok(next(&s.cq, spin_budget()).await).buf;
+            src = ok(next(&s.cq, spin_budget(), &mut out).await).buf;
             expect = expect.wrapping_add(1).max(1);
         }
     });
     let mut src = Some(client.pd.register(len, AccessFlags::NONE).expect("reg"));
     let mut tag = 1u8;
+    let mut out = Vec::with_capacity(1);
     let r = sampler::run(plan, async || {
         let t = Instant::now();
         let mut b = src.take().expect("src");
@@ -352,7 +360,7 @@ pub async fn write(rt: &Handle, client: Side, server: Side, size: usize, plan: P
             .post_send(inline(size, &client.qp, wr))
             .map_err(|e| e.error)
             .expect("write");
-        src = ok(next(&client.cq, spin_budget()).await).buf;
+        src = ok(next(&client.cq, spin_budget(), &mut out).await).buf;
         while !landed(&cdst, len, tag) {
             give_way().await;
         }
