@@ -44,9 +44,17 @@ fn find<'a>(rows: &'a [Row], mode: &str, bytes: usize) -> Option<&'a Row> {
     rows.iter().find(|r| r.mode == mode && r.bytes == bytes)
 }
 
-/// The smallest size from which rendezvous beats eager at every larger size measured, and the
-/// threshold that follows (the largest size where eager still wins).
-pub fn crossover(rows: &[Row]) -> Option<(Option<usize>, usize)> {
+/// The measured crossover: the smallest size from which rendezvous beats eager at every larger
+/// size measured, the threshold that follows (the largest size where eager still wins), and the
+/// sizes below that crossover where rendezvous won all the same (a band one threshold cannot
+/// give to rendezvous without giving it the sizes above, where eager won).
+pub struct Crossover {
+    pub from: Option<usize>,
+    pub threshold: usize,
+    pub band: Vec<usize>,
+}
+
+pub fn crossover(rows: &[Row]) -> Option<Crossover> {
     let mut sizes: Vec<usize> = rows.iter().filter(|r| r.mode == "rpc-eager").map(|r| r.bytes).collect();
     sizes.sort_unstable();
     sizes.dedup();
@@ -69,21 +77,43 @@ pub fn crossover(rows: &[Row]) -> Option<(Option<usize>, usize)> {
         Some(i) => pairs[i - 1].0,
         None => pairs[pairs.len() - 1].0,
     };
-    Some((cross.map(|i| pairs[i].0), threshold))
+    let below = cross.unwrap_or(pairs.len());
+    let band = pairs[..below]
+        .iter()
+        .filter(|&&(_, e, r)| r < e)
+        .map(|&(b, _, _)| b)
+        .collect();
+    Some(Crossover {
+        from: cross.map(|i| pairs[i].0),
+        threshold,
+        band,
+    })
 }
 
 /// The summary of ratios; `raw_ring` is the receive ring of the raw ping-pongs and of `rpc-body`.
 pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
     println!();
     println!("=== summary (ratios of medians measured in this run; provider {provider})");
-    if let Some((cross, threshold)) = crossover(rows) {
-        match cross {
-            Some(c) => {
+    if let Some(Crossover { from, threshold, band }) = crossover(rows) {
+        match (from, band.is_empty()) {
+            (Some(c), _) => {
                 println!("rendezvous beats eager from {c} bytes on; recommended eager_threshold: {threshold} bytes")
             }
-            None => {
+            (None, true) => {
                 println!("eager won at every size measured; recommended eager_threshold: {threshold} bytes or more")
             }
+            (None, false) => {
+                println!(
+                    "eager won at the largest size measured; recommended eager_threshold: {threshold} bytes or more"
+                )
+            }
+        }
+        if !band.is_empty() {
+            let sizes: Vec<String> = band.iter().map(ToString::to_string).collect();
+            println!(
+                "  rendezvous was faster below that at {} B, where one threshold cannot switch to it without the larger sizes that eager won",
+                sizes.join(", ")
+            );
         }
     }
     if let (Some(rpc), Some(tcp)) = (find(rows, "rpc", 64), find(rows, "tcp", 64)) {
