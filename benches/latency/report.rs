@@ -54,6 +54,7 @@ pub struct Crossover {
     pub band: Vec<usize>,
 }
 
+/// The crossover of the `rpc-eager` and `rpc-rendezvous` rows, if both were measured.
 pub fn crossover(rows: &[Row]) -> Option<Crossover> {
     let mut sizes: Vec<usize> = rows.iter().filter(|r| r.mode == "rpc-eager").map(|r| r.bytes).collect();
     sizes.sort_unstable();
