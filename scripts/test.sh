@@ -105,6 +105,29 @@ if [[ -n $bench_bin && -s $LOG/smoke-shm.json ]]; then
         echo "--rows did not compare with the median of the perftest passes:"; cat "$LOG/rows.txt"; fail=1
     fi
 fi
+# The crossover from --rows of made-up eager and rendezvous medians (us): rendezvous wins only at
+# 2000 B, so no threshold takes it; then rendezvous from 2000 B on.
+if [[ -n $bench_bin ]]; then
+    row() { printf '{"mode":"%s","convention":"Rtt","bytes":%s,"iterations":10,"t_min":1,"t_max":9,"t_typical":%s,"t_avg":1,"t_stdev":0,"p99":1,"p999":1,"mb_per_s":1,"cpu_us_per_op":1,"round_p50":[]}' "$@"; }
+    cross() { # eager and rendezvous medians at 1000, 2000, 4000, 8000 B
+        local e=($1) r=($2) out='' i=0
+        for b in 1000 2000 4000 8000; do
+            out+="$(row rpc-eager $b "${e[i]}"),$(row rpc-rendezvous $b "${r[i]}"),"; i=$((i + 1))
+        done
+        printf '[%s]' "${out%,}" > "$LOG/cross.json"
+        "$bench_bin" --rows "$LOG/cross.json" 2>&1
+    }
+    band=$(cross "10 20 30 40" "11 19 31 41")
+    from=$(cross "10 20 30 40" "11 19 29 39")
+    if grep -q '^eager won at the largest size measured; recommended eager_threshold: 8000 bytes or more' <<< "$band" &&
+        grep -q '^  rendezvous was faster below that at 2000 B,' <<< "$band" &&
+        grep -q '^rendezvous beats eager from 2000 bytes on; recommended eager_threshold: 1000 bytes' <<< "$from" &&
+        ! grep -q 'faster below' <<< "$from"; then
+        echo "--rows: the crossover and the band below it, from made-up rows"
+    else
+        echo "the crossover lines are wrong:"; echo "$band"; echo "$from"; fail=1
+    fi
+fi
 
 step "benchmark lane: a short sweep on verbs (rxe0) beside perftest, same boot (a report, not a test)"
 if [[ -z $bench_bin ]]; then

@@ -119,9 +119,9 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     perftest: Vec<String>,
     /// Measure nothing: read the rows of an earlier run (its `--json` file) and print only the
-    /// comparison with `--perftest`, so that perftest can run both before and after that sweep
-    /// (as `scripts/vm-bench.sh` does).
-    #[arg(long, requires = "perftest")]
+    /// eager/rendezvous crossover they give and the comparison with `--perftest`, so that
+    /// perftest can run both before and after that sweep (as `scripts/vm-bench.sh` does).
+    #[arg(long)]
     rows: Option<String>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
@@ -134,7 +134,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("reading the rows in {path}: {e}"))?;
         let rows: Vec<Row> =
             serde_json::from_str(&text).map_err(|e| format!("{path} is not the JSON of a --json run: {e}"))?;
-        perftest::compare(&rows, &perftest_files(&args.perftest));
+        report::print_crossover(&rows);
+        if !args.perftest.is_empty() {
+            perftest::compare(&rows, &perftest_files(&args.perftest));
+        }
         return Ok(());
     }
     let from_env = std::env::var(rdma_rpc::transport::PROVIDER_ENV)

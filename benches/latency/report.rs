@@ -91,10 +91,8 @@ pub fn crossover(rows: &[Row]) -> Option<Crossover> {
     })
 }
 
-/// The summary of ratios; `raw_ring` is the receive ring of the raw ping-pongs and of `rpc-body`.
-pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
-    println!();
-    println!("=== summary (ratios of medians measured in this run; provider {provider})");
+/// The crossover lines of the summary (nothing without `rpc-eager` and `rpc-rendezvous` rows).
+pub fn print_crossover(rows: &[Row]) {
     if let Some(Crossover { from, threshold, band }) = crossover(rows) {
         match (from, band.is_empty()) {
             (Some(c), _) => {
@@ -117,6 +115,13 @@ pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
             );
         }
     }
+}
+
+/// The summary of ratios; `raw_ring` is the receive ring of the raw ping-pongs and of `rpc-body`.
+pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
+    println!();
+    println!("=== summary (ratios of medians measured in this run; provider {provider})");
+    print_crossover(rows);
     if let (Some(rpc), Some(tcp)) = (find(rows, "rpc", 64), find(rows, "tcp", 64)) {
         let r = rpc.t_typical / tcp.t_typical;
         let verdict = if provider == "tcp" {
