@@ -13,6 +13,7 @@ mod server;
 mod spans;
 mod stash;
 mod status;
+mod tasks;
 
 pub use buf::{Body, BodyRef, RegisteredBuf};
 pub use client::Client;

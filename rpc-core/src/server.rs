@@ -7,8 +7,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use rdma_rpc_transport::{Device, Listener, QpOptions};
-use tokio::sync::mpsc;
-use tokio::task::AbortHandle;
 use tracing::Instrument;
 
 use crate::buf::{Body, RegisteredBuf};
@@ -18,6 +16,7 @@ use crate::driver::{self, Conn, Role, RoleInput};
 use crate::proto::{Event, Payload, RequestBody, Session};
 use crate::spans::{self, How};
 use crate::stash::Buffers;
+use crate::tasks::Tasks;
 use crate::RpcError;
 
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Response, RpcError>> + Send>>;
@@ -232,14 +231,10 @@ async fn serve_connection(
     let mut session = Session::new(agree(&mine, &theirs));
     session.serve_in_slot(in_slot.iter().copied());
     let conn = Conn::new(session, &pd, qp, cq, (slot, config.ring), config.isolation)?;
-    let (tx, rx) = mpsc::unbounded_channel();
     let role = ServerRole {
         buffers: conn.stash.buffers(),
         handlers,
-        running: HashMap::default(),
-        aborted: Vec::new(),
-        tx,
-        rx,
+        tasks: Tasks::new(),
     };
     driver::run(conn, role, config.mode).await;
     Ok(())
@@ -253,21 +248,8 @@ struct ServerRole {
     handlers: Arc<HashMap<u32, Handler>>,
     /// The connection's registered buffers, for handlers that answer from one.
     buffers: Buffers,
-    running: HashMap<u32, AbortHandle>,
-    /// Handler tasks aborted before they finished: one may still have sent its result (a
-    /// registered buffer, maybe), which must be taken out of the channel and dropped.
-    aborted: Vec<AbortHandle>,
-    tx: mpsc::UnboundedSender<Done>,
-    rx: mpsc::UnboundedReceiver<Done>,
-}
-
-impl ServerRole {
-    fn respond(&mut self, conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
-        if self.running.remove(&call).is_none() {
-            return; // aborted meanwhile: the session already answered
-        }
-        answer(conn, call, result);
-    }
+    /// Handlers that did not finish on their first poll.
+    tasks: Tasks<Result<Response, RpcError>>,
 }
 
 /// Hands a handler's result to the session: large responses are staged in a registered buffer
@@ -341,18 +323,8 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
 
 impl Role for ServerRole {
     fn drain_inputs(&mut self, conn: &mut Conn) -> bool {
-        // Only a handler task sends here: with none running or aborted, nothing can be waiting.
-        if self.running.is_empty() && self.aborted.is_empty() {
-            return false;
-        }
-        // A finished task sent whatever it sent before it finished: the drain below sees it.
-        self.aborted.retain(|h| !h.is_finished());
-        let mut any = false;
-        while let Ok((call, result)) = self.rx.try_recv() {
-            self.respond(conn, call, result);
-            any = true;
-        }
-        any
+        // Results of aborted calls are dropped: the session answered those already.
+        self.tasks.drain(|call, result| answer(conn, call, result))
     }
 
     fn on_event(&mut self, conn: &mut Conn, ev: Event) {
@@ -405,37 +377,31 @@ impl Role for ServerRole {
                     conn.send_pending();
                     return;
                 }
-                let tx = self.tx.clone();
                 // Aborting the task (cancel, deadline) drops the handler and sends nothing.
-                let task = tokio::spawn(
+                self.tasks.spawn(
+                    call,
                     async move {
-                        let result = fut
-                            .await
-                            .unwrap_or_else(|p| Err(RpcError::HandlerPanic(panic_message(p))));
-                        let _ = tx.send((call, result));
+                        fut.await
+                            .unwrap_or_else(|p| Err(RpcError::HandlerPanic(panic_message(p))))
                     }
                     .instrument(span),
                 );
-                self.running.insert(call, task.abort_handle());
             }
             Event::Abort { call } => {
-                if let Some(h) = self.running.remove(&call) {
-                    h.abort();
-                    self.aborted.push(h);
-                }
+                self.tasks.abort(call);
             }
             Event::CallDone { .. } => {}
         }
     }
 
     async fn wait_input(&mut self) -> Option<RoleInput> {
-        self.rx.recv().await.map(|d| Box::new(d) as RoleInput)
+        self.tasks.recv().await.map(|d| Box::new(d) as RoleInput)
     }
 
     fn on_input(&mut self, conn: &mut Conn, input: RoleInput) {
         if let Ok(d) = input.downcast::<Done>() {
             let (call, result) = *d;
-            self.respond(conn, call, result);
+            answer(conn, call, result);
         }
     }
 
@@ -444,9 +410,6 @@ impl Role for ServerRole {
     }
 
     fn on_lost(&mut self, _why: &str) {
-        for (_, h) in self.running.drain() {
-            h.abort();
-        }
-        self.aborted.clear();
+        self.tasks.abort_all();
     }
 }
