@@ -91,6 +91,13 @@ pub struct DeviceCaps {
     /// polls, or it takes the CPU those threads need. False for verbs (the NIC) and shm (the
     /// poster itself moves the bytes).
     pub progress_threads: bool,
+    /// Registering memory costs no more than bookkeeping, and
+    /// [`ProtectionDomain::register_vec`](crate::ProtectionDomain::register_vec) registers a
+    /// vector where it is: an RPC layer may then lend an application's vector, or read into a
+    /// fresh one, instead of copying through buffers registered ahead. True on tcp; false on
+    /// verbs (`ibv_reg_mr` pins pages: a system call and page-table work each time) and on
+    /// shm (a vector is copied into the shared arena).
+    pub cheap_registration: bool,
 }
 
 /// An opened RDMA device of some provider. Cheap to clone.

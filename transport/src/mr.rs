@@ -27,29 +27,32 @@ pub(crate) struct Region {
     pub(crate) lkey: u32,
     pub(crate) rkey: u32,
     pub(crate) access: AccessFlags,
+    /// Registered from an application's vector ([`MemoryRegion::into_vec`] gives it back).
+    pub(crate) from_vec: bool,
 }
 
-/// The bytes of a registration: on the heap (tcp, verbs), or in a shm arena that peers map.
+/// The bytes of a registration: on the heap (tcp, verbs), in a shm arena that peers map, or an
+/// application's vector registered where it is ([`ProtectionDomain::register_vec`]).
 pub(crate) enum Mem {
     Heap(Box<[u64]>),
     Shared(crate::shm::Slice),
+    Vec(Vec<u8>),
 }
 
-impl Deref for Mem {
-    type Target = [u64];
-    fn deref(&self) -> &[u64] {
+impl Mem {
+    fn bytes(&self) -> &[u8] {
         match self {
-            Mem::Heap(b) => b,
-            Mem::Shared(s) => s.words(),
+            Mem::Heap(b) => bytemuck::cast_slice(b),
+            Mem::Shared(s) => bytemuck::cast_slice(s.words()),
+            Mem::Vec(v) => v,
         }
     }
-}
 
-impl DerefMut for Mem {
-    fn deref_mut(&mut self) -> &mut [u64] {
+    fn bytes_mut(&mut self) -> &mut [u8] {
         match self {
-            Mem::Heap(b) => b,
-            Mem::Shared(s) => s.words_mut(),
+            Mem::Heap(b) => bytemuck::cast_slice_mut(b),
+            Mem::Shared(s) => bytemuck::cast_slice_mut(s.words_mut()),
+            Mem::Vec(v) => v,
         }
     }
 }
@@ -100,18 +103,14 @@ pub(crate) enum RegionImpl {
 impl Region {
     /// Locks the bytes `[off, off + len)` of the region for writing.
     pub(crate) fn lock_range(&self, off: usize, len: usize) -> MappedRwLockWriteGuard<'_, [u8]> {
-        RwLockWriteGuard::map(self.mem.write(), |words| {
-            &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words[..])[off..off + len]
-        })
+        RwLockWriteGuard::map(self.mem.write(), |m| &mut m.bytes_mut()[off..off + len])
     }
 
     /// Locks the bytes `[off, off + len)` of the region for reading, beside other readers. A
     /// thread that already reads the region may read it again even while a writer waits (the
     /// second borrow of a buffer in one expression must not deadlock).
     pub(crate) fn read_range(&self, off: usize, len: usize) -> MappedRwLockReadGuard<'_, [u8]> {
-        RwLockReadGuard::map(self.mem.read_recursive(), |words| {
-            &bytemuck::cast_slice::<u64, u8>(&words[..])[off..off + len]
-        })
+        RwLockReadGuard::map(self.mem.read_recursive(), |m| &m.bytes()[off..off + len])
     }
 
     /// Asks the CPU to start loading the first bytes of `[off, off + len)` (shared memory only,
@@ -128,9 +127,7 @@ impl Region {
     /// As [`lock_range`](Self::lock_range) if nobody holds the lock; `None` if somebody does.
     pub(crate) fn try_lock_range(&self, off: usize, len: usize) -> Option<MappedRwLockWriteGuard<'_, [u8]>> {
         let mem = self.mem.try_write()?;
-        Some(RwLockWriteGuard::map(mem, |words| {
-            &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words[..])[off..off + len]
-        }))
+        Some(RwLockWriteGuard::map(mem, |m| &mut m.bytes_mut()[off..off + len]))
     }
 }
 
@@ -148,6 +145,26 @@ impl Region {
                 words[off / 8] = op.apply_plain(old);
                 old
             }
+            // A vector's bytes may sit at any address: read and written as bytes, under the lock.
+            Mem::Vec(v) => {
+                let Some(w) = v.get_mut(off..off + 8) else { return 0 };
+                let mut old = [0u8; 8];
+                old.copy_from_slice(w);
+                let old = u64::from_ne_bytes(old);
+                w.copy_from_slice(&op.apply_plain(old).to_ne_bytes());
+                old
+            }
+        }
+    }
+
+    /// The application's vector back, deregistered (a copy out of the arena on shm).
+    fn into_vec(mut self) -> Vec<u8> {
+        let len = self.len;
+        // `self` drops (and deregisters) at the end of this function, before the vector is
+        // anyone's: no peer reaches it once it is returned.
+        match std::mem::replace(self.mem.get_mut(), Mem::Vec(Vec::new())) {
+            Mem::Vec(v) => v,
+            other => other.bytes()[..len].to_vec(),
         }
     }
 }
@@ -187,6 +204,16 @@ pub struct MemoryRegion {
 
 impl MemoryRegion {
     pub(crate) fn register(pd: &ProtectionDomain, len: usize, access: AccessFlags) -> Result<Self> {
+        Self::register_from(pd, len, access, None)
+    }
+
+    /// Registers `v` where it is (tcp, verbs), or a copy of it in the shared arena (shm).
+    pub(crate) fn register_vec(pd: &ProtectionDomain, v: Vec<u8>, access: AccessFlags) -> Result<Self> {
+        Self::register_from(pd, v.len(), access, Some(v))
+    }
+
+    /// `len` zeroed bytes, or the bytes of `vec` (of length `len`), registered with `access`.
+    fn register_from(pd: &ProtectionDomain, len: usize, access: AccessFlags, vec: Option<Vec<u8>>) -> Result<Self> {
         let caps = pd.device().caps();
         if len == 0 || len as u64 > caps.max_mr_size {
             return Err(Error::InvalidArgument(format!(
@@ -200,10 +227,27 @@ impl MemoryRegion {
                 "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE too (as in ibv_reg_mr)".into(),
             ));
         }
-        let heap = || vec![0u64; len.div_ceil(8)].into_boxed_slice();
+        let from_vec = vec.is_some();
+        // The heap memory a registration is made in, and its address.
+        let local = |vec: Option<Vec<u8>>| -> (Mem, u64) {
+            match vec {
+                Some(mut v) => {
+                    let addr = v.as_mut_ptr() as u64;
+                    (Mem::Vec(v), addr)
+                }
+                None => {
+                    let mut mem: Box<[u64]> = vec![0u64; len.div_ceil(8)].into_boxed_slice();
+                    let addr = mem.as_mut_ptr() as u64;
+                    (Mem::Heap(mem), addr)
+                }
+            }
+        };
         let region = match &pd.inner.imp {
             PdImpl::Shm(spd) => {
                 let mut slice = crate::shm::Slice::alloc(&spd.arena, len)?;
+                if let Some(v) = &vec {
+                    bytemuck::cast_slice_mut::<u64, u8>(slice.words_mut())[..len].copy_from_slice(v);
+                }
                 let addr = slice.words_mut().as_mut_ptr() as u64;
                 let (lkey, rkey) = spd.fresh_keys();
                 spd.publish((lkey, rkey), access, addr, slice.off(), len as u64)?;
@@ -214,6 +258,7 @@ impl MemoryRegion {
                     lkey,
                     rkey,
                     access,
+                    from_vec,
                     mem: RwLock::new(Mem::Shared(slice)),
                     imp: RegionImpl::Shm(spd.arena.clone(), rkey, lkey),
                 });
@@ -221,8 +266,7 @@ impl MemoryRegion {
                 region
             }
             PdImpl::Tcp(tpd) => {
-                let mut mem: Box<[u64]> = heap();
-                let addr = mem.as_mut_ptr() as u64;
+                let (mem, addr) = local(vec);
                 let (lkey, rkey) = tpd.fresh_keys();
                 let region = Arc::new(Region {
                     pd: pd.inner.clone(),
@@ -231,7 +275,8 @@ impl MemoryRegion {
                     lkey,
                     rkey,
                     access,
-                    mem: RwLock::new(Mem::Heap(mem)),
+                    from_vec,
+                    mem: RwLock::new(mem),
                     imp: RegionImpl::Tcp,
                 });
                 tpd.register(&region);
@@ -239,9 +284,10 @@ impl MemoryRegion {
             }
             #[cfg(feature = "verbs")]
             PdImpl::Verbs(vpd) => {
-                let mut mem: Box<[u64]> = heap();
-                let addr = mem.as_mut_ptr() as u64;
-                let mr = vpd.register(mem.as_mut_ptr().cast::<u8>(), len, access)?;
+                let (mem, addr) = local(vec);
+                // The memory moves into the region below with the registration; a vector's
+                // or a box's heap buffer stays where it is when its owner moves.
+                let mr = vpd.register(addr as *mut u8, len, access)?;
                 Arc::new(Region {
                     pd: pd.inner.clone(),
                     addr,
@@ -249,7 +295,8 @@ impl MemoryRegion {
                     lkey: mr.lkey(),
                     rkey: mr.rkey(),
                     access,
-                    mem: RwLock::new(Mem::Heap(mem)),
+                    from_vec,
+                    mem: RwLock::new(mem),
                     imp: RegionImpl::Verbs(mr),
                 })
             }
@@ -264,6 +311,48 @@ impl MemoryRegion {
             len,
             home: None,
         })
+    }
+
+    /// The vector this region was registered from ([`ProtectionDomain::register_vec`]), with
+    /// what was written into it since, deregistered: on tcp and verbs the very allocation, no
+    /// copy; on shm a copy out of the shared arena.
+    ///
+    /// # Errors
+    /// Gives the region back when it was not registered from a vector, is a piece of one
+    /// ([`MemoryRegion::split_off`]), or another piece or a work request in flight holds the
+    /// registration still.
+    ///
+    /// # Examples
+    /// ```
+    /// use rdma_rpc_transport::{AccessFlags, Device};
+    /// let pd = Device::open("tcp")?.alloc_pd()?;
+    /// let mut mr = pd.register_vec(b"hello".to_vec(), AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)?;
+    /// mr.bytes_mut()[0] = b'j';
+    /// assert_eq!(mr.into_vec().ok(), Some(b"jello".to_vec()));
+    /// let other = pd.register(8, AccessFlags::LOCAL_WRITE)?;
+    /// assert!(other.into_vec().is_err(), "not registered from a vector");
+    /// # Ok::<(), rdma_rpc_transport::Error>(())
+    /// ```
+    pub fn into_vec(self) -> std::result::Result<Vec<u8>, MemoryRegion> {
+        if !self.region.from_vec || self.off != 0 || self.len != self.region.len || self.home.is_some() {
+            return Err(self);
+        }
+        let region = self.region.clone();
+        drop(self);
+        // The only strong reference left: no other piece, no work request, no engine thread
+        // between a lookup and its access (weak table entries cannot be upgraded any more).
+        match Arc::try_unwrap(region) {
+            Ok(r) => Ok(r.into_vec()),
+            Err(region) => {
+                let len = region.len;
+                Err(MemoryRegion {
+                    region,
+                    off: 0,
+                    len,
+                    home: None,
+                })
+            }
+        }
     }
 
     /// Length in bytes.

@@ -73,6 +73,30 @@ impl ProtectionDomain {
     pub fn register(&self, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
         MemoryRegion::register(self, len, access)
     }
+
+    /// Registers the bytes of `v` with `access`, as `ibv_reg_mr` registers memory a program
+    /// already has: on tcp and verbs the vector's own allocation, with no copy; on shm, where
+    /// peers reach only the shared arena, a copy of it there. [`MemoryRegion::into_vec`] gives
+    /// the vector back. Whether this costs no more than bookkeeping is
+    /// [`DeviceCaps::cheap_registration`](crate::DeviceCaps::cheap_registration) (on a NIC it
+    /// pins the pages, a system call and page-table work per call).
+    ///
+    /// # Errors
+    /// As [`ProtectionDomain::register`] (an empty vector is `len == 0`); the vector is dropped.
+    ///
+    /// # Examples
+    /// ```
+    /// use rdma_rpc_transport::{AccessFlags, Device};
+    /// let pd = Device::open("tcp")?.alloc_pd()?;
+    /// let mr = pd.register_vec(vec![7u8; 4096], AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)?;
+    /// let remote = mr.remote(); // a peer may RDMA Read these 4096 bytes now
+    /// assert_eq!(remote.len, 4096);
+    /// assert_eq!(mr.into_vec().map(|v| v.len()).ok(), Some(4096));
+    /// # Ok::<(), rdma_rpc_transport::Error>(())
+    /// ```
+    pub fn register_vec(&self, v: Vec<u8>, access: AccessFlags) -> Result<MemoryRegion> {
+        MemoryRegion::register_vec(self, v, access)
+    }
 }
 
 impl std::fmt::Debug for ProtectionDomain {

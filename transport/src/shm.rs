@@ -111,6 +111,7 @@ pub(crate) fn caps() -> DeviceCaps {
         // at every size to 8 MiB; capped so one message holds the send queue ~0.3 ms at most.
         eager_hint: 1 << 20,
         progress_threads: false,
+        cheap_registration: false,
     }
 }
 

@@ -51,6 +51,7 @@ pub(crate) fn caps() -> DeviceCaps {
         // 8 MiB; a Read here is one more software round trip through the same byte stream.
         eager_hint: 8 << 20,
         progress_threads: true,
+        cheap_registration: true,
     }
 }
 

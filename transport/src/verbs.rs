@@ -110,6 +110,7 @@ impl Context {
                 max_mr_size: 0,
                 eager_hint: EAGER_HINT,
                 progress_threads: false,
+                cheap_registration: false,
             },
             max_rd_atom: 0,
             max_init_rd_atom: 0,
@@ -140,6 +141,7 @@ impl Context {
             max_mr_size: attr.max_mr_size,
             eager_hint: EAGER_HINT,
             progress_threads: false,
+            cheap_registration: false,
         };
         self.max_rd_atom = attr.max_qp_rd_atom.clamp(0, 16) as u8;
         self.max_init_rd_atom = attr.max_qp_init_rd_atom.clamp(0, 16) as u8;

@@ -1182,3 +1182,98 @@ async fn a_silent_client_does_not_hold_up_other_connections() {
     let (_cqp, data) = client.join().expect("client").expect("connect");
     assert_eq!(data, b"ok");
 }
+
+#[tokio::test]
+async fn a_registered_vector_is_read_written_bounds_checked_and_given_back() {
+    let (c, s) = pair();
+    let dev = c.pd.device().clone();
+    let data = pattern(10_000, 3);
+    // Lent: the peer reads it (not a whole number of words, at any offset).
+    let lent =
+        s.pd.register_vec(data.clone(), AccessFlags::REMOTE_READ)
+            .expect("register a vector");
+    assert_eq!(lent.len(), data.len());
+    let dst = c.reg(data.len() - 3, AccessFlags::LOCAL_WRITE);
+    c.post(
+        SendWr::new(
+            1,
+            SendOp::Read {
+                remote: lent.remote().at(3),
+            },
+        )
+        .buf(dst),
+    );
+    let wc = c.one().await;
+    ok(&wc);
+    assert_eq!(&wc.buf.expect("buf").bytes()[..], &data[3..]);
+    // The target of a Write, then given back with what landed.
+    let target = s.pd.register_vec(vec![0u8; 100], RW).expect("register a vector");
+    let base = dev.registered_bytes();
+    let wr = SendWr::new(
+        2,
+        SendOp::Write {
+            remote: target.remote().at(10),
+            imm: None,
+        },
+    )
+    .buf(c.filled(&[9; 20], AccessFlags::NONE));
+    c.post(wr);
+    ok(&c.one().await);
+    let back = target.into_vec().expect("registered from a vector, whole, not in use");
+    assert_eq!(back.len(), 100);
+    assert!(back[..10].iter().chain(&back[30..]).all(|&b| b == 0));
+    assert!(back[10..30].iter().all(|&b| b == 9));
+    assert_eq!(dev.registered_bytes(), base - 100, "deregistered when given back");
+    // Its bounds and access flags hold as any registration's do: a read past its end, and a
+    // write into a vector lent for reading only, fail, and the bytes stay as they were.
+    let wr = SendWr::new(
+        3,
+        SendOp::Read {
+            remote: lent.remote().at(9_990),
+        },
+    )
+    .buf(c.reg(64, AccessFlags::LOCAL_WRITE));
+    expect_remote_error(&c, &s, wr, WcStatus::RemAccessErr, &lent).await;
+    let (c, s) = pair();
+    let lent =
+        s.pd.register_vec(data.clone(), AccessFlags::REMOTE_READ)
+            .expect("register a vector");
+    let wr = SendWr::new(
+        4,
+        SendOp::Write {
+            remote: lent.remote().at(0),
+            imm: None,
+        },
+    )
+    .buf(c.filled(&[1; 16], AccessFlags::NONE));
+    expect_remote_error(&c, &s, wr, WcStatus::RemAccessErr, &lent).await;
+    assert_eq!(lent.into_vec().ok(), Some(data), "unchanged, and given back");
+}
+
+#[tokio::test]
+async fn only_a_whole_unshared_vector_registration_is_given_back() {
+    let (c, _s) = pair();
+    let plain = c.reg(64, AccessFlags::LOCAL_WRITE);
+    let plain = plain.into_vec().expect_err("not registered from a vector");
+    assert_eq!(plain.len(), 64, "given back as it was");
+    let mut v =
+        c.pd.register_vec(vec![5u8; 64], AccessFlags::LOCAL_WRITE)
+            .expect("register");
+    let tail = v.split_off(32).expect("split");
+    let mut v = v
+        .into_vec()
+        .expect_err("a piece, while another piece holds the registration");
+    let tail = tail.into_vec().expect_err("a piece");
+    v.unsplit(tail).expect("the two pieces join");
+    let in_flight = v.split_off(64).expect("an empty piece at the end");
+    let v = v
+        .into_vec()
+        .expect_err("whole, but another piece still names the registration");
+    drop(in_flight);
+    assert_eq!(v.into_vec().ok(), Some(vec![5u8; 64]), "whole and unshared: given back");
+    let empty = c.pd.register_vec(Vec::new(), AccessFlags::LOCAL_WRITE);
+    assert!(
+        matches!(empty, Err(rdma_rpc_transport::Error::InvalidArgument(_))),
+        "an empty vector is a zero-length registration"
+    );
+}
