@@ -191,7 +191,8 @@ impl std::fmt::Debug for RegisteredBuf {
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Body {
-    /// Copied out of its message.
+    /// Copied out of its message; or a large one read straight into this vector, where
+    /// registering memory is cheap ([`DeviceCaps::cheap_registration`](crate::transport::DeviceCaps)).
     Bytes(Vec<u8>),
     /// In registered memory of the connection: the receive slot it arrived in, or the buffer
     /// a large request was read into.

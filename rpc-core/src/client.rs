@@ -420,7 +420,8 @@ impl State {
         let result = (|| {
             let p = match payload {
                 Outgoing::Vec(v) if conn.session.is_rendezvous(v.len()) => {
-                    let (desc, buf) = conn.stash.lend(&v)?;
+                    // The vector itself where registering is cheap, else a copy.
+                    let (desc, buf) = conn.stash.lend_vec(v)?;
                     staged[0] = Some(buf);
                     Payload::Lent { desc, buf }
                 }

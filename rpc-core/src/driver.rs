@@ -201,13 +201,10 @@ impl Conn {
         self.stash.release(id);
     }
 
-    /// Takes the bytes of a held buffer and frees it.
+    /// Takes the bytes of a held buffer (the vector itself, for one read into a vector) and
+    /// frees it.
     pub(crate) fn take_bytes(&mut self, buf: BufId, len: usize) -> Vec<u8> {
-        let v = self
-            .stash
-            .get(buf)
-            .map(|m| m.bytes()[..len].to_vec())
-            .unwrap_or_default();
+        let v = self.stash.take_vec(buf, len).unwrap_or_default();
         self.stash.release(buf);
         v
     }
@@ -477,7 +474,14 @@ impl Conn {
             }
             Transmit::Read { token, remote } => {
                 let len = remote.len as usize;
-                let (local, _) = match self.stash.take(len) {
+                // Into a vector of its own where that is cheap, unless the handler takes the
+                // request in registered memory.
+                let target = if self.session.reads_in_place(token) {
+                    self.stash.take(len).map(|(id, _)| id)
+                } else {
+                    self.stash.take_target(len)
+                };
+                let local = match target {
                     Ok(x) => x,
                     Err(e) => {
                         self.session.handle_read_done(token, Err(e), Instant::now());

@@ -288,10 +288,16 @@ fn answer(conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
         Err(e) => Err(e),
     };
     let result = match bytes {
-        Ok(bytes) if conn.session.is_rendezvous(bytes.len()) => match conn.stash.lend(&bytes) {
-            Ok((desc, buf)) => Ok(Payload::Lent { desc, buf }),
-            Err(e) => Err(e),
-        },
+        // Lent as it is where registering is cheap, unless it goes into the caller's landing
+        // buffer: a Write from the buffer carries the length prefix a copy has room for.
+        Ok(bytes) if conn.session.is_rendezvous(bytes.len()) => {
+            let staged = if conn.session.lands(call, bytes.len()) {
+                conn.stash.lend(&bytes)
+            } else {
+                conn.stash.lend_vec(bytes)
+            };
+            staged.map(|(desc, buf)| Payload::Lent { desc, buf })
+        }
         Ok(bytes) => Ok(Payload::Eager(bytes)),
         Err(e) => Err(e),
     };
@@ -346,8 +352,8 @@ impl Role for ServerRole {
                             return;
                         }
                     },
-                    RequestBody::Held { buf, len } => match conn.stash.hand_out(buf, len) {
-                        Some(r) => Body::Registered(r),
+                    RequestBody::Held { buf, len } => match conn.stash.hand_out_body(buf, len) {
+                        Some(b) => b,
                         None => {
                             let e = RpcError::Internal("the request's buffer went missing".into());
                             conn.session.respond(call, Err(e));

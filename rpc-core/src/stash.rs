@@ -7,7 +7,7 @@ use parking_lot::Mutex;
 
 use rdma_rpc_transport::{AccessFlags, MemoryRegion, ProtectionDomain, RemoteRegion};
 
-use crate::buf::RegisteredBuf;
+use crate::buf::{Body, RegisteredBuf};
 use crate::proto::{BufId, CallMap, Route, LANDING_PREFIX};
 use crate::{Isolation, RpcError};
 
@@ -22,6 +22,11 @@ pub(crate) struct Stash {
     entries: CallMap<BufId, Entry>,
     next: BufId,
     isolation: Isolation,
+    /// Registering is only bookkeeping on this device
+    /// ([`DeviceCaps::cheap_registration`](rdma_rpc_transport::DeviceCaps)): a large `Vec`
+    /// payload is lent as it is, and a large body read into a `Vec` of its own, where
+    /// elsewhere each is copied through a buffer of the free lists.
+    vectors: bool,
 }
 
 /// A buffer the session knows by id.
@@ -32,6 +37,9 @@ struct Entry {
     keep: bool,
     /// Released by the session; only a kept buffer stays in this state.
     released: bool,
+    /// Registered from a `Vec` ([`Stash::lend_vec`], [`Stash::take_target`]): deregistered
+    /// when released, never kept for reuse.
+    vector: bool,
 }
 
 impl Entry {
@@ -58,7 +66,9 @@ impl Free {
     /// [`Isolation::Transfer`], beyond [`KEEP`], or of no class's size) deregistered, so
     /// that its rkey dies.
     pub(crate) fn put(&mut self, mr: MemoryRegion) {
-        if self.isolation != Isolation::Connection {
+        // Only what `fresh` registers: a buffer with other access flags would fail whoever
+        // takes it next.
+        if self.isolation != Isolation::Connection || mr.access() != ACCESS {
             return;
         }
         let Some(i) = class_index(mr.len()) else { return };
@@ -77,6 +87,11 @@ fn class_index(len: usize) -> Option<usize> {
 }
 
 const MIN_CLASS: usize = 4096;
+/// The access of every buffer of the free lists: lent (read by the peer), landed into
+/// (written by it), read into.
+const ACCESS: AccessFlags = AccessFlags::LOCAL_WRITE
+    .union(AccessFlags::REMOTE_READ)
+    .union(AccessFlags::REMOTE_WRITE);
 /// Free buffers kept per size class; more are deregistered.
 const KEEP: usize = 8;
 
@@ -95,6 +110,7 @@ impl Stash {
             entries: CallMap::default(),
             next: 1,
             isolation,
+            vectors: pd.device().caps().cheap_registration,
         }
     }
 
@@ -165,12 +181,17 @@ impl Stash {
 
     /// Holds `mr` under a fresh id.
     fn hold(&mut self, mr: MemoryRegion, keep: bool) -> BufId {
+        self.hold_as(mr, keep, false)
+    }
+
+    fn hold_as(&mut self, mr: MemoryRegion, keep: bool, vector: bool) -> BufId {
         let id = self.next;
         self.next += 1;
         let entry = Entry {
             mr: Some(mr),
             keep,
             released: false,
+            vector,
         };
         self.entries.insert(id, entry);
         id
@@ -229,6 +250,63 @@ impl Stash {
     pub(crate) fn hand_out(&mut self, id: BufId, len: usize) -> Option<RegisteredBuf> {
         let mr = self.remove_held(id)?;
         (len <= mr.len()).then(|| RegisteredBuf::new(mr, 0, len, &self.free))
+    }
+
+    /// Held buffer `id`, holding `len` bytes from its start, as a body for the application: a
+    /// vector read into ([`Stash::take_target`]) as that vector, any other buffer as it is.
+    pub(crate) fn hand_out_body(&mut self, id: BufId, len: usize) -> Option<Body> {
+        if self.entries.get(id).is_some_and(|e| e.vector) {
+            return self.take_vec(id, len).map(Body::Bytes);
+        }
+        self.hand_out(id, len).map(Body::Registered)
+    }
+
+    /// The first `len` bytes of held buffer `id` as a vector, and the buffer freed: a vector
+    /// read into is given back as it is, others copied out (and back to the free lists).
+    pub(crate) fn take_vec(&mut self, id: BufId, len: usize) -> Option<Vec<u8>> {
+        let vector = self.entries.get(id).is_some_and(|e| e.vector);
+        let mr = self.remove_held(id)?;
+        if len > mr.len() {
+            return None;
+        }
+        if vector {
+            // Whole and ours alone (a completed Read's target): never a copy in practice.
+            let mut v = mr.into_vec().unwrap_or_else(|mr| mr.bytes().to_vec());
+            v.truncate(len);
+            return Some(v);
+        }
+        let v = mr.bytes()[..len].to_vec();
+        self.recycle(mr);
+        Some(v)
+    }
+
+    /// A buffer for an RDMA Read of `len` bytes, held under a fresh id: a new vector of its
+    /// own where registering is cheap (handed on with no copy, [`Stash::take_vec`]), else one
+    /// of the free lists.
+    pub(crate) fn take_target(&mut self, len: usize) -> Result<BufId, RpcError> {
+        if !self.vectors || len == 0 {
+            return self.take(len).map(|(id, _)| id);
+        }
+        let mr = self
+            .free
+            .lock()
+            .pd
+            .register_vec(vec![0u8; len], AccessFlags::LOCAL_WRITE);
+        let mr = mr.map_err(|e| RpcError::Transport(format!("registering a {len}-byte vector: {e}")))?;
+        Ok(self.hold_as(mr, false, true))
+    }
+
+    /// Lends `data` for the peer to read: the vector itself where registering is cheap, else
+    /// a copy in a buffer of the free lists ([`Stash::lend`]).
+    pub(crate) fn lend_vec(&mut self, data: Vec<u8>) -> Result<(RemoteRegion, BufId), RpcError> {
+        if !self.vectors || data.is_empty() {
+            return self.lend(&data);
+        }
+        let len = data.len();
+        let mr = self.free.lock().pd.register_vec(data, AccessFlags::REMOTE_READ);
+        let mr = mr.map_err(|e| RpcError::Transport(format!("registering a {len}-byte vector: {e}")))?;
+        let desc = mr.remote();
+        Ok((desc, self.hold_as(mr, false, true)))
     }
 
     /// A buffer of at least `len` bytes, held under a fresh id.
@@ -298,6 +376,7 @@ impl Stash {
                     mr: Some(mr),
                     keep: false,
                     released: false,
+                    vector: false,
                 };
                 self.entries.insert(id, entry);
             }
@@ -313,8 +392,11 @@ impl Stash {
         };
         if e.keep {
             e.released = true;
-        } else if let Some(mr) = self.entries.remove(id).and_then(|e| e.mr) {
-            self.recycle(mr);
+        } else if let Some(e) = self.entries.remove(id) {
+            // A vector's registration dies with it (and its rkey with that).
+            if let (Some(mr), false) = (e.mr, e.vector) {
+                self.recycle(mr);
+            }
         }
     }
 
@@ -342,8 +424,7 @@ fn fresh(free: &Mutex<Free>, len: usize) -> Result<MemoryRegion, RpcError> {
         }
         f.pd.clone()
     };
-    let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
-    pd.register(c, access)
+    pd.register(c, ACCESS)
         .map_err(|e| RpcError::Transport(format!("registering a {c}-byte buffer: {e}")))
 }
 
@@ -475,10 +556,13 @@ mod tests {
             isolation: Isolation::Connection,
             pd: pd.clone(),
         };
-        f.put(pd.register(5000, AccessFlags::LOCAL_WRITE).expect("reg"));
+        f.put(pd.register(5000, ACCESS).expect("reg"));
         assert!(f.lists.iter().all(Vec::is_empty), "5000 bytes is no class");
+        f.put(pd.register(16384, AccessFlags::LOCAL_WRITE).expect("reg"));
+        f.put(pd.register_vec(vec![0; 16384], AccessFlags::REMOTE_READ).expect("reg"));
+        assert!(f.lists.iter().all(Vec::is_empty), "other access flags than the stash's");
         for _ in 0..KEEP + 2 {
-            f.put(pd.register(16384, AccessFlags::LOCAL_WRITE).expect("reg"));
+            f.put(pd.register(16384, ACCESS).expect("reg"));
         }
         assert_eq!(f.lists.get(2).map(Vec::len), Some(KEEP));
         assert!(f.pop(16384).is_some() && f.pop(4096).is_none() && f.pop(1 << 40).is_none());

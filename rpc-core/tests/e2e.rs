@@ -590,3 +590,52 @@ async fn a_dead_server_fails_every_pending_call() {
     ));
     let _ = child.wait().await;
 }
+
+/// Large `Vec` calls by rendezvous, both ways: where registering is cheap (tcp:
+/// `DeviceCaps::cheap_registration`) the vectors themselves are lent and read into, so once the
+/// calls are done no rendezvous memory stays registered; elsewhere the bytes are copied through
+/// buffers the connection keeps for its next calls (at most 8 per size class).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_vec_calls_leave_registered_only_what_the_provider_promises() {
+    let dev = device();
+    let server = Server::builder(config())
+        .handler(ECHO, |req| async move { Ok(req) })
+        .bind(&dev, SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    let client = Client::connect(&dev, addr, config()).await.expect("connect");
+    let small = bounded(client.call(ECHO, vec![1; 10])).await.expect("a small call");
+    assert_eq!(small, vec![1; 10]);
+    let before = dev.registered_bytes();
+    for (i, n) in [THRESHOLD + 1, 1 << 20, 1 << 20, (3 << 20) + 5].into_iter().enumerate() {
+        let req = pattern(n, i as u64);
+        let got = bounded(client.call(ECHO, req.clone())).await.expect("echo");
+        assert!(got == req, "echo of {n} bytes differs");
+    }
+    if !dev.caps().cheap_registration {
+        assert!(
+            dev.registered_bytes() > before,
+            "copies go through buffers kept for reuse"
+        );
+        return;
+    }
+    // The server lets go of its lent response when the client's ReadDone arrives, after the
+    // call returned: wait for it (bounded).
+    let mut after = dev.registered_bytes();
+    for _ in 0..100 {
+        if after == before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        after = dev.registered_bytes();
+    }
+    if dev.caps().cheap_registration {
+        assert_eq!(
+            after, before,
+            "vectors lent and read into are deregistered after their call"
+        );
+    } else {
+        assert!(after > before, "copies go through buffers kept for reuse");
+    }
+}

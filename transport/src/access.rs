@@ -25,6 +25,18 @@ impl AccessFlags {
         self.0
     }
 
+    /// The flags of both, in a `const` (where `|` cannot go).
+    ///
+    /// # Examples
+    /// ```
+    /// use rdma_rpc_transport::AccessFlags;
+    /// const RW: AccessFlags = AccessFlags::LOCAL_WRITE.union(AccessFlags::REMOTE_WRITE);
+    /// assert_eq!(RW, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
+    /// ```
+    pub const fn union(self, other: Self) -> Self {
+        Self(self.0 | other.0)
+    }
+
     /// True if every flag of `other` is set here.
     pub fn contains(self, other: Self) -> bool {
         self.0 & other.0 == other.0

@@ -650,6 +650,13 @@ impl Session {
                 return Err(ProtoError::TooLarge(desc.len));
             }
             if c.live {
+                // A server answers only once it has the request (it reads a lent one before
+                // anything else happens to the call): the request's buffer is free already,
+                // before the response's is taken (a large vector goes back to the allocator
+                // in time to be reused for the response).
+                if let Some(b) = self.calls.get_mut(call).and_then(|c| c.lent.take()) {
+                    self.actions.push_back(Transmit::Release(b));
+                }
                 self.actions.push_back(Transmit::Read {
                     token: Token::Response(call),
                     remote: desc,
@@ -741,6 +748,29 @@ impl Session {
             budget,
         });
         Ok(())
+    }
+
+    /// Whether the body an RDMA Read fetches for `token` is for a handler that takes it in
+    /// registered memory as it arrived ([`Session::serve_in_slot`]: it may keep that buffer,
+    /// or answer from it); a driver may read any other into memory of the consumer's own.
+    pub fn reads_in_place(&self, token: Token) -> bool {
+        match token {
+            Token::Request(call) => self
+                .served
+                .get(call)
+                .is_some_and(|s| self.in_slot_methods.contains(&s.method)),
+            Token::Response(_) => false,
+        }
+    }
+
+    /// Whether a lent response of `len` bytes to `call` goes into the landing buffer the call
+    /// advertised (by an RDMA Write of the lent buffer with its [`LANDING_PREFIX`]), rather
+    /// than being read by the caller.
+    pub fn lands(&self, call: u32, len: usize) -> bool {
+        self.served
+            .get(call)
+            .and_then(|s| s.landing)
+            .is_some_and(|l| l.len >= len as u64 + LANDING_PREFIX as u64)
     }
 
     /// Answers a request. Pass large responses as [`Payload::Lent`]: they are written into the
