@@ -93,7 +93,7 @@ pub struct Config {
     /// threshold); larger ones by rendezvous (RDMA Read of a lent buffer, or
     /// Write-with-immediate into a landing buffer). `None`, the default, takes the provider's
     /// measured switch point, [`DeviceCaps::eager_hint`](rdma_rpc_transport::DeviceCaps):
-    /// 16 KiB on verbs, 1 MiB on shm, 8 MiB on tcp. Registered buffers
+    /// 16 KiB on verbs, 1 MiB on shm, 128 KiB on tcp. Registered buffers
     /// ([`Client::call_buf`](crate::Client::call_buf)) longer than one piece are lent whatever
     /// the threshold: lending them costs no copy.
     pub eager_threshold: Option<usize>,

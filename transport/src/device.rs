@@ -81,9 +81,10 @@ pub struct DeviceCaps {
     /// measures it (`recommended eager_threshold`); RPC layers take it as their default switch
     /// point. 16 KiB on verbs, where a NIC's Read spares the CPUs the copies; 1 MiB on shm, where
     /// both are CPU copies and the Read adds round trips (eager won at every size up to 8 MiB
-    /// in our runs; the cap keeps one message from holding the send queue for long); 8 MiB
-    /// on tcp, where a Read is one more software round trip through the same byte stream
-    /// (eager won at every size to 8 MiB).
+    /// in our runs; the cap keeps one message from holding the send queue for long); 128 KiB
+    /// on tcp, where a rendezvous lends and reads into the application's vectors as they are
+    /// ([`DeviceCaps::cheap_registration`]) and so copies nothing in user space, where eager
+    /// copies into and out of its pieces.
     pub eager_hint: usize,
     /// The provider moves data on threads of its own (tcp: a reader per QP whenever nobody
     /// spins on its CQs, and a writer for what the socket does not take at once), as libfabric's
