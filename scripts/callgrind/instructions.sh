@@ -6,13 +6,15 @@
 #   scripts/callgrind/instructions.sh LATENCY_BINARY MODE SIZE   e.g. ... rpc-body 64
 # The binary: `cargo bench --bench latency --no-run` prints it (a release build without debug
 # info, so that callgrind names functions, not lines). Needs valgrind (apt-get install valgrind).
-# Takes about a minute per mode.
+# Takes about a minute per mode. The two threads are pinned to CPUs 0 and 1: valgrind runs one
+# thread at a time, and unpinned they may report one CPU, which sends the adaptive RPC to sleep
+# between messages (a tokio wake-up path of some 12,000 instructions more per round trip).
 set -euo pipefail
 bin=$1 mode=$2 size=$3
 out=$(mktemp -d)
 for n in 10000 20000; do
     valgrind --tool=callgrind --fair-sched=yes --callgrind-out-file="$out/cg.$n" \
-        "$bin" --modes "$mode" --sizes "$size" --iters "$n" --rounds 1 > /dev/null 2>&1
+        "$bin" --modes "$mode" --sizes "$size" --iters "$n" --rounds 1 --cpus 0,1 > /dev/null 2>&1
     callgrind_annotate --threshold=100 "$out/cg.$n" 2>/dev/null | grep -E '^ *[0-9,]+ ' |
         sed 's/([^)]*)//' > "$out/fn.$n"
 done
