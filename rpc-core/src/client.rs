@@ -140,6 +140,12 @@ impl Client {
 
     /// Calls `method` with `payload`; returns the response bytes.
     ///
+    /// Up to the eager threshold the payload is copied into the request message; above it, it
+    /// is lent for the server to read (rendezvous): as it is where registering memory is cheap
+    /// ([`DeviceCaps::cheap_registration`](crate::transport::DeviceCaps), tcp), else copied into
+    /// a registered buffer first. A large response comes back the same way. To avoid the copies
+    /// on every provider, see [`Client::call_buf`].
+    ///
     /// # Errors
     /// Any [`RpcError`]: the server's (unknown method, handler panic, application error, ...),
     /// the deadline, or the connection's loss.
