@@ -160,9 +160,11 @@ impl Region {
     /// The application's vector back, deregistered (a copy out of the arena on shm).
     fn into_vec(mut self) -> Vec<u8> {
         let len = self.len;
-        // `self` drops (and deregisters) at the end of this function, before the vector is
-        // anyone's: no peer reaches it once it is returned.
-        match std::mem::replace(self.mem.get_mut(), Mem::Vec(Vec::new())) {
+        let mem = std::mem::replace(self.mem.get_mut(), Mem::Vec(Vec::new()));
+        // Deregistered (keys withdrawn, the NIC's registration gone) before the memory is
+        // anyone's, or freed: no peer reaches it from here on.
+        drop(self);
+        match mem {
             Mem::Vec(v) => v,
             other => other.bytes()[..len].to_vec(),
         }
