@@ -12,6 +12,7 @@ mod raw;
 mod report;
 mod rpc;
 mod sampler;
+mod service;
 mod stats;
 
 use std::net::IpAddr;
@@ -34,6 +35,7 @@ const ALL_MODES: &[&str] = &[
     "rpc-event",
     "rpc-upload",
     "rpc-upload-vec",
+    "service",
     "memcpy",
     "send",
     "send-copy",
@@ -75,7 +77,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "rpc,rpc-body,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,send,send-head,send-copy,send-event,write,read,atomic,memcpy,tcp,tarpc,wake,spin-word"
+        default_value = "rpc,rpc-body,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,service,send,send-head,send-copy,send-event,write,read,atomic,memcpy,tcp,tarpc,wake,spin-word"
     )]
     modes: Vec<String>,
     /// Fixed iterations per size (default: as many as fit the time budget).
@@ -311,6 +313,14 @@ async fn measure(
             };
             serving.abort();
             (Convention::Rtt, size, s)
+        }
+        "service" => {
+            let cfg = rpc::config(mode, size, completion, raw_ring);
+            (
+                Convention::Rtt,
+                2 * size,
+                service::measure(srv, dev, ip, cfg, size, plan).await,
+            )
         }
         "memcpy" => (Convention::Rtt, size, baseline::memcpy(size, plan).await),
         "send" | "send-head" | "send-copy" | "send-event" => {

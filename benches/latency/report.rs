@@ -181,6 +181,12 @@ pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
             verdict(w <= 1.0)
         );
     }
+    if let Some((b, w)) = worst(rows, "service", "tarpc", 1.0, usize::MAX) {
+        println!(
+            "  the typed path (#[service], payload a Bulk; tarpc's a serde_bytes buffer) / tarpc, every size: worst {w:.2}x at {b} B: {}",
+            verdict(w <= 1.0)
+        );
+    }
     shm_targets(rows);
 }
 
