@@ -639,3 +639,82 @@ async fn large_vec_calls_leave_registered_only_what_the_provider_promises() {
         assert!(after > before, "copies go through buffers kept for reuse");
     }
 }
+
+/// Large `Vec` echoes by rendezvous, dropped at random points by four callers at once: every
+/// echo that completes is intact (a request buffer is let go when its response comes, and
+/// must never be reused while the server reads it), and once the drops settle no lent or
+/// read-into buffer stays registered beyond what the connection keeps for reuse (nothing where
+/// registering is cheap and the vectors themselves are lent and read into).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_large_vec_calls_stay_intact_and_leak_nothing() {
+    const LEN: usize = 512 << 10;
+    let dev = device();
+    let server = Server::builder(config())
+        .handler(ECHO, |req| async move { Ok(req) })
+        .bind(&dev, SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    let client = Client::connect(&dev, addr, config()).await.expect("connect");
+    bounded(client.call(ECHO, vec![1; 10])).await.expect("a small call");
+    // Each side's free lists keep at most 8 buffers of a size class: lent buffers of 1 MiB
+    // (512 KiB and the length prefix) and read buffers of 512 KiB, on both sides.
+    let kept = if dev.caps().cheap_registration {
+        0
+    } else {
+        2 * 8 * ((1u64 << 20) + LEN as u64)
+    };
+    let at_rest = dev.registered_bytes() + kept;
+    // One call in three waits for its echo; the others are dropped after a random number of
+    // polls (a timer's millisecond is longer than a whole echo on shm): before, while or
+    // after the server reads the request, or while the client reads the response.
+    let callers: Vec<_> = (0..4u64)
+        .map(|caller| {
+            let c = client.clone();
+            tokio::spawn(async move {
+                let mut rng = common::Rng::new(caller);
+                let (mut done, mut dropped) = (0, 0);
+                for i in 0..30u64 {
+                    let req = pattern(LEN, caller << 32 | i);
+                    let polls = if i % 3 == 0 { u64::MAX } else { rng.next() % 12 };
+                    let mut call = std::pin::pin!(c.call(ECHO, req.clone()));
+                    let mut got = None;
+                    for _ in 0..polls {
+                        let p = std::future::poll_fn(|cx| {
+                            std::task::Poll::Ready(std::future::Future::poll(call.as_mut(), cx))
+                        })
+                        .await;
+                        if let std::task::Poll::Ready(r) = p {
+                            got = Some(r);
+                            break;
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                    match got {
+                        Some(r) => {
+                            assert!(r.expect("echo") == req, "an echo came back changed");
+                            done += 1;
+                        }
+                        None => dropped += 1,
+                    }
+                }
+                (done, dropped)
+            })
+        })
+        .collect();
+    common::tally(callers).await;
+    let mut settled = dev.registered_bytes();
+    for _ in 0..150 {
+        if settled <= at_rest {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        settled = dev.registered_bytes();
+    }
+    assert!(
+        settled <= at_rest,
+        "registered memory after the drops settled: {settled} > {at_rest} (a buffer leaked)"
+    );
+    let req = pattern(LEN, 99);
+    assert!(bounded(client.call(ECHO, req.clone())).await.expect("healthy") == req);
+}
