@@ -591,6 +591,17 @@ async fn a_dead_server_fails_every_pending_call() {
     let _ = child.wait().await;
 }
 
+/// A client of an echo server of its own on `dev`, both with [`config`].
+async fn echo_client(dev: &Device) -> Client {
+    let server = Server::builder(config())
+        .handler(ECHO, |req| async move { Ok(req) })
+        .bind(dev, SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    Client::connect(dev, addr, config()).await.expect("connect")
+}
+
 /// Large `Vec` calls by rendezvous, both ways: where registering is cheap (tcp:
 /// `DeviceCaps::cheap_registration`) the vectors themselves are lent and read into, so once the
 /// calls are done no rendezvous memory stays registered; elsewhere the bytes are copied through
@@ -598,13 +609,7 @@ async fn a_dead_server_fails_every_pending_call() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_vec_calls_leave_registered_only_what_the_provider_promises() {
     let dev = device();
-    let server = Server::builder(config())
-        .handler(ECHO, |req| async move { Ok(req) })
-        .bind(&dev, SocketAddr::new(test_ip(), 0))
-        .expect("bind");
-    let addr = server.local_addr().expect("addr");
-    tokio::spawn(server.serve());
-    let client = Client::connect(&dev, addr, config()).await.expect("connect");
+    let client = echo_client(&dev).await;
     let small = bounded(client.call(ECHO, vec![1; 10])).await.expect("a small call");
     assert_eq!(small, vec![1; 10]);
     let before = dev.registered_bytes();
@@ -649,13 +654,7 @@ async fn large_vec_calls_leave_registered_only_what_the_provider_promises() {
 async fn dropped_large_vec_calls_stay_intact_and_leak_nothing() {
     const LEN: usize = 512 << 10;
     let dev = device();
-    let server = Server::builder(config())
-        .handler(ECHO, |req| async move { Ok(req) })
-        .bind(&dev, SocketAddr::new(test_ip(), 0))
-        .expect("bind");
-    let addr = server.local_addr().expect("addr");
-    tokio::spawn(server.serve());
-    let client = Client::connect(&dev, addr, config()).await.expect("connect");
+    let client = echo_client(&dev).await;
     bounded(client.call(ECHO, vec![1; 10])).await.expect("a small call");
     // Each side's free lists keep at most 8 buffers of a size class: lent buffers of 1 MiB
     // (512 KiB and the length prefix) and read buffers of 512 KiB, on both sides.
