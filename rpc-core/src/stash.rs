@@ -27,6 +27,8 @@ pub(crate) struct Stash {
     /// payload is lent as it is, and a large body read into a `Vec` of its own, where
     /// elsewhere each is copied through a buffer of the free lists.
     vectors: bool,
+    /// The connection's domain, to register vectors in without taking the free lists' lock.
+    pd: ProtectionDomain,
 }
 
 /// A buffer the session knows by id.
@@ -111,6 +113,7 @@ impl Stash {
             next: 1,
             isolation,
             vectors: pd.device().caps().cheap_registration,
+            pd: pd.clone(),
         }
     }
 
@@ -255,10 +258,10 @@ impl Stash {
     /// Held buffer `id`, holding `len` bytes from its start, as a body for the application: a
     /// vector read into ([`Stash::take_target`]) as that vector, any other buffer as it is.
     pub(crate) fn hand_out_body(&mut self, id: BufId, len: usize) -> Option<Body> {
-        if self.entries.get(id).is_some_and(|e| e.vector) {
-            return self.take_vec(id, len).map(Body::Bytes);
+        match self.entries.get(id)?.vector {
+            true => self.take_vec(id, len).map(Body::Bytes),
+            false => self.hand_out(id, len).map(Body::Registered),
         }
-        self.hand_out(id, len).map(Body::Registered)
     }
 
     /// The first `len` bytes of held buffer `id` as a vector, and the buffer freed: a vector
@@ -287,11 +290,7 @@ impl Stash {
         if !self.vectors || len == 0 {
             return self.take(len).map(|(id, _)| id);
         }
-        let mr = self
-            .free
-            .lock()
-            .pd
-            .register_vec(vec![0u8; len], AccessFlags::LOCAL_WRITE);
+        let mr = self.pd.register_vec(vec![0u8; len], AccessFlags::LOCAL_WRITE);
         let mr = mr.map_err(|e| RpcError::Transport(format!("registering a {len}-byte vector: {e}")))?;
         Ok(self.hold_as(mr, false, true))
     }
@@ -303,7 +302,7 @@ impl Stash {
             return self.lend(&data);
         }
         let len = data.len();
-        let mr = self.free.lock().pd.register_vec(data, AccessFlags::REMOTE_READ);
+        let mr = self.pd.register_vec(data, AccessFlags::REMOTE_READ);
         let mr = mr.map_err(|e| RpcError::Transport(format!("registering a {len}-byte vector: {e}")))?;
         let desc = mr.remote();
         Ok((desc, self.hold_as(mr, false, true)))
