@@ -223,6 +223,12 @@ impl Conn {
         busy | self.flush()
     }
 
+    /// True once this side's Close went out and every Send is complete
+    /// ([`Session::go_away`]): nothing is left to deliver, and the connection may close.
+    pub(crate) fn closed(&self) -> bool {
+        self.session.is_closed() && self.backlog.is_empty() && self.qp.outstanding_sends() == 0
+    }
+
     /// Why the connection was lost, once it is.
     pub(crate) fn lost(&self) -> Option<&str> {
         self.lost.as_deref()
@@ -315,6 +321,12 @@ impl Conn {
                         self.session.handle_message_in(msg, offer, now)
                     }
                 };
+                if self.lost.is_none() {
+                    // The peer's Close ends the session: the connection with it.
+                    if let Some(why) = self.session.lost_reason() {
+                        self.lost = Some(why.to_owned());
+                    }
+                }
                 match r {
                     Err(e) => self.lose(format!("peer broke the protocol: {e}")),
                     // The message stays in its slot for the application.
@@ -436,8 +448,10 @@ impl Conn {
                 // Only every SIGNAL_EVERY-th Send asks for a completion (as perftest and eRPC
                 // do): its completion also gives back the buffers of the unsignaled ones before
                 // it, and the poll loops see one completion where they saw SIGNAL_EVERY.
+                // Every Send of a connection shutting down asks for one: its last (Close) must
+                // complete before the connection closes.
                 self.unsignaled += 1;
-                if self.unsignaled < SIGNAL_EVERY {
+                if self.unsignaled < SIGNAL_EVERY && !self.session.is_going_away() {
                     wr = wr.unsignaled();
                 } else {
                     self.unsignaled = 0;

@@ -4,6 +4,7 @@ use foldhash::{HashMap, HashSet};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use rdma_rpc_transport::{Device, Listener, QpOptions};
@@ -173,35 +174,170 @@ impl Server {
     }
 
     /// Accepts connections forever, each with its own protection domain, CQ, ring and driver.
-    /// A connection that fails to set up is logged and skipped.
+    /// A connection that fails to set up is logged and skipped. Each connection runs in a task
+    /// of its own until its client goes: dropping this future stops accepting, not them. For
+    /// a server that stops, see [`Server::serve_with_shutdown`].
     ///
     /// # Errors
     /// Only when the listener itself fails.
     pub async fn serve(self) -> Result<(), RpcError> {
         loop {
-            let l = self.listener.clone();
-            // A bounded wait, so that a runtime shutting down never waits long on this thread.
-            let req = tokio::task::spawn_blocking(move || l.accept(Some(ACCEPT_POLL)))
-                .await
-                .map_err(|e| RpcError::Transport(format!("accept task: {e}")))?;
-            let req = match req {
-                Ok(r) => r,
-                Err(rdma_rpc_transport::Error::Timeout(_)) => continue,
-                Err(e) => {
-                    tracing::warn!(%e, "accepting a connection");
-                    continue;
+            let req = accept(self.listener.clone()).await?;
+            let Some(req) = req else { continue };
+            let conn = self.connection(req, None);
+            tokio::spawn(conn);
+        }
+    }
+
+    /// As [`Server::serve`] until `signal` completes, then shuts down gracefully and returns
+    /// once every connection is closed:
+    ///
+    /// - no new connection is accepted;
+    /// - each client is told to start no new calls (they fail at once with
+    ///   [`RpcError::ShuttingDown`], unsent);
+    /// - every request that reached the server before it closed the connection is run and
+    ///   answered, handlers that take a while included;
+    /// - then each connection closes with a last message that tells its client that the calls
+    ///   it still has pending were not run: they fail with [`RpcError::ShuttingDown`] too, never
+    ///   with an ambiguous [`RpcError::ConnectionLost`]. So a call either ran once and got its
+    ///   answer, or did not run and may be retried elsewhere.
+    ///
+    /// Idle clients do not hold the shutdown up. A handler that never finishes does: to bound
+    /// the wait, run this future under `tokio::time::timeout`; dropping it closes the
+    /// connections still open at once (their pending calls then fail with
+    /// [`RpcError::ConnectionLost`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use rdma_rpc_core::{Client, Config, RpcError, Server};
+    /// use rdma_rpc_core::transport::Device;
+    ///
+    /// let dev = Device::open("tcp")?;
+    /// let server = Server::builder(Config::default())
+    ///     .handler(1, |req: Vec<u8>| async move { Ok(req) })
+    ///     .bind(&dev, "127.0.0.1:0".parse()?)?;
+    /// let addr = server.local_addr()?;
+    /// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    /// let serving = tokio::spawn(server.serve_with_shutdown(async move {
+    ///     let _ = stopped.await;
+    /// }));
+    ///
+    /// let client = Client::connect(&dev, addr, Config::default()).await?;
+    /// assert_eq!(client.call(1, b"ping".to_vec()).await?, b"ping");
+    ///
+    /// stop.send(()).ok();
+    /// serving.await??; // every connection drained and closed
+    /// assert_eq!(client.call(1, b"ping".to_vec()).await, Err(RpcError::ShuttingDown));
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// Only when the listener itself fails (the connections are closed first).
+    pub async fn serve_with_shutdown(self, signal: impl Future<Output = ()>) -> Result<(), RpcError> {
+        let shutdown = Arc::new(Shutdown::default());
+        // Owned here: dropping this future aborts them (closing their connections).
+        let mut conns = tokio::task::JoinSet::new();
+        let mut pending_accept = None;
+        tokio::pin!(signal);
+        let result = loop {
+            let next = pending_accept.get_or_insert_with(|| tokio::spawn(accept(self.listener.clone())));
+            tokio::select! {
+                () = &mut signal => break Ok(()),
+                r = next => {
+                    pending_accept = None;
+                    match r {
+                        Ok(Ok(Some(req))) => {
+                            conns.spawn(self.connection(req, Some(shutdown.clone())));
+                        }
+                        Ok(Ok(None)) => {}
+                        Ok(Err(e)) => break Err(e),
+                        Err(e) => break Err(RpcError::Transport(format!("accept task: {e}"))),
+                    }
                 }
-            };
-            let (device, config) = (self.device.clone(), self.config.clone());
-            let (handlers, in_slot) = (self.handlers.clone(), self.in_slot.clone());
-            tokio::spawn(async move {
-                if let Err(e) = serve_connection(device, config, handlers, &in_slot, req).await {
-                    tracing::warn!(%e, "setting up a connection");
-                }
-            });
+                Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            }
+        };
+        // A connection request the accept in progress takes now is refused, not served.
+        if let Some(next) = pending_accept {
+            if let Ok(Ok(Some(req))) = next.await {
+                req.reject();
+            }
+        }
+        shutdown.start();
+        while conns.join_next().await.is_some() {}
+        result
+    }
+
+    /// The task that sets up and serves one connection.
+    fn connection(
+        &self,
+        req: rdma_rpc_transport::ConnectRequest,
+        shutdown: Option<Arc<Shutdown>>,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        let (device, config) = (self.device.clone(), self.config.clone());
+        let (handlers, in_slot) = (self.handlers.clone(), self.in_slot.clone());
+        async move {
+            if let Err(e) = serve_connection(device, config, handlers, &in_slot, req, shutdown).await {
+                tracing::warn!(%e, "setting up a connection");
+            }
         }
     }
 }
+
+/// The next connection request, or `None` when none came within [`ACCEPT_POLL`] (or one failed,
+/// which is logged).
+async fn accept(listener: Arc<Listener>) -> Result<Option<rdma_rpc_transport::ConnectRequest>, RpcError> {
+    // A bounded wait, so that a runtime shutting down never waits long on this thread.
+    let req = tokio::task::spawn_blocking(move || listener.accept(Some(ACCEPT_POLL)))
+        .await
+        .map_err(|e| RpcError::Transport(format!("accept task: {e}")))?;
+    match req {
+        Ok(r) => Ok(Some(r)),
+        Err(rdma_rpc_transport::Error::Timeout(_)) => Ok(None),
+        Err(e) => {
+            tracing::warn!(%e, "accepting a connection");
+            Ok(None)
+        }
+    }
+}
+
+/// A server's shutdown, as its connections see it: a flag each driver looks at once per round
+/// (one load), and a wake-up for those asleep.
+#[derive(Default)]
+struct Shutdown {
+    started: AtomicBool,
+    wake: tokio::sync::Notify,
+}
+
+impl Shutdown {
+    fn start(&self) {
+        self.started.store(true, Ordering::Release);
+        self.wake.notify_waiters();
+    }
+
+    fn started(&self) -> bool {
+        self.started.load(Ordering::Acquire)
+    }
+
+    /// Completes once [`Shutdown::start`] was called.
+    async fn wait(&self) {
+        loop {
+            let woken = self.wake.notified();
+            tokio::pin!(woken);
+            // Registered before the look at the flag: a start between the two still wakes it.
+            woken.as_mut().enable();
+            if self.started() {
+                return;
+            }
+            woken.await;
+        }
+    }
+}
+
+/// What a connection's driver hears of its server's shutdown.
+struct GoAway;
 
 async fn serve_connection(
     device: Device,
@@ -209,6 +345,7 @@ async fn serve_connection(
     handlers: Arc<HashMap<u32, Handler>>,
     in_slot: &HashSet<u32>,
     req: rdma_rpc_transport::ConnectRequest,
+    shutdown: Option<Arc<Shutdown>>,
 ) -> Result<(), RpcError> {
     let config = config.on(&device);
     let mine = Hello::from_config(&config);
@@ -235,6 +372,8 @@ async fn serve_connection(
         buffers: conn.stash.buffers(),
         handlers,
         tasks: Tasks::new(),
+        shutdown,
+        going_away: false,
     };
     driver::run(conn, role, config.mode).await;
     Ok(())
@@ -250,6 +389,20 @@ struct ServerRole {
     buffers: Buffers,
     /// Handlers that did not finish on their first poll.
     tasks: Tasks<Result<Response, RpcError>>,
+    /// The server's shutdown, when it has one ([`Server::serve_with_shutdown`]).
+    shutdown: Option<Arc<Shutdown>>,
+    /// This connection's GoAway is queued.
+    going_away: bool,
+}
+
+impl ServerRole {
+    #[cold]
+    fn go_away(&mut self, conn: &mut Conn) {
+        if !self.going_away {
+            self.going_away = true;
+            conn.session.go_away();
+        }
+    }
 }
 
 /// Hands a handler's result to the session: large responses are staged in a registered buffer
@@ -328,9 +481,15 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
 }
 
 impl Role for ServerRole {
+    #[inline]
     fn drain_inputs(&mut self, conn: &mut Conn) -> bool {
+        let mut busy = false;
+        if !self.going_away && self.shutdown.as_ref().is_some_and(|s| s.started()) {
+            self.go_away(conn);
+            busy = true;
+        }
         // Results of aborted calls are dropped: the session answered those already.
-        self.tasks.drain(|call, result| answer(conn, call, result))
+        busy | self.tasks.drain(|call, result| answer(conn, call, result))
     }
 
     fn on_event(&mut self, conn: &mut Conn, ev: Event) {
@@ -401,18 +560,36 @@ impl Role for ServerRole {
     }
 
     async fn wait_input(&mut self) -> Option<RoleInput> {
-        self.tasks.recv().await.map(|d| Box::new(d) as RoleInput)
-    }
-
-    fn on_input(&mut self, conn: &mut Conn, input: RoleInput) {
-        if let Ok(d) = input.downcast::<Done>() {
-            let (call, result) = *d;
-            answer(conn, call, result);
+        let shutdown = self.shutdown.clone().filter(|_| !self.going_away);
+        let stop = async move {
+            match shutdown {
+                Some(s) => s.wait().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            d = self.tasks.recv() => d.map(|d| Box::new(d) as RoleInput),
+            () = stop => Some(Box::new(GoAway)),
         }
     }
 
-    fn finished(&self, _conn: &Conn) -> bool {
-        false
+    fn on_input(&mut self, conn: &mut Conn, input: RoleInput) {
+        match input.downcast::<Done>() {
+            Ok(d) => {
+                let (call, result) = *d;
+                answer(conn, call, result);
+            }
+            Err(other) => {
+                if other.is::<GoAway>() {
+                    self.go_away(conn);
+                }
+            }
+        }
+    }
+
+    #[inline]
+    fn finished(&self, conn: &Conn) -> bool {
+        self.going_away && conn.closed()
     }
 
     fn on_lost(&mut self, _why: &str) {

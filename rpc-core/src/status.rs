@@ -85,6 +85,11 @@ pub enum RpcError {
     /// unknown length); nothing was sent.
     #[error("could not encode the call: {0}")]
     Encode(String),
+    /// The server is shutting down ([`Server::serve_with_shutdown`](crate::Server::serve_with_shutdown)):
+    /// this call was not run there, so it is safe to retry, on a new connection (to the same
+    /// address once the server is back) or to another server.
+    #[error("the server is shutting down: the call was not run; retry it on a new connection or another server")]
+    ShuttingDown,
     /// The transport failed (registration, posting).
     #[error("transport error: {0}")]
     Transport(String),

@@ -1095,3 +1095,103 @@ fn a_response_replayed_after_its_call_finished_is_refused() {
     );
     assert_eq!(client.pending_calls(), 1);
 }
+
+/// Steps the two sides by hand, without serving: moves what each wants sent and delivers it.
+fn exchange(a: &mut Side, b: &mut Side, now: Instant) {
+    for _ in 0..64 {
+        pump(a, b);
+        pump(b, a);
+        run_rdma(a, b, now);
+        run_rdma(b, a, now);
+        deliver(b, now).expect("server accepts");
+        deliver(a, now).expect("client accepts");
+        a.drain_events();
+        b.drain_events();
+    }
+}
+
+#[test]
+fn go_away_serves_what_was_sent_refuses_new_calls_and_closes_when_drained() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    // Two calls reach the server (one by rendezvous); neither is answered yet.
+    let small = a.call(10, None, None, now);
+    let large = a.call(300, None, None, now);
+    exchange(&mut a, &mut b, now);
+    assert_eq!(b.requests.len(), 2, "both requests are at the handler");
+    b.s.go_away();
+    exchange(&mut a, &mut b, now);
+    assert!(a.s.is_going_away(), "the client heard GoAway");
+    assert!(!b.s.is_closed(), "no Close while two requests are being served");
+    assert_eq!(
+        a.s.start_call(1, Payload::Eager(vec![1]), None, None, now),
+        Err(RpcError::ShuttingDown),
+        "no new call starts after GoAway"
+    );
+    // The handler answers both: the responses come, then Close.
+    serve(&mut b, |n| n + 1);
+    exchange(&mut a, &mut b, now);
+    for (id, req) in [(small, 10), (large, 300)] {
+        let r = a.done.remove(&id).expect("answered").expect("ok");
+        assert_eq!(reply_bytes(&a, &r), expected_response(req, req + 1));
+    }
+    assert!(b.s.is_closed(), "Close went once nothing was left to serve");
+    assert!(a.s.is_lost(), "the client's session ends with the server's Close");
+    assert_eq!(
+        a.s.start_call(1, Payload::Eager(vec![1]), None, None, now),
+        Err(RpcError::ShuttingDown),
+        "after Close a call still fails as not run, not as a lost connection"
+    );
+    assert!(
+        !b.s.has_transmit() && b.s.poll_transmit().is_none(),
+        "nothing follows Close"
+    );
+    assert!(a.lent.is_empty() && b.lent.is_empty(), "every lent buffer released");
+    assert_eq!((a.rnr, b.rnr), (0, 0));
+}
+
+#[test]
+fn a_request_that_crosses_close_is_not_run_and_fails_as_not_run() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    b.s.go_away();
+    // GoAway and Close leave the server before the client hears either; the client's call
+    // crosses them on the wire.
+    pump(&mut b, &mut a);
+    assert!(b.s.is_closed(), "an idle server closes right after GoAway");
+    let late = a.call(10, None, None, now);
+    let rendezvous = a.call(300, None, None, now);
+    exchange(&mut a, &mut b, now);
+    assert!(
+        b.requests.is_empty(),
+        "no handler runs for a request that came after Close"
+    );
+    assert!(b.rdma.is_empty(), "nor is a lent request read");
+    for id in [late, rendezvous] {
+        assert_eq!(a.done.remove(&id), Some(Err(RpcError::ShuttingDown)), "call {id}");
+    }
+    assert!(a.lent.is_empty(), "the lent request's buffer is the client's again");
+    assert!(a.s.is_lost());
+    assert_eq!((a.rnr, b.rnr), (0, 0));
+}
+
+#[test]
+fn close_waits_for_a_lent_response_to_be_read() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    let id = a.call(10, None, None, now);
+    exchange(&mut a, &mut b, now);
+    b.s.go_away();
+    // A large response: lent, so the server must wait for the client's ReadDone.
+    serve(&mut b, |_| 500);
+    pump(&mut b, &mut a);
+    assert!(
+        !b.s.is_closed(),
+        "no Close while the client may still read the lent response"
+    );
+    exchange(&mut a, &mut b, now);
+    let r = a.done.remove(&id).expect("answered").expect("ok");
+    assert_eq!(reply_bytes(&a, &r), expected_response(10, 500));
+    assert!(b.s.is_closed(), "Close once the response was read");
+    assert!(b.lent.is_empty(), "the lent response released");
+}

@@ -25,6 +25,12 @@ pub enum Kind {
     ReadDone = 4,
     /// Nothing but returned credits.
     Credit = 5,
+    /// The server is shutting down: start no new calls on this connection. Requests sent
+    /// before it arrived are still served.
+    GoAway = 6,
+    /// The server's last message: it answered every request it will ever serve and runs none
+    /// that arrives after this one. The caller's calls still pending were not run.
+    Close = 7,
 }
 
 impl Kind {
@@ -35,6 +41,8 @@ impl Kind {
             3 => Kind::Cancel,
             4 => Kind::ReadDone,
             5 => Kind::Credit,
+            6 => Kind::GoAway,
+            7 => Kind::Close,
             k => return Err(ProtoError::BadKind(k)),
         })
     }
@@ -85,6 +93,15 @@ impl Header {
             credits,
             body_len: 0,
             budget_us: 0,
+        }
+    }
+
+    /// The header of a message of `kind` that belongs to no call (Credit, GoAway, Close),
+    /// its credits to be filled in when it is sent.
+    pub fn control(kind: Kind) -> Header {
+        Header {
+            kind,
+            ..Header::credit(0)
         }
     }
 

@@ -370,6 +370,21 @@ pub struct Session {
     /// Set when a call or a served request with a deadline was added; cleared by
     /// [`Session::poll_timeout`] once it finds none. (Atomic only to keep `Session` `Sync`.)
     deadlines: AtomicBool,
+    /// Our own shutdown ([`Session::go_away`]): GoAway queued, then Close sent.
+    ours: Shutdown,
+    /// The peer's: its GoAway, then its Close, as they came.
+    theirs: Shutdown,
+}
+
+/// How far one side's shutdown went ([`Session::go_away`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Shutdown {
+    /// Not started.
+    None,
+    /// GoAway: no new calls; requests already sent are served.
+    GoingAway,
+    /// Close: every request that will ever be served is answered.
+    Closed,
 }
 
 struct Joining {
@@ -395,6 +410,8 @@ impl Session {
             in_slot_methods: HashSet::default(),
             offer: None,
             deadlines: AtomicBool::new(false),
+            ours: Shutdown::None,
+            theirs: Shutdown::None,
         }
     }
 
@@ -485,6 +502,11 @@ impl Session {
         budget: Option<Duration>,
         now: Instant,
     ) -> Result<u32, RpcError> {
+        // Before the loss: after the peer's Close the connection is lost too, and the caller
+        // must learn that this call was not run (and may be retried elsewhere).
+        if self.theirs != Shutdown::None || self.ours != Shutdown::None {
+            return Err(RpcError::ShuttingDown);
+        }
         if let Some(why) = &self.lost {
             return Err(RpcError::ConnectionLost(why.clone()));
         }
@@ -685,6 +707,10 @@ impl Session {
 
     fn handle_request(&mut self, h: &Header, body: Cow<'_, [u8]>, now: Instant) -> Result<(), ProtoError> {
         let call = h.call_id;
+        if self.ours == Shutdown::Closed {
+            // Sent before the caller saw our Close, which tells it this call was not run.
+            return Ok(());
+        }
         if self.served.contains_key(call) {
             return Err(ProtoError::DuplicateCall(call));
         }
@@ -1005,6 +1031,14 @@ impl Session {
             }
             Kind::ReadDone => self.handle_read_done_msg(h.call_id),
             Kind::Credit => Ok(()),
+            Kind::GoAway => {
+                self.theirs = self.theirs.max(Shutdown::GoingAway);
+                Ok(())
+            }
+            Kind::Close => {
+                self.handle_close();
+                Ok(())
+            }
         }
     }
 
@@ -1126,6 +1160,71 @@ impl Session {
         }
     }
 
+    /// Starts a graceful shutdown of this side (a server's): the peer is told to start no new
+    /// calls (GoAway); requests it sent before it learnt that are still served; once nothing is
+    /// left to serve, [`Session::poll_transmit`] gives the last message, Close, which tells the
+    /// peer that its calls still pending were not run. After Close the session serves and sends
+    /// nothing more: the driver closes the connection once Close's Send is complete
+    /// ([`Session::is_closed`]). Calls of this side's own fail with
+    /// [`RpcError::ShuttingDown`] from now on.
+    pub fn go_away(&mut self) {
+        if self.ours != Shutdown::None || self.lost.is_some() {
+            return;
+        }
+        self.ours = Shutdown::GoingAway;
+        self.queue_small(Kind::GoAway, 0, 0, Vec::new());
+    }
+
+    /// True once this side sent Close ([`Session::go_away`]): the connection may close as soon
+    /// as that Send is complete.
+    pub fn is_closed(&self) -> bool {
+        self.ours == Shutdown::Closed
+    }
+
+    /// True once this side started its shutdown, or the peer told it of its own: no new calls.
+    pub fn is_going_away(&self) -> bool {
+        self.ours != Shutdown::None || self.theirs != Shutdown::None
+    }
+
+    /// Close is due: GoAway went out, and nothing is left to serve or to send.
+    fn close_due(&self) -> bool {
+        self.ours == Shutdown::GoingAway
+            && self.lost.is_none()
+            && self.served.len() == 0
+            && self.queue.is_empty()
+            && self.credits.available() >= 1
+    }
+
+    /// The last message, Close: it may take the credit held back for Credit messages, as
+    /// nothing follows it.
+    #[cold]
+    fn close(&mut self) -> Option<Transmit> {
+        let credits = self.credits.spend()?;
+        self.ours = Shutdown::Closed;
+        Some(Transmit::Send(encode(
+            Header::control(Kind::Close),
+            credits,
+            Vec::new(),
+        )))
+    }
+
+    /// The peer's Close: the calls still pending were never run there. They fail with
+    /// [`RpcError::ShuttingDown`]; then the connection is over.
+    #[cold]
+    fn handle_close(&mut self) {
+        self.theirs = Shutdown::Closed;
+        let calls: Vec<u32> = self.calls.iter().map(|(id, _)| id).collect();
+        for call in calls {
+            self.finish_call(call, Err(RpcError::ShuttingDown));
+        }
+        self.handle_connection_lost("the peer shut the connection down (Close)");
+    }
+
+    /// Why the connection was declared lost, once it was (the peer's Close included).
+    pub fn lost_reason(&self) -> Option<&str> {
+        self.lost.as_deref()
+    }
+
     /// The connection is gone (QP error, peer dead): every pending call fails now, every
     /// handler is aborted, every lent buffer is released (no peer can reach it any more).
     pub fn handle_connection_lost(&mut self, why: &str) {
@@ -1188,7 +1287,10 @@ impl Session {
     pub fn has_transmit(&self) -> bool {
         !self.actions.is_empty()
             || (self.lost.is_none()
-                && ((!self.queue.is_empty() && self.credits.can_send_data()) || self.credits.credit_message_due()))
+                && self.ours != Shutdown::Closed
+                && ((!self.queue.is_empty() && self.credits.can_send_data())
+                    || self.credits.credit_message_due()
+                    || self.close_due()))
     }
 
     /// The next piece of work to post, if credits allow.
@@ -1196,8 +1298,11 @@ impl Session {
         if let Some(a) = self.actions.pop_front() {
             return Some(a);
         }
-        if self.lost.is_some() {
+        if self.lost.is_some() || self.ours == Shutdown::Closed {
             return None;
+        }
+        if self.close_due() {
+            return self.close();
         }
         if !self.queue.is_empty() && self.credits.can_send_data() {
             let piece = self.cfg.piece();
@@ -1241,7 +1346,11 @@ impl Session {
         }
         if self.credits.credit_message_due() {
             let credits = self.credits.spend()?;
-            return Some(Transmit::Send(encode(Header::credit(0), credits, Vec::new())));
+            return Some(Transmit::Send(encode(
+                Header::control(Kind::Credit),
+                credits,
+                Vec::new(),
+            )));
         }
         None
     }
