@@ -121,6 +121,31 @@ fn echo_server_and_client_run_as_two_processes() {
     }
 }
 
+#[test]
+fn echo_server_shuts_down_gracefully_on_sigterm() {
+    let (server, addr) = start("echo", &["--listen", &format!("{}:0", ip())]);
+    let stdout = run("echo", &["--connect", &addr, "--sizes", "64", "--iters", "5"]);
+    assert!(stdout.contains("5 echoes verified"), "{stdout}");
+    let pid = server.child.0.id().to_string();
+    let sent = Command::new("kill").args(["-TERM", &pid]).status().expect("run kill");
+    assert!(sent.success(), "kill -TERM {pid}");
+    // It exits by itself, successfully, once its connections are closed.
+    let rest = server.finish("echo server");
+    assert!(
+        rest.contains("shut down: every echo that reached the server was answered"),
+        "{rest}"
+    );
+    // Nobody listens any more.
+    let out = Command::new(example("echo"))
+        .args(["--connect", &addr, "--sizes", "64", "--iters", "1"])
+        .output()
+        .expect("run");
+    assert!(
+        !out.status.success(),
+        "a client still reached the server after its shutdown"
+    );
+}
+
 /// Runs a backup and a primary; returns both outputs after checking that the logs they wrote
 /// are the same bytes and that their digests agree.
 fn logsync(backup_args: &[&str], primary_args: &[&str], tag: &str) -> (String, String) {

@@ -5,8 +5,9 @@
 //! cargo run --example echo -- --connect 127.0.0.1:7471 --sizes 64,1048576 # client
 //! ```
 //! `--provider tcp|verbs|verbs:<dev>` picks the transport (default: `RDMA_RPC_PROVIDER`, else
-//! `tcp`). The server prints `listening on <addr>`; the client checks every echo byte for byte
-//! and prints the median round trip per size.
+//! `tcp`). The server prints `listening on <addr>` and serves until Ctrl-C or SIGTERM, then shuts
+//! down gracefully; the client checks every echo byte for byte and prints the median round trip
+//! per size.
 
 mod service;
 
@@ -52,12 +53,31 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
-/// Serves until killed.
+/// Serves until Ctrl-C or SIGTERM, then shuts down gracefully: every echo that reached the
+/// server is answered, and clients' later calls fail with `RpcError::ShuttingDown` (not run).
 async fn serve(device: &Device, addr: SocketAddr) -> Result<(), Box<dyn std::error::Error>> {
     let server = EchoServer::new(Echoer).bind(device, addr, Config::default())?;
     println!("listening on {} ({})", server.local_addr()?, device.provider());
-    server.serve().await?;
+    server.serve_with_shutdown(stop_signal()).await?;
+    println!("shut down: every echo that reached the server was answered");
     Ok(())
+}
+
+/// Completes on Ctrl-C (SIGINT) or SIGTERM.
+async fn stop_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(e) => {
+            eprintln!("no SIGTERM handler ({e}): stop with Ctrl-C");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
 }
 
 /// Echoes `iters` messages of each size, checks them, prints the median round trip.

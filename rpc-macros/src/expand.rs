@@ -244,7 +244,7 @@ fn server(s: &Service) -> TokenStream {
             }
 
             /// Binds a server for this service alone on `addr` (port 0 picks one); run it with
-            /// `Server::serve`.
+            /// `Server::serve`, or `Server::serve_with_shutdown` for one that stops gracefully.
             ///
             /// # Errors
             /// As `ServerBuilder::bind`: the address cannot be bound.
