@@ -67,6 +67,8 @@ struct Side {
     sending: HashSet<BufId>,
     /// Messages sent from placed buffers.
     placed_sent: u32,
+    /// Calls whose handler ran (the server's side).
+    ran: HashSet<u32>,
 }
 
 impl Side {
@@ -94,6 +96,7 @@ impl Side {
             placed: false,
             sending: HashSet::new(),
             placed_sent: 0,
+            ran: HashSet::new(),
         }
     }
 
@@ -173,13 +176,40 @@ impl Side {
     }
 
     fn call(&mut self, len: usize, landing: Option<usize>, budget: Option<Duration>, now: Instant) -> u32 {
+        self.try_call(len, landing, budget, now).expect("start_call")
+    }
+
+    /// As [`Side::call`]; a call refused at the start gives its buffers back to this side.
+    fn try_call(
+        &mut self,
+        len: usize,
+        landing: Option<usize>,
+        budget: Option<Duration>,
+        now: Instant,
+    ) -> Result<u32, RpcError> {
         let p = self.payload(pattern(len, len as u8), landing.is_some());
+        let staged = match &p {
+            Payload::Lent { buf, .. } | Payload::Placed { buf, .. } => Some(*buf),
+            Payload::Eager(_) => None,
+        };
         let landing = landing.map(|l| self.stage(vec![0; l]));
-        let id = self.s.start_call(1, p, landing, budget, now).expect("start_call");
+        let landing_buf = landing.map(|(_, b)| b);
+        let id = match self.s.start_call(1, p, landing, budget, now) {
+            Ok(id) => id,
+            Err(e) => {
+                // Never sent: the driver has its buffers back.
+                for b in staged.into_iter().chain(landing_buf) {
+                    self.lent.remove(&b);
+                    self.sending.remove(&b);
+                    self.bufs.remove(&b);
+                }
+                return Err(e);
+            }
+        };
         if self.in_slot {
             self.s.keep_in_slot(id);
         }
-        id
+        Ok(id)
     }
 
     fn drain_events(&mut self) {
@@ -372,6 +402,7 @@ fn serve(server: &mut Side, resp_len: impl Fn(usize) -> usize) {
         if server.aborted.contains(&call) {
             continue;
         }
+        server.ran.insert(call);
         let len = resp_len(req.len());
         let mut body = pattern(len, req.len() as u8);
         body.iter_mut().zip(req.iter()).for_each(|(b, r)| *b ^= r);
@@ -1194,4 +1225,74 @@ fn close_waits_for_a_lent_response_to_be_read() {
     assert_eq!(reply_bytes(&a, &r), expected_response(10, 500));
     assert!(b.s.is_closed(), "Close once the response was read");
     assert!(b.lent.is_empty(), "the lent response released");
+}
+
+proptest! {
+    /// Random call mixes as in `random_mixes_keep_every_promise`, with the server's shutdown
+    /// starting at a random point: every call either ran once and got its answer, or failed with
+    /// `ShuttingDown` and never reached a handler (or was cancelled or timed out); the server
+    /// ends with Close, the client's session with it, with no RNR and no buffer left lent.
+    #[test]
+    fn random_mixes_with_a_shutdown_run_each_call_once_or_not_at_all(ops in proptest::collection::vec((0u8..9, 0usize..400, 0usize..400), 1..120), stop_at in 0usize..120, held in any::<bool>(), placed in any::<bool>()) {
+        let mut now = Instant::now();
+        let server = if held { Side::new(2000).holding_reads() } else { Side::new(2000) };
+        let (mut a, mut b) = if placed { (Side::new(1000).placing(), server.placing()) } else { (Side::new(1000), server) };
+        let resp_for = |req: usize| (req * 7 + 3) % 400;
+        let mut started: HashMap<u32, (usize, usize)> = HashMap::new();
+        for (i, (op, x, y)) in ops.into_iter().enumerate() {
+            if i == stop_at {
+                b.s.go_away();
+            }
+            match op {
+                0 | 1 => {
+                    let landing = (y % 3 == 0).then_some(y);
+                    let budget = (x % 11 == 0).then(|| Duration::from_millis(1 + (y % 5) as u64));
+                    match a.try_call(x, landing, budget, now) {
+                        Ok(id) => { started.insert(id, (x, resp_for(x))); }
+                        Err(e) => {
+                            prop_assert_eq!(e, RpcError::ShuttingDown);
+                            prop_assert!(i > stop_at, "a call refused before the shutdown");
+                        }
+                    }
+                }
+                2 => { if let Some(&id) = started.keys().nth(x % started.len().max(1)) { a.s.cancel(id); } }
+                3 => { pump(&mut a, &mut b); pump(&mut b, &mut a); }
+                4 => { deliver(&mut b, now).expect("server"); b.drain_events(); }
+                5 => { deliver(&mut a, now).expect("client"); a.drain_events(); }
+                6 => { run_rdma(&mut a, &mut b, now); run_rdma(&mut b, &mut a, now); }
+                7 => {
+                    now += Duration::from_millis((x % 3) as u64);
+                    a.s.handle_timeout(now); b.s.handle_timeout(now);
+                    a.drain_events(); b.drain_events();
+                }
+                _ => serve(&mut b, resp_for),
+            }
+        }
+        b.s.go_away();
+        settle(&mut a, &mut b, now, resp_for);
+        prop_assert_eq!((a.rnr, b.rnr), (0, 0));
+        prop_assert!(b.s.is_closed(), "the server closed once it had nothing left to serve");
+        prop_assert!(a.s.is_lost(), "the client's session ended with the server's Close");
+        for (id, (req, resp)) in &started {
+            match a.done.get(id) {
+                Some(Ok(r)) => {
+                    prop_assert!(b.ran.contains(id), "call {} answered without running", id);
+                    prop_assert_eq!(reply_bytes(&a, r), expected_response(*req, *resp));
+                }
+                Some(Err(RpcError::ShuttingDown)) => {
+                    prop_assert!(!b.ran.contains(id), "call {} ran but failed as not run", id);
+                }
+                Some(Err(RpcError::DeadlineExceeded)) => {}
+                Some(Err(e)) => prop_assert!(false, "call {} failed: {}", id, e),
+                // Cancelled by the caller (its future dropped): no result to give.
+                None => {}
+            }
+        }
+        let landed: HashSet<BufId> = a.done.values().filter_map(|r| match r { Ok(Reply::Landed { buf }) => Some(*buf), _ => None }).collect();
+        prop_assert!(a.lent.iter().all(|b| landed.contains(b)), "client buffers still lent: {:?}", a.lent);
+        prop_assert!(b.lent.is_empty(), "server buffers still lent: {:?}", b.lent);
+        prop_assert!(b.reading.is_empty(), "server read buffers neither handed out nor released: {:?}", b.reading);
+        prop_assert_eq!(b.s.serving(), 0);
+        prop_assert!(a.sending.is_empty() && b.sending.is_empty(), "placed buffers neither sent nor released");
+    }
 }
