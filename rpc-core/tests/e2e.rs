@@ -1,14 +1,14 @@
 //! End to end: client and server over a real transport provider (from `RDMA_RPC_PROVIDER`,
 //! default `tcp`; in the VM lane `verbs` on rxe0, with `RDMA_RPC_TEST_IP`).
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod common;
 
-use common::bounded;
+use common::{bounded, device, test_ip};
 
 use rdma_rpc_core::transport::Device;
 use rdma_rpc_core::{CallOptions, Client, Config, RpcError, Server};
@@ -20,17 +20,6 @@ const PANIC: u32 = 4;
 const CHECK: u32 = 5;
 const FAIL: u32 = 6;
 const THRESHOLD: usize = 16 * 1024;
-
-fn device() -> Device {
-    Device::open_default().expect("open the provider named by RDMA_RPC_PROVIDER")
-}
-
-fn test_ip() -> IpAddr {
-    std::env::var("RDMA_RPC_TEST_IP")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(IpAddr::from([127, 0, 0, 1]))
-}
 
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;

@@ -5,14 +5,14 @@
 //! is sent from its buffer, and `ServerBuilder::handler_buf` answers from one. Over
 //! `RDMA_RPC_PROVIDER` (default `tcp`).
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 mod common;
 
-use common::bounded;
+use common::{bounded, test_ip};
 
 use parking_lot::Mutex;
 use rdma_rpc_core::proto::{FRAGMENT, HEADER_LEN};
@@ -33,13 +33,6 @@ const REVERSE_BUF: u32 = 5;
 /// a buffer of the first connection that called it (so a copy on any other).
 const MAKE_BUF: u32 = 6;
 const THRESHOLD: usize = 16 * 1024;
-
-fn test_ip() -> IpAddr {
-    std::env::var("RDMA_RPC_TEST_IP")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(IpAddr::from([127, 0, 0, 1]))
-}
 
 fn checksum(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {

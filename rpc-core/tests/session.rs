@@ -418,16 +418,22 @@ fn expected_response(req_len: usize, resp_len: usize) -> Vec<u8> {
     body
 }
 
+/// One step of both sides, without serving: what each wants sent moves, one RDMA operation
+/// each runs, one message each is delivered, and the events are taken.
+fn step(a: &mut Side, b: &mut Side, now: Instant) {
+    pump(a, b);
+    pump(b, a);
+    run_rdma(a, b, now);
+    run_rdma(b, a, now);
+    deliver(b, now).expect("server accepts");
+    deliver(a, now).expect("client accepts");
+    a.drain_events();
+    b.drain_events();
+}
+
 fn settle(a: &mut Side, b: &mut Side, now: Instant, resp_len: impl Fn(usize) -> usize + Copy) {
     for _ in 0..10_000 {
-        pump(a, b);
-        pump(b, a);
-        run_rdma(a, b, now);
-        run_rdma(b, a, now);
-        deliver(b, now).expect("server accepts");
-        deliver(a, now).expect("client accepts");
-        a.drain_events();
-        b.drain_events();
+        step(a, b, now);
         serve(b, resp_len);
         // Deferred reposts land after what the messages caused was sent, and after the peer
         // had a chance to send into the slots the credits say are posted.
@@ -1127,17 +1133,10 @@ fn a_response_replayed_after_its_call_finished_is_refused() {
     assert_eq!(client.pending_calls(), 1);
 }
 
-/// Steps the two sides by hand, without serving: moves what each wants sent and delivers it.
+/// Steps the two sides a while without serving, until what is in flight has arrived.
 fn exchange(a: &mut Side, b: &mut Side, now: Instant) {
     for _ in 0..64 {
-        pump(a, b);
-        pump(b, a);
-        run_rdma(a, b, now);
-        run_rdma(b, a, now);
-        deliver(b, now).expect("server accepts");
-        deliver(a, now).expect("client accepts");
-        a.drain_events();
-        b.drain_events();
+        step(a, b, now);
     }
 }
 

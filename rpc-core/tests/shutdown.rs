@@ -3,7 +3,7 @@
 //! every call either runs once and gets its answer or fails as not run, with callers busy,
 //! handlers in flight, payloads on both sides of the threshold and idle clients connected.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +12,7 @@ use std::time::Duration;
 #[allow(dead_code)]
 mod common;
 
-use common::{bounded, Rng};
+use common::{bounded, device, test_ip, Rng};
 
 use rdma_rpc_core::transport::Device;
 use rdma_rpc_core::{Client, Config, RpcError, Server};
@@ -20,17 +20,6 @@ use rdma_rpc_core::{Client, Config, RpcError, Server};
 const ECHO: u32 = 1;
 const STUCK: u32 = 2;
 const THRESHOLD: usize = 16 * 1024;
-
-fn device() -> Device {
-    Device::open_default().expect("open the provider named by RDMA_RPC_PROVIDER")
-}
-
-fn test_ip() -> IpAddr {
-    std::env::var("RDMA_RPC_TEST_IP")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(IpAddr::from([127, 0, 0, 1]))
-}
 
 fn config() -> Config {
     Config {

@@ -3,12 +3,14 @@
 //! payload from a registered buffer left (sent from the buffer, lent, copied). One process of its
 //! own (the subscriber is global), shared by this file's tests: each looks only at its own calls.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-#[allow(dead_code)] // this file uses only `bounded`
+#[allow(dead_code)] // this file uses only `bounded` and `test_ip`
 mod common;
+
+use common::test_ip;
 
 use rdma_rpc_core::transport::Device;
 use rdma_rpc_core::{Body, Buffers, CallOptions, Client, Config, RpcError, Server};
@@ -74,13 +76,6 @@ fn recorder() -> Arc<Recorder> {
 
 fn field(fields: &[(String, String)], k: &str) -> Option<String> {
     fields.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
-}
-
-fn test_ip() -> IpAddr {
-    std::env::var("RDMA_RPC_TEST_IP")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(IpAddr::from([127, 0, 0, 1]))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,22 @@
 //! What the end-to-end test files share.
 
+use std::net::IpAddr;
 use std::time::Duration;
+
+use rdma_rpc_core::transport::Device;
+
+/// The provider named by `RDMA_RPC_PROVIDER` (default `tcp`).
+pub fn device() -> Device {
+    Device::open_default().expect("open the provider named by RDMA_RPC_PROVIDER")
+}
+
+/// The address servers bind to: `RDMA_RPC_TEST_IP` (rxe0's in the VM lane), else loopback.
+pub fn test_ip() -> IpAddr {
+    std::env::var("RDMA_RPC_TEST_IP")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(IpAddr::from([127, 0, 0, 1]))
+}
 
 /// Awaits `f`, failing the test after 300 s instead of hanging.
 pub async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
