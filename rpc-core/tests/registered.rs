@@ -12,7 +12,7 @@ use std::time::Duration;
 
 mod common;
 
-use common::{bounded, test_ip};
+use common::{bounded, device, test_ip};
 
 use parking_lot::Mutex;
 use rdma_rpc_core::proto::{FRAGMENT, HEADER_LEN};
@@ -72,7 +72,7 @@ struct Setup {
 
 async fn setup(cfg: Config) -> (Setup, tokio::sync::MutexGuard<'static, ()>) {
     let serial = SERIAL.lock().await;
-    let dev = Device::open_default().expect("open the provider named by RDMA_RPC_PROVIDER");
+    let dev = device();
     let handled = Arc::new(AtomicUsize::new(0));
     let h = handled.clone();
     let kept = Arc::new(Mutex::new(Vec::new()));
