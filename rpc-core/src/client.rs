@@ -138,6 +138,42 @@ impl Client {
         })
     }
 
+    /// Whether this connection takes no more calls because its server is shutting down
+    /// ([`Server::serve_with_shutdown`](crate::Server::serve_with_shutdown)): it sent GoAway
+    /// (calls still pending are answered) or already Close. A call started now would fail
+    /// at once with [`RpcError::ShuttingDown`]; a connection pool uses this to route calls
+    /// elsewhere first. Looks at what has arrived first (one poll of the connection): an idle
+    /// client hears its server's GoAway only when something polls.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use rdma_rpc_core::{Client, Config, Server};
+    /// use rdma_rpc_core::transport::Device;
+    ///
+    /// let dev = Device::open("tcp")?;
+    /// let server = Server::builder(Config::default())
+    ///     .handler(1, |req: Vec<u8>| async move { Ok(req) })
+    ///     .bind(&dev, "127.0.0.1:0".parse()?)?;
+    /// let addr = server.local_addr()?;
+    /// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    /// let serving = tokio::spawn(server.serve_with_shutdown(async move {
+    ///     let _ = stopped.await;
+    /// }));
+    /// let client = Client::connect(&dev, addr, Config::default()).await?;
+    /// assert!(!client.is_shutting_down());
+    /// stop.send(()).ok();
+    /// serving.await??;
+    /// assert!(client.is_shutting_down());
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn is_shutting_down(&self) -> bool {
+        let mut st = self.handle.shared.state.lock();
+        st.progress();
+        st.conn.session.is_going_away()
+    }
+
     /// Calls `method` with `payload`; returns the response bytes.
     ///
     /// Up to the eager threshold the payload is copied into the request message; above it, it

@@ -68,6 +68,10 @@ async fn caller(client: Arc<Client>, n: u64, shutting: Arc<AtomicBool>) -> (usiz
                     shutting.load(Ordering::SeqCst),
                     "caller {n}: refused before the shutdown"
                 );
+                assert!(
+                    client.is_shutting_down(),
+                    "caller {n}: refused, and the client does not say why"
+                );
                 // Refused at once from now on, and still as not run.
                 let again = client.call(ECHO, vec![1; 64]).await;
                 assert_eq!(
@@ -107,6 +111,7 @@ async fn graceful_shutdown_runs_each_call_once_or_fails_it_as_not_run() {
         bounded(idle.call(ECHO, vec![1; 64])).await.expect("idle call"),
         vec![1; 64]
     );
+    assert!(!idle.is_shutting_down(), "nothing said so before the shutdown");
     // Traffic first: a few hundred calls, so that the shutdown finds some in every state.
     for _ in 0..20_000 {
         if runs.load(Ordering::SeqCst) >= 300 {
@@ -136,7 +141,12 @@ async fn graceful_shutdown_runs_each_call_once_or_fails_it_as_not_run() {
         answered >= 300,
         "the shutdown came after the traffic: {answered} calls answered"
     );
-    // The idle client did not hold the shutdown up, and learns of it on its next call.
+    // The idle client did not hold the shutdown up; it sees it when it looks, and its next
+    // call is refused as not run.
+    assert!(
+        idle.is_shutting_down(),
+        "the idle client hears of the shutdown when it looks"
+    );
     assert_eq!(bounded(idle.call(ECHO, vec![2; 64])).await, Err(RpcError::ShuttingDown));
     // Nobody listens any more.
     let late = tokio::time::timeout(Duration::from_secs(60), Client::connect(&dev, addr, config())).await;
