@@ -182,7 +182,7 @@ impl Server {
     /// Only when the listener itself fails.
     pub async fn serve(self) -> Result<(), RpcError> {
         loop {
-            let req = accept(self.listener.clone()).await?;
+            let req = accept(self.listener.clone(), None).await?;
             let Some(req) = req else { continue };
             let conn = self.connection(req, None);
             tokio::spawn(conn);
@@ -237,12 +237,16 @@ impl Server {
     /// Only when the listener itself fails (the connections are closed first).
     pub async fn serve_with_shutdown(self, signal: impl Future<Output = ()>) -> Result<(), RpcError> {
         let shutdown = Arc::new(Shutdown::default());
+        // Dropped with this future (a grace period's end): an accept still in progress then
+        // refuses what it takes.
+        let _started_when_dropped = StartOnDrop(shutdown.clone());
         // Owned here: dropping this future aborts them (closing their connections).
         let mut conns = tokio::task::JoinSet::new();
         let mut pending_accept = None;
         tokio::pin!(signal);
         let result = loop {
-            let next = pending_accept.get_or_insert_with(|| tokio::spawn(accept(self.listener.clone())));
+            let next = pending_accept
+                .get_or_insert_with(|| tokio::spawn(accept(self.listener.clone(), Some(shutdown.clone()))));
             tokio::select! {
                 () = &mut signal => break Ok(()),
                 r = next => {
@@ -259,14 +263,14 @@ impl Server {
                 Some(_) = conns.join_next(), if !conns.is_empty() => {}
             }
         };
-        // A connection request the accept in progress takes now is refused, not served.
-        if let Some(next) = pending_accept {
-            if let Ok(Ok(Some(req))) = next.await {
-                req.reject();
-            }
-        }
+        tracing::info!(connections = conns.len(), "shutting down: accepting no more, draining");
         shutdown.start();
+        // A connection request the accept in progress takes now is refused (by `accept`).
+        if let Some(next) = pending_accept {
+            let _ = next.await;
+        }
         while conns.join_next().await.is_some() {}
+        tracing::info!("shut down: every connection closed");
         result
     }
 
@@ -287,13 +291,20 @@ impl Server {
 }
 
 /// The next connection request, or `None` when none came within [`ACCEPT_POLL`] (or one failed,
-/// which is logged).
-async fn accept(listener: Arc<Listener>) -> Result<Option<rdma_rpc_transport::ConnectRequest>, RpcError> {
+/// which is logged, or came after `shutdown` started, which is refused).
+async fn accept(
+    listener: Arc<Listener>,
+    shutdown: Option<Arc<Shutdown>>,
+) -> Result<Option<rdma_rpc_transport::ConnectRequest>, RpcError> {
     // A bounded wait, so that a runtime shutting down never waits long on this thread.
     let req = tokio::task::spawn_blocking(move || listener.accept(Some(ACCEPT_POLL)))
         .await
         .map_err(|e| RpcError::Transport(format!("accept task: {e}")))?;
     match req {
+        Ok(r) if shutdown.is_some_and(|s| s.started()) => {
+            r.reject();
+            Ok(None)
+        }
         Ok(r) => Ok(Some(r)),
         Err(rdma_rpc_transport::Error::Timeout(_)) => Ok(None),
         Err(e) => {
@@ -333,6 +344,15 @@ impl Shutdown {
             }
             woken.await;
         }
+    }
+}
+
+/// Starts the shutdown when dropped.
+struct StartOnDrop(Arc<Shutdown>);
+
+impl Drop for StartOnDrop {
+    fn drop(&mut self) {
+        self.0.start();
     }
 }
 
