@@ -520,8 +520,10 @@ impl State {
         })();
         match result {
             Ok(call) => {
-                self.calls.insert(call, Slot::default());
+                // The request goes out first: nothing polls in between, so its slot in the
+                // call table can come after, off the round trip's path.
                 self.conn.flush();
+                self.calls.insert(call, Slot::default());
                 Ok((call, back))
             }
             Err(e) => {
@@ -617,7 +619,7 @@ struct Call<'a, T> {
     start: Option<Start>,
     /// The call's `rpc.call` span (made at the first poll; entered at each), or none without
     /// a subscriber.
-    span: tracing::Span,
+    span: Option<tracing::Span>,
     finish: Finish<T>,
     call: u32,
     /// What to give back to the caller besides the response; `None` once given.
@@ -637,7 +639,7 @@ impl<'a, T> Call<'a, T> {
         Self {
             shared,
             start: Some(start),
-            span: tracing::Span::none(),
+            span: None,
             finish,
             call: 0,
             back: None,
@@ -686,9 +688,9 @@ impl<T> Future for Call<'_, T> {
         if let Some(start) = &this.start {
             this.span = spans::call(start.method, start.payload.len());
         }
-        // A span without a subscriber is nothing: its clone and enter cost a branch each.
+        // Without a subscriber there is no span: nothing to clone, enter or drop.
         let span = this.span.clone();
-        let _entered = span.enter();
+        let _entered = span.as_ref().map(tracing::Span::enter);
         this.poll_call(cx)
             .map(|r| r.and_then(|(body, buf)| (this.finish)(body, buf)))
     }

@@ -550,7 +550,7 @@ impl Role for ServerRole {
                 // A handler that finishes on its first poll (most do) is answered right here, with
                 // no task and no thread hop; the others continue in a task of their own.
                 let first = {
-                    let _enter = span.enter();
+                    let _enter = span.as_ref().map(tracing::Span::enter);
                     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
                     Pin::new(&mut fut).poll(&mut cx)
                 };
@@ -569,7 +569,7 @@ impl Role for ServerRole {
                         fut.await
                             .unwrap_or_else(|p| Err(RpcError::HandlerPanic(panic_message(p))))
                     }
-                    .instrument(span),
+                    .instrument(span.unwrap_or_else(tracing::Span::none)),
                 );
             }
             Event::Abort { call } => {

@@ -6,27 +6,22 @@
 //! makes disabled spans that still go through its log fallback on every enter, exit, field
 //! record and drop: several hundred instructions per round trip (callgrind, in the benchmark,
 //! where tarpc is linked: `Span::log` alone ran 9 times per round trip). No span at all costs
-//! nothing. The price: with no tracing subscriber, these spans do not reach a `log` logger
+//! nothing, and no span is made then: [`call`] and [`serve`] give `None`, so that nothing is
+//! cloned, entered or dropped per call (four drops of an empty span cost about 90 instructions
+//! per round trip with that log fallback linked). The price: with no tracing subscriber, these spans do not reach a `log` logger
 //! either (a tracing subscriber gets them, see `tests/spans.rs`).
 
 use tracing::Span;
 
-/// `rpc.call` for a call of `method` with `len` request bytes.
-pub(crate) fn call(method: u32, len: usize) -> Span {
-    if tracing::dispatcher::has_been_set() {
-        tracing::debug_span!("rpc.call", method, len)
-    } else {
-        Span::none()
-    }
+/// `rpc.call` for a call of `method` with `len` request bytes, once a subscriber exists.
+pub(crate) fn call(method: u32, len: usize) -> Option<Span> {
+    tracing::dispatcher::has_been_set().then(|| tracing::debug_span!("rpc.call", method, len))
 }
 
-/// `rpc.serve` for request `call` of `method`, `len` bytes, within `budget`.
-pub(crate) fn serve(method: u32, call: u32, len: usize, budget: Option<std::time::Duration>) -> Span {
-    if tracing::dispatcher::has_been_set() {
-        tracing::debug_span!("rpc.serve", method, call, len, ?budget)
-    } else {
-        Span::none()
-    }
+/// `rpc.serve` for request `call` of `method`, `len` bytes, within `budget`, once a subscriber
+/// exists.
+pub(crate) fn serve(method: u32, call: u32, len: usize, budget: Option<std::time::Duration>) -> Option<Span> {
+    tracing::dispatcher::has_been_set().then(|| tracing::debug_span!("rpc.serve", method, call, len, ?budget))
 }
 
 /// How a payload from a registered buffer ([`Client::call_buf`](crate::Client::call_buf),
