@@ -86,6 +86,7 @@ mod codec;
 
 pub use bulk::Bulk;
 pub use rdma_rpc_core as core;
+pub use rdma_rpc_core::context;
 pub use rdma_rpc_core::{
     CallOptions, Client, CompletionMode, Config, Isolation, RpcError, Server, ServerBuilder, Status,
 };

@@ -51,6 +51,8 @@ trait Lab {
     async fn calls(&self) -> u64;
     /// Sleeps, for deadlines.
     async fn nap(&self, ms: u64);
+    /// The milliseconds left of the caller's deadline, as the handler sees it.
+    async fn budget_left(&self) -> Option<u64>;
 }
 
 #[derive(Default)]
@@ -113,6 +115,9 @@ impl Lab for LabImpl {
     }
     async fn nap(&self, ms: u64) {
         tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    async fn budget_left(&self) -> Option<u64> {
+        rdma_rpc::context::remaining().map(|d| d.as_millis() as u64)
     }
 }
 
@@ -235,10 +240,27 @@ async fn with_options_applies_a_deadline_to_every_call() {
     lab.nap(100).await.expect("the original handle has no deadline");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_method_sees_its_callers_deadline() {
+    let (lab, _dev) = lab().await;
+    assert_eq!(lab.budget_left().await.expect("call"), None, "no deadline, none seen");
+    let timed = lab.with_options(CallOptions {
+        deadline: Some(Duration::from_secs(600)),
+        ..CallOptions::default()
+    });
+    let left = timed
+        .budget_left()
+        .await
+        .expect("call")
+        .expect("the method sees the deadline");
+    assert!(left > 0 && left <= 600_000, "{left} ms left of 600 s");
+    assert_eq!(rdma_rpc::context::deadline(), None, "outside a handler");
+}
+
 #[test]
 fn method_ids_are_stable_and_pinnable() {
     let ids: BTreeMap<_, _> = LabClient::METHOD_IDS.iter().copied().collect();
-    assert_eq!(ids.len(), 9);
+    assert_eq!(ids.len(), 10);
     assert_eq!(ids["calls"], 77);
     // FNV-1a 32 of "Lab.ping": a wire-compatibility promise, so it is written down here.
     let fnv = |s: &str| {

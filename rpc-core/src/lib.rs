@@ -7,6 +7,7 @@
 mod buf;
 mod client;
 mod config;
+pub mod context;
 mod driver;
 pub mod proto;
 mod server;

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use rdma_rpc_transport::{Device, Listener, QpOptions};
 use tracing::Instrument;
@@ -13,6 +14,7 @@ use tracing::Instrument;
 use crate::buf::{Body, RegisteredBuf};
 use crate::client::{agree, qp_caps, slot_size};
 use crate::config::{Config, Hello};
+use crate::context;
 use crate::driver::{self, Conn, Role, RoleInput};
 use crate::proto::{Event, Payload, RequestBody, Session};
 use crate::spans::{self, How};
@@ -21,7 +23,9 @@ use crate::tasks::Tasks;
 use crate::RpcError;
 
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Response, RpcError>> + Send>>;
-type Handler = Arc<dyn Fn(Body, &Buffers) -> BoxFuture + Send + Sync>;
+/// A handler, type-erased: the request's body, the connection's buffers and the request's
+/// deadline (put in force for [`context::deadline`](crate::context::deadline)) in, its future out.
+type Handler = Arc<dyn Fn(Body, &Buffers, Option<Instant>) -> BoxFuture + Send + Sync>;
 
 /// A handler's answer: bytes to copy into the message, or a registered buffer to send from.
 enum Response {
@@ -48,9 +52,11 @@ impl ServerBuilder {
         let f = Arc::new(f);
         self.handlers.insert(
             method,
-            Arc::new(move |req: Body, _: &Buffers| {
-                let fut = f(req.into_vec());
-                Box::pin(async move { fut.await.map(Response::Bytes) })
+            Arc::new(move |req: Body, _: &Buffers, deadline| {
+                context::boxed(deadline, || {
+                    let fut = f(req.into_vec());
+                    async move { fut.await.map(Response::Bytes) }
+                })
             }),
         );
         self.in_slot.remove(&method);
@@ -85,9 +91,11 @@ impl ServerBuilder {
     {
         self.handlers.insert(
             method,
-            Arc::new(move |req: Body, _: &Buffers| {
-                let fut = f(req);
-                Box::pin(async move { fut.await.map(Response::Bytes) })
+            Arc::new(move |req: Body, _: &Buffers, deadline| {
+                context::boxed(deadline, || {
+                    let fut = f(req);
+                    async move { fut.await.map(Response::Bytes) }
+                })
             }),
         );
         self.in_slot.insert(method);
@@ -119,9 +127,11 @@ impl ServerBuilder {
     {
         self.handlers.insert(
             method,
-            Arc::new(move |req: Body, bufs: &Buffers| {
-                let fut = f(req, bufs.clone());
-                Box::pin(async move { fut.await.map(Response::Buf) })
+            Arc::new(move |req: Body, bufs: &Buffers, deadline| {
+                context::boxed(deadline, || {
+                    let fut = f(req, bufs.clone());
+                    async move { fut.await.map(Response::Buf) }
+                })
             }),
         );
         self.in_slot.insert(method);
@@ -546,7 +556,9 @@ impl Role for ServerRole {
                     conn.session.respond(call, Err(RpcError::UnknownMethod(method)));
                     return;
                 };
-                let mut fut = CatchUnwind(h(body, &self.buffers));
+                // The deadline the session placed, only for a request that carries a budget.
+                let deadline = budget.and_then(|_| conn.session.served_deadline(call));
+                let mut fut = CatchUnwind(h(body, &self.buffers, deadline));
                 // A handler that finishes on its first poll (most do) is answered right here, with
                 // no task and no thread hop; the others continue in a task of their own.
                 let first = {

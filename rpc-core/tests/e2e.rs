@@ -11,7 +11,7 @@ mod common;
 use common::{bounded, device, test_ip};
 
 use rdma_rpc_core::transport::Device;
-use rdma_rpc_core::{CallOptions, Client, Config, RpcError, Server};
+use rdma_rpc_core::{context, CallOptions, Client, Config, RpcError, Server};
 
 const ECHO: u32 = 1;
 const SIZED: u32 = 2;
@@ -345,6 +345,76 @@ async fn deadline_exceeded_fails_the_call_and_stops_the_handler() {
         client.call(ECHO, b"still up".to_vec()).await.expect("echo"),
         b"still up"
     );
+}
+
+/// What a handler's `context::remaining()` says, as the response: 0 and nothing for none,
+/// else 1 and the microseconds left.
+fn left_now() -> Vec<u8> {
+    match context::remaining() {
+        None => vec![0],
+        Some(d) => {
+            let mut v = vec![1];
+            v.extend_from_slice(&(d.as_micros() as u64).to_le_bytes());
+            v
+        }
+    }
+}
+
+/// A handler sees its caller's deadline, however it is registered, whether it reads it while
+/// its future is made, at its first poll or after a sleep (in a task of its own), for eager and
+/// rendezvous requests alike; a request without a budget sees none, even on a handler that
+/// just served one with a budget, and so does code outside any handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_see_their_callers_deadline() {
+    const AT_ONCE: u32 = 1;
+    const LATER: u32 = 2;
+    const MAKING: u32 = 3;
+    const BODY: u32 = 4;
+    const BUF: u32 = 5;
+    let dev = device();
+    let server = Server::builder(config())
+        .handler(AT_ONCE, |_req| async move { Ok(left_now()) })
+        .handler(LATER, |_req| async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            Ok(left_now())
+        })
+        .handler(MAKING, |_req| {
+            let seen = left_now();
+            async move { Ok(seen) }
+        })
+        .handler_body(BODY, |_body| async move { Ok(left_now()) })
+        .handler_buf(BUF, |_body, bufs| async move {
+            let seen = left_now();
+            let mut out = bufs.buffer(seen.len())?;
+            out.bytes_mut().copy_from_slice(&seen);
+            Ok(out)
+        })
+        .bind(&dev, SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    let client = bounded(Client::connect(&dev, addr, config())).await.expect("connect");
+    let budget = Duration::from_secs(600);
+    let timed = CallOptions {
+        deadline: Some(budget),
+        ..Default::default()
+    };
+    for method in [AT_ONCE, LATER, MAKING, BODY, BUF] {
+        for len in [8, 4 * THRESHOLD] {
+            let what = format!("method {method}, {len}-byte request");
+            let r = bounded(client.call_with(method, vec![3; len], timed.clone())).await;
+            let r = r.unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(r.len(), 9, "{what}: no deadline seen ({r:?})");
+            let left = Duration::from_micros(u64::from_le_bytes(r[1..].try_into().expect("8 bytes")));
+            assert!(
+                left > Duration::ZERO && left <= budget,
+                "{what}: {left:?} left of {budget:?}"
+            );
+            let r = bounded(client.call(method, vec![3; len])).await;
+            assert_eq!(r.as_deref(), Ok(&[0u8][..]), "{what}, no budget: a deadline seen");
+        }
+    }
+    assert_eq!(context::deadline(), None, "outside a handler");
 }
 
 /// The server places a request's deadline from when the request arrives, however long the

@@ -776,6 +776,12 @@ impl Session {
         Ok(())
     }
 
+    /// The deadline of served request `call` on this side's clock (placed from its budget when
+    /// it arrived), if its caller set one.
+    pub fn served_deadline(&self, call: u32) -> Option<Instant> {
+        self.served.get(call).and_then(|c| c.deadline)
+    }
+
     /// Whether the body an RDMA Read fetches for `token` is for a handler that takes it in
     /// registered memory as it arrived ([`Session::serve_in_slot`]: it may keep that buffer,
     /// or answer from it); a driver may read any other into memory of the consumer's own.

@@ -1,0 +1,95 @@
+//! What a handler knows of the request it serves: the caller's deadline, on this server's
+//! clock, so that work on the request's behalf (a call to another service, a query) can stop
+//! when the caller stops waiting.
+//!
+//! The caller's [`CallOptions::deadline`](crate::CallOptions) travels as a relative budget; the
+//! server places it from the request's arrival and aborts the handler when it passes (the
+//! caller gets [`RpcError::DeadlineExceeded`](crate::RpcError)). Inside the handler, [`deadline`]
+//! says when that is and [`remaining`] how long is left, which is what a call made on the
+//! request's behalf passes on:
+//!
+//! ```
+//! use std::time::Duration;
+//! use rdma_rpc_core::{context, transport::Device, CallOptions, Client, Config, RpcError, Server};
+//!
+//! /// A call made on a request's behalf, within what is left of its caller's budget (none when
+//! /// its caller set none).
+//! async fn ask(backend: &Client, key: Vec<u8>) -> Result<Vec<u8>, RpcError> {
+//!     let opts = CallOptions { deadline: context::remaining(), ..Default::default() };
+//!     backend.call_with(1, key, opts).await
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dev = Device::open("tcp")?;
+//! // The backend says how long its caller's deadline leaves it, in whole seconds.
+//! let backend = Server::builder(Config::default())
+//!     .handler(1, |_key| async move {
+//!         Ok(context::remaining().map_or(b"none".to_vec(), |d| d.as_secs().to_string().into_bytes()))
+//!     })
+//!     .bind(&dev, "127.0.0.1:0".parse()?)?;
+//! let backend_addr = backend.local_addr()?;
+//! tokio::spawn(backend.serve());
+//! let to_backend = std::sync::Arc::new(Client::connect(&dev, backend_addr, Config::default()).await?);
+//!
+//! // The front end asks the backend on each request's behalf.
+//! let front = Server::builder(Config::default())
+//!     .handler(2, move |key| {
+//!         let backend = to_backend.clone();
+//!         async move { ask(&backend, key).await }
+//!     })
+//!     .bind(&dev, "127.0.0.1:0".parse()?)?;
+//! let front_addr = front.local_addr()?;
+//! tokio::spawn(front.serve());
+//!
+//! let client = Client::connect(&dev, front_addr, Config::default()).await?;
+//! let hour = CallOptions { deadline: Some(Duration::from_secs(3600)), ..Default::default() };
+//! let left = client.call_with(2, b"k".to_vec(), hour).await?;
+//! let secs: u64 = String::from_utf8(left)?.parse()?;
+//! assert!((3000..3600).contains(&secs), "the backend got what was left of the hour: {secs} s");
+//! assert_eq!(client.call(2, b"k".to_vec()).await?, b"none");
+//! # Ok(()) }
+//! ```
+//!
+//! A `#[service]` method reads them the same way (its handler is registered through
+//! [`ServerBuilder::handler`](crate::ServerBuilder::handler)). Outside a handler, or for a
+//! request without a budget, both are `None`; tasks a handler spawns do not inherit them (pass
+//! the value on).
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+tokio::task_local! {
+    static DEADLINE: Instant;
+}
+
+/// When the caller of the request this handler serves stops waiting: the server aborts the
+/// handler then. `None` when the caller set no deadline, or outside a handler.
+pub fn deadline() -> Option<Instant> {
+    DEADLINE.try_with(|d| *d).ok()
+}
+
+/// The time left until [`deadline`] (zero once it has passed), for a call made on the request's
+/// behalf (`CallOptions { deadline: context::remaining(), .. }`). `None` when the caller set no
+/// deadline, or outside a handler.
+pub fn remaining() -> Option<Duration> {
+    deadline().map(|d| d.saturating_duration_since(Instant::now()))
+}
+
+/// Makes a handler's future with `deadline` in force, from its creation through every poll;
+/// without one, the future as `make` makes it (no scope: nothing per poll).
+pub(crate) fn boxed<F>(
+    deadline: Option<Instant>,
+    make: impl FnOnce() -> F,
+) -> std::pin::Pin<Box<dyn Future<Output = F::Output> + Send>>
+where
+    F: Future + Send + 'static,
+{
+    match deadline {
+        Some(d) => {
+            let fut = DEADLINE.sync_scope(d, make);
+            Box::pin(DEADLINE.scope(d, fut))
+        }
+        None => Box::pin(make()),
+    }
+}
