@@ -558,7 +558,16 @@ impl Role for ServerRole {
                 };
                 // The deadline the session placed, only for a request that carries a budget.
                 let deadline = budget.and_then(|_| conn.session.served_deadline(call));
-                let mut fut = CatchUnwind(h(body, &self.buffers, deadline));
+                // A handler may panic while it makes its future, before any of it runs as a
+                // future: that fails this call alone, as a panic inside the future does.
+                let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(body, &self.buffers, deadline)));
+                let mut fut = match made {
+                    Ok(fut) => CatchUnwind(fut),
+                    Err(p) => {
+                        answer(conn, call, Err(RpcError::HandlerPanic(panic_message(p))));
+                        return;
+                    }
+                };
                 // A handler that finishes on its first poll (most do) is answered right here, with
                 // no task and no thread hop; the others continue in a task of their own.
                 let first = {

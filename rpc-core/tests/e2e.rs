@@ -533,6 +533,37 @@ async fn unknown_method_panic_application_error_and_too_large() {
     );
 }
 
+/// A handler that panics while it makes its future (before any `async` block runs) fails its
+/// call with `HandlerPanic` as one that panics inside its future does; the connection and the
+/// server live on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_panics_before_its_future_fails_only_its_call() {
+    const EAGER_PANIC: u32 = 1;
+    let dev = device();
+    let server = Server::builder(config())
+        .handler(EAGER_PANIC, |req: Vec<u8>| {
+            assert!(!req.is_empty(), "handler exploded early");
+            async move { Ok(req) }
+        })
+        .bind(&dev, SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    let client = bounded(Client::connect(&dev, addr, config())).await.expect("connect");
+    let timed = CallOptions {
+        deadline: Some(Duration::from_secs(600)),
+        ..Default::default()
+    };
+    for opts in [CallOptions::default(), timed] {
+        match bounded(client.call_with(EAGER_PANIC, vec![], opts)).await {
+            Err(RpcError::HandlerPanic(msg)) => assert!(msg.contains("exploded early"), "{msg}"),
+            other => panic!("expected a handler panic, got {other:?}"),
+        }
+        let r = bounded(client.call(EAGER_PANIC, b"fine".to_vec())).await;
+        assert_eq!(r.as_deref(), Ok(&b"fine"[..]), "the connection lives on");
+    }
+}
+
 /// Futures dropped at random points, mid-rendezvous included, under load: every request the
 /// server reads must be intact (a reused or freed lent buffer would show as corrupt content),
 /// every completed call must carry its own answer, and the connection must stay healthy.
