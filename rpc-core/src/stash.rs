@@ -97,8 +97,9 @@ const ACCESS: AccessFlags = AccessFlags::LOCAL_WRITE
 /// Free buffers kept per size class; more are deregistered.
 const KEEP: usize = 8;
 
-fn class(len: usize) -> usize {
-    len.max(MIN_CLASS).next_power_of_two()
+/// The size class of a buffer of `len` bytes; `None` beyond the largest power of two.
+fn class(len: usize) -> Option<usize> {
+    len.max(MIN_CLASS).checked_next_power_of_two()
 }
 
 impl Stash {
@@ -415,7 +416,7 @@ fn write_prefix(b: &mut [u8], len: usize) {
 
 /// A free buffer of `len` bytes' class from `free`, or a new registration with its domain.
 fn fresh(free: &Mutex<Free>, len: usize) -> Result<MemoryRegion, RpcError> {
-    let c = class(len);
+    let c = class(len).ok_or_else(|| RpcError::Transport(format!("a buffer of {len} bytes cannot be registered")))?;
     let pd = {
         let mut f = free.lock();
         if let Some(mr) = f.pop(c) {

@@ -414,6 +414,39 @@ async fn a_registered_buffer_longer_than_a_piece_is_lent_whatever_the_threshold(
     }
 }
 
+/// A buffer larger than anything that can be registered is an error from `Client::buffer` and
+/// from a handler's `Buffers::buffer`, not a panic (a size class past the largest power of two)
+/// or a process abort (memory the allocator refuses); the connection serves on. Half a TiB may
+/// legitimately exist, untouched, where the kernel grants any allocation
+/// (`vm.overcommit_memory = 1`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffers_too_large_to_register_are_errors() {
+    let (s, _serial) = setup(config()).await;
+    let grants_anything = std::fs::read_to_string("/proc/sys/vm/overcommit_memory").is_ok_and(|v| v.trim() == "1");
+    for len in [usize::MAX, usize::MAX - 4096, 1 << 62, 1 << 39] {
+        match s.client.buffer(len) {
+            Err(RpcError::Transport(_)) => {}
+            Err(e) => panic!("{len} bytes: {e}"),
+            Ok(b) => assert!(
+                grants_anything && len == 1 << 39,
+                "{len} bytes: a buffer of {}",
+                b.len()
+            ),
+        }
+    }
+    for len in [u64::MAX, 1 << 62] {
+        let r = bounded(s.client.call(MAKE_BUF, len.to_le_bytes().to_vec())).await;
+        assert!(
+            matches!(r, Err(RpcError::Internal(_))),
+            "a handler's {len}-byte buffer: {r:?}"
+        );
+    }
+    let (got, _) = bounded(s.client.call_buf(SUM, s.client.buffer(64).expect("a small buffer")))
+        .await
+        .expect("the connection serves on");
+    assert_eq!(got.len(), 17);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_buffer_lent_again_and_again_costs_no_registration() {
     let (s, _serial) = setup(config()).await;

@@ -44,6 +44,13 @@ pub enum Error {
     /// The argument is outside what the device or the API allows.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The memory for a region could not be had (the allocator refused it), as `ibv_reg_mr`
+    /// fails with ENOMEM.
+    #[error("cannot allocate {len} bytes for a memory region: register less, or free memory first")]
+    OutOfMemory {
+        /// The region's length.
+        len: usize,
+    },
     /// More work requests are outstanding than the queue was created for.
     #[error("{queue} queue full ({depth} work requests outstanding): reap completions before posting more, or create the QP with a deeper queue")]
     QueueFull {

@@ -100,6 +100,18 @@ pub(crate) enum RegionImpl {
     Verbs(crate::verbs::Mr),
 }
 
+/// `len` bytes of zeroed words, or [`Error::OutOfMemory`] where the allocator refuses them (a
+/// `vec!` would abort the process instead). The allocator is asked first, then the memory
+/// comes zeroed and untouched from `vec!` (its pages are faulted in only when used, as
+/// before), so a refusal is an error in all but a race with another allocation between the two.
+fn zeroed_words(len: usize) -> Result<Box<[u64]>> {
+    let words = len.div_ceil(8);
+    let mut probe: Vec<u64> = Vec::new();
+    probe.try_reserve_exact(words).map_err(|_| Error::OutOfMemory { len })?;
+    drop(probe);
+    Ok(vec![0u64; words].into_boxed_slice())
+}
+
 impl Region {
     /// Locks the bytes `[off, off + len)` of the region for writing.
     pub(crate) fn lock_range(&self, off: usize, len: usize) -> MappedRwLockWriteGuard<'_, [u8]> {
@@ -231,18 +243,18 @@ impl MemoryRegion {
         }
         let from_vec = vec.is_some();
         // The heap memory a registration is made in, and its address.
-        let local = |vec: Option<Vec<u8>>| -> (Mem, u64) {
-            match vec {
+        let local = |vec: Option<Vec<u8>>| -> Result<(Mem, u64)> {
+            Ok(match vec {
                 Some(mut v) => {
                     let addr = v.as_mut_ptr() as u64;
                     (Mem::Vec(v), addr)
                 }
                 None => {
-                    let mut mem: Box<[u64]> = vec![0u64; len.div_ceil(8)].into_boxed_slice();
+                    let mut mem = zeroed_words(len)?;
                     let addr = mem.as_mut_ptr() as u64;
                     (Mem::Heap(mem), addr)
                 }
-            }
+            })
         };
         let region = match &pd.inner.imp {
             PdImpl::Shm(spd) => {
@@ -268,7 +280,7 @@ impl MemoryRegion {
                 region
             }
             PdImpl::Tcp(tpd) => {
-                let (mem, addr) = local(vec);
+                let (mem, addr) = local(vec)?;
                 let (lkey, rkey) = tpd.fresh_keys();
                 let region = Arc::new(Region {
                     pd: pd.inner.clone(),
@@ -286,7 +298,7 @@ impl MemoryRegion {
             }
             #[cfg(feature = "verbs")]
             PdImpl::Verbs(vpd) => {
-                let (mem, addr) = local(vec);
+                let (mem, addr) = local(vec)?;
                 // The memory moves into the region below with the registration; a vector's
                 // or a box's heap buffer stays where it is when its owner moves.
                 let mr = vpd.register(addr as *mut u8, len, access)?;

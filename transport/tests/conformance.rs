@@ -1277,3 +1277,34 @@ async fn only_a_whole_unshared_vector_registration_is_given_back() {
         "an empty vector is a zero-length registration"
     );
 }
+
+/// Asking for more memory than the machine has, or than the device allows, is an error, as
+/// `ibv_reg_mr`'s ENOMEM or EINVAL is, not a process abort. Half a TiB where the device allows
+/// that much (tcp, verbs): more than RAM and swap of any machine this runs on, which the kernel
+/// refuses, unless it is set to grant any allocation (`vm.overcommit_memory = 1`), when the
+/// untouched region may legitimately exist. One byte over `max_mr_size` everywhere.
+#[test]
+fn registering_more_memory_than_there_is_fails_cleanly() {
+    let dev = device();
+    let pd = dev.alloc_pd().expect("pd");
+    let max = dev.caps().max_mr_size;
+    if let Some(over) = max.checked_add(1).and_then(|n| usize::try_from(n).ok()) {
+        let r = pd.register(over, AccessFlags::LOCAL_WRITE);
+        assert!(
+            matches!(r, Err(Error::InvalidArgument(_))),
+            "{over} bytes: {:?}",
+            r.map(|m| m.len())
+        );
+    }
+    const HUGE: u64 = 1 << 39;
+    if max >= HUGE {
+        let grants_anything = std::fs::read_to_string("/proc/sys/vm/overcommit_memory").is_ok_and(|s| s.trim() == "1");
+        match pd.register(HUGE as usize, AccessFlags::LOCAL_WRITE) {
+            Err(e) => assert!(matches!(e, Error::OutOfMemory { .. } | Error::Verbs { .. }), "{e}"),
+            Ok(mr) => assert!(grants_anything, "{} bytes registered", mr.len()),
+        }
+    }
+    // The device is fine afterwards.
+    let mr = pd.register(4096, AccessFlags::LOCAL_WRITE).expect("a small region");
+    assert_eq!(mr.len(), 4096);
+}
