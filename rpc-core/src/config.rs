@@ -154,7 +154,10 @@ impl Config {
 /// Per-call options.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CallOptions {
-    /// Fail with `DeadlineExceeded` after this long; the server gets the remaining budget.
+    /// Fail with `DeadlineExceeded` after this long; the server gets the remaining budget (and
+    /// aborts the handler when it runs out). The wire carries budgets up to about 71 minutes
+    /// (`u32` microseconds): a longer deadline is the caller's alone, the server places none.
+    /// `Duration::MAX` is never.
     pub deadline: Option<Duration>,
     /// Expected response size. Above the threshold, the call advertises a landing buffer of this
     /// size so that the server can RDMA-Write the response straight into it.

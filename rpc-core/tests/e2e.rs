@@ -417,6 +417,41 @@ async fn handlers_see_their_callers_deadline() {
     assert_eq!(context::deadline(), None, "outside a handler");
 }
 
+/// Deadlines longer than the wire carries (a budget of u32 microseconds, about 71 minutes), up
+/// to `Duration::MAX` ("never"), are kept by the caller and not cut short by the server: the
+/// call is answered, and the server's handler sees no deadline rather than a shorter one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadlines_beyond_what_the_wire_carries_are_kept_by_the_caller() {
+    const LEFT: u32 = 1;
+    let dev = device();
+    let server = Server::builder(config())
+        .handler(LEFT, |_req| async move { Ok(left_now()) })
+        .bind(&dev, SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    let client = bounded(Client::connect(&dev, addr, config())).await.expect("connect");
+    for d in [
+        Duration::MAX,
+        Duration::from_secs(u64::MAX / 2),
+        Duration::from_secs(72 * 60),
+    ] {
+        let opts = CallOptions {
+            deadline: Some(d),
+            ..Default::default()
+        };
+        let r = bounded(client.call_with(LEFT, vec![1], opts)).await;
+        assert_eq!(r.as_deref(), Ok(&[0u8][..]), "a {d:?} deadline");
+    }
+    // Just within what the wire carries: the server gets it.
+    let opts = CallOptions {
+        deadline: Some(Duration::from_secs(70 * 60)),
+        ..Default::default()
+    };
+    let r = bounded(client.call_with(LEFT, vec![1], opts)).await.expect("call");
+    assert_eq!(r.len(), 9, "a 70-minute deadline reaches the handler");
+}
+
 /// The server places a request's deadline from when the request arrives, however long the
 /// connection has been open (its driver skips the clock for messages that carry no budget, and
 /// must not skip it for those that do).

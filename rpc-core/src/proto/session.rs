@@ -554,7 +554,11 @@ impl Session {
             }
             _ => None,
         };
-        let budget_us = budget.map_or(0, |b| b.as_micros().clamp(1, u128::from(u32::MAX)) as u32);
+        // A budget the wire cannot carry (u32 microseconds: about 71 minutes) stays the caller's
+        // alone: the server gets none, rather than a shorter one that would cut the call short.
+        let budget_us = budget
+            .and_then(|b| u32::try_from(b.as_micros()).ok())
+            .map_or(0, |us| us.max(1));
         let header = Header {
             kind: Kind::Request,
             flags,
@@ -575,7 +579,8 @@ impl Session {
             }
             Payload::Lent { .. } => Out::Msg { header, body },
         });
-        let deadline = budget.map(|b| now + b);
+        // Past what an `Instant` can hold (`Duration::MAX`, say): never.
+        let deadline = budget.and_then(|b| now.checked_add(b));
         if deadline.is_some() {
             self.deadlines.store(true, Ordering::Relaxed);
         }
