@@ -97,9 +97,16 @@ impl Client {
     /// Must be called within a tokio runtime (with IO and time enabled).
     ///
     /// # Errors
+    /// [`RpcError::Config`] for a configuration outside what the protocol allows;
     /// [`RpcError::Transport`] when the connection cannot be made; [`RpcError::Protocol`]
     /// when the peer is not an rdma-rpc server of this version.
     pub async fn connect(device: &Device, addr: SocketAddr, config: Config) -> Result<Client, RpcError> {
+        config.validate()?;
+        if config.connect_timeout.is_zero() {
+            return Err(RpcError::Config(
+                "Config::connect_timeout is zero: give connection set-up some time (10 s by default)".into(),
+            ));
+        }
         let config = config.on(device);
         let tr = |e: rdma_rpc_transport::Error| RpcError::Transport(e.to_string());
         let pd = device.alloc_pd().map_err(tr)?;
@@ -897,10 +904,14 @@ pub(crate) fn qp_caps(device: &Device, c: &Config) -> QpCaps {
     }
 }
 
-/// Both sides use the smaller threshold and limit, and send into the peer's ring.
+/// Both sides use the smaller threshold, limit and ring. The smaller ring, not the peer's:
+/// a side returns credits in a Credit message once half its ring is owed, so with rings of
+/// different depths a side whose window is the other's (shallower) ring would wait for a
+/// Credit message the other owes only at half of the deeper one (a 2-slot client of a 64-slot
+/// server stalled on its second call). A deeper side just keeps some slots posted unused.
 pub(crate) fn agree(mine: &Hello, theirs: &Hello) -> SessionConfig {
     SessionConfig {
-        ring: theirs.ring,
+        ring: mine.ring.min(theirs.ring),
         eager_max: mine.eager_threshold.min(theirs.eager_threshold) as usize,
         fragment: FRAGMENT,
         max_payload: mine.max_payload.min(theirs.max_payload),

@@ -86,7 +86,8 @@ pub struct Config {
     /// [`handler_buf`](crate::ServerBuilder::handler_buf)) in 1.36-1.50 µs at 1-4 KiB, against
     /// 1.56-1.85 µs with the default 64, while a ping-pong copying every message out was
     /// quicker with 64 (2-4 KiB: 1.13-1.23 µs against 1.21-1.47 µs each way): see `--raw-ring`
-    /// of the latency benchmark in the README.
+    /// of the latency benchmark in the README. Within [`Config::RING_RANGE`] (2..=4096); the
+    /// two sides of a connection use the smaller of their rings.
     pub ring: u32,
     /// Payloads up to this size travel inside Sends (one per
     /// [`FRAGMENT`](crate::proto::FRAGMENT) bytes: receive slots stay that small whatever the
@@ -101,7 +102,7 @@ pub struct Config {
     pub max_payload: u64,
     /// How completions are waited for.
     pub mode: CompletionMode,
-    /// Limit for connection set-up.
+    /// Limit for connection set-up (a client's; more than zero).
     pub connect_timeout: Duration,
     /// How long a peer can reach lent buffers.
     pub isolation: Isolation,
@@ -137,6 +138,29 @@ impl Config {
     /// ```
     pub fn eager_threshold_on(&self, device: &rdma_rpc_transport::Device) -> usize {
         self.eager_threshold.unwrap_or(device.caps().eager_hint)
+    }
+
+    /// Fewest and most receive slots a side may keep posted ([`Config::ring`]).
+    pub const RING_RANGE: std::ops::RangeInclusive<u32> = 2..=4096;
+
+    /// Checks what the protocol bounds: the ring's depth and the eager threshold (which the
+    /// handshake carries in 32 bits).
+    pub(crate) fn validate(&self) -> Result<(), crate::RpcError> {
+        if !Self::RING_RANGE.contains(&self.ring) {
+            return Err(crate::RpcError::Config(format!(
+                "Config::ring is {}, must be within {}..={} (receive slots each side keeps posted; 64 by default)",
+                self.ring,
+                Self::RING_RANGE.start(),
+                Self::RING_RANGE.end()
+            )));
+        }
+        if let Some(t) = self.eager_threshold.filter(|&t| u32::try_from(t).is_err()) {
+            return Err(crate::RpcError::Config(format!(
+                "Config::eager_threshold is {t}, must be at most {} (larger payloads go by rendezvous)",
+                u32::MAX
+            )));
+        }
+        Ok(())
     }
 
     /// This configuration with the threshold fixed for `device`.

@@ -141,8 +141,10 @@ impl ServerBuilder {
     /// Listens on `addr` (port 0 picks one).
     ///
     /// # Errors
+    /// [`RpcError::Config`] for a configuration outside what the protocol allows;
     /// [`RpcError::Transport`] when the address cannot be bound.
     pub fn bind(self, device: &Device, addr: SocketAddr) -> Result<Server, RpcError> {
+        self.config.validate()?;
         let listener = Listener::bind(device, addr).map_err(|e| RpcError::Transport(e.to_string()))?;
         Ok(Server {
             device: device.clone(),

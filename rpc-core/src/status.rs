@@ -93,6 +93,10 @@ pub enum RpcError {
     /// The transport failed (registration, posting).
     #[error("transport error: {0}")]
     Transport(String),
+    /// A [`Config`](crate::Config) value is outside what the protocol allows: nothing was
+    /// connected or bound. The message names the field and its range.
+    #[error("invalid configuration: {0}")]
+    Config(String),
 }
 
 impl RpcError {

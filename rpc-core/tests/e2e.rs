@@ -452,6 +452,122 @@ async fn deadlines_beyond_what_the_wire_carries_are_kept_by_the_caller() {
     assert_eq!(r.len(), 9, "a 70-minute deadline reaches the handler");
 }
 
+/// Each side may keep a ring of its own depth: a 2-slot client of a 64-slot server, and the
+/// reverse, serve every call, one at a time and eight at once, small, in pieces (eager above a
+/// slot) and by rendezvous. (With the peer's ring as the window, the shallower side waited for
+/// a Credit message the deeper side owed only at half its own ring: the second call stalled.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rings_of_different_depths_serve_every_call() {
+    let dev = device();
+    let base = Config {
+        eager_threshold: Some(128 * 1024),
+        ..Config::default()
+    };
+    let shallow = Config {
+        ring: 2,
+        ..base.clone()
+    };
+    for (server_cfg, client_cfg) in [(base.clone(), shallow.clone()), (shallow, base)] {
+        let what = format!("server ring {}, client ring {}", server_cfg.ring, client_cfg.ring);
+        let server = Server::builder(server_cfg)
+            .handler(ECHO, |req| async move { Ok(req) })
+            .bind(&dev, SocketAddr::new(test_ip(), 0))
+            .expect("bind");
+        let addr = server.local_addr().expect("addr");
+        tokio::spawn(server.serve());
+        let client = Arc::new(bounded(Client::connect(&dev, addr, client_cfg)).await.expect("connect"));
+        let calls = async {
+            for i in 0..60u64 {
+                let len = [8, 100_000, 300_000][i as usize % 3];
+                let req = pattern(len, i);
+                assert_eq!(
+                    client.call(ECHO, req.clone()).await.expect("echo"),
+                    req,
+                    "{what}: call {i}"
+                );
+            }
+            let tasks: Vec<_> = (0..8u64)
+                .map(|t| {
+                    let c = client.clone();
+                    tokio::spawn(async move {
+                        for i in 0..20u64 {
+                            let req = pattern([64, 70_000][(i % 2) as usize], t * 100 + i);
+                            assert_eq!(c.call(ECHO, req.clone()).await.expect("echo"), req);
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.expect("caller");
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(120), calls)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: calls stalled"));
+    }
+}
+
+/// A configuration outside what the protocol allows is refused by `bind` and `connect`, with
+/// the field named, before anything is set up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn configurations_outside_the_protocol_are_refused_naming_the_field() {
+    let dev = device();
+    let server = Server::builder(config())
+        .handler(ECHO, |req| async move { Ok(req) })
+        .bind(&dev, SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    let d = Config::default;
+    let bad = [
+        ("Config::ring", Config { ring: 0, ..d() }),
+        ("Config::ring", Config { ring: 1, ..d() }),
+        ("Config::ring", Config { ring: 4097, ..d() }),
+        ("Config::ring", Config { ring: u32::MAX, ..d() }),
+        (
+            "Config::eager_threshold",
+            Config {
+                eager_threshold: Some(u32::MAX as usize + 1),
+                ..d()
+            },
+        ),
+    ];
+    for (field, cfg) in bad {
+        let bound = Server::builder(cfg.clone()).bind(&dev, SocketAddr::new(test_ip(), 0));
+        assert!(
+            matches!(&bound, Err(RpcError::Config(m)) if m.contains(field)),
+            "bind: {:?}",
+            bound.err()
+        );
+        let connected = bounded(Client::connect(&dev, addr, cfg)).await;
+        assert!(
+            matches!(&connected, Err(RpcError::Config(m)) if m.contains(field)),
+            "connect: {:?}",
+            connected.err()
+        );
+    }
+    let no_time = Config {
+        connect_timeout: Duration::ZERO,
+        ..d()
+    };
+    let connected = bounded(Client::connect(&dev, addr, no_time)).await;
+    assert!(
+        matches!(&connected, Err(RpcError::Config(m)) if m.contains("Config::connect_timeout")),
+        "{:?}",
+        connected.err()
+    );
+    // The edges of the ring's range work.
+    for ring in [2, 4096] {
+        let client = bounded(Client::connect(&dev, addr, Config { ring, ..config() }))
+            .await
+            .expect("connect");
+        assert_eq!(
+            bounded(client.call(ECHO, b"edge".to_vec())).await.expect("echo"),
+            b"edge"
+        );
+    }
+}
+
 /// The server places a request's deadline from when the request arrives, however long the
 /// connection has been open (its driver skips the clock for messages that carry no budget, and
 /// must not skip it for those that do).
