@@ -464,8 +464,13 @@ impl State {
         // buffer, at most one each (an array: no allocation per call).
         let mut staged: [Option<crate::proto::BufId>; 2] = [None, None];
         let mut back = Back::Nothing;
-        // A large response is written into a landing buffer the request advertises.
-        let landing_len = opts.response_hint.filter(|&h| conn.session.is_rendezvous(h));
+        // A large response is written into a landing buffer the request advertises, of at most
+        // the largest payload the connection carries (a hint beyond it is only a hint).
+        let max = usize::try_from(conn.session.config().max_payload).unwrap_or(usize::MAX);
+        let landing_len = opts
+            .response_hint
+            .map(|h| h.min(max))
+            .filter(|&h| conn.session.is_rendezvous(h));
         let result = (|| {
             let p = match payload {
                 Outgoing::Vec(v) if conn.session.is_rendezvous(v.len()) => {

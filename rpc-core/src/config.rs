@@ -184,7 +184,8 @@ pub struct CallOptions {
     /// `Duration::MAX` is never.
     pub deadline: Option<Duration>,
     /// Expected response size. Above the threshold, the call advertises a landing buffer of this
-    /// size so that the server can RDMA-Write the response straight into it.
+    /// size (at most the connection's largest payload) so that the server can RDMA-Write the
+    /// response straight into it. Only a hint: a response that does not fit comes another way.
     pub response_hint: Option<usize>,
 }
 

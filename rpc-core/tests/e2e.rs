@@ -568,6 +568,32 @@ async fn configurations_outside_the_protocol_are_refused_naming_the_field() {
     }
 }
 
+/// A response hint is only a hint: none too small or too large fails a call (one beyond the
+/// connection's largest payload, up to `usize::MAX`, advertises a landing buffer of that
+/// payload at most), and every response arrives intact whatever the hint said.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_hints_of_any_size_are_only_hints() {
+    let cfg = Config {
+        max_payload: 8 << 20,
+        ..config()
+    };
+    let (client, _) = start(cfg).await;
+    for hint in [0, 1, 4 * THRESHOLD, 64 << 20, usize::MAX - 10, usize::MAX] {
+        for len in [10u64, 2 * THRESHOLD as u64, 1 << 20] {
+            let opts = CallOptions {
+                response_hint: Some(hint),
+                ..Default::default()
+            };
+            let r = bounded(client.call_with(SIZED, len.to_le_bytes().to_vec(), opts)).await;
+            let r = r.unwrap_or_else(|e| panic!("hint {hint}, {len}-byte response: {e}"));
+            assert!(
+                r == pattern(len as usize, len),
+                "hint {hint}, {len}-byte response: corrupt"
+            );
+        }
+    }
+}
+
 /// The server places a request's deadline from when the request arrives, however long the
 /// connection has been open (its driver skips the clock for messages that carry no budget, and
 /// must not skip it for those that do).
