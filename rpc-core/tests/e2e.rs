@@ -594,6 +594,30 @@ async fn response_hints_of_any_size_are_only_hints() {
     }
 }
 
+/// An error message longer than an eager payload reaches the caller cut short, at a
+/// character's boundary (no replacement character where a multi-byte one was split).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_error_messages_are_cut_at_a_character() {
+    const LONG: u32 = 1;
+    let dev = device();
+    let server = Server::builder(config())
+        .handler(LONG, |_req| async move {
+            Err(RpcError::Application("€".repeat(3 * THRESHOLD)))
+        })
+        .bind(&dev, SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    let client = bounded(Client::connect(&dev, addr, config())).await.expect("connect");
+    match bounded(client.call(LONG, vec![])).await {
+        Err(RpcError::Application(m)) => {
+            assert!(!m.is_empty() && m.len() <= THRESHOLD, "{} bytes", m.len());
+            assert!(m.chars().all(|c| c == '€'), "a character was split");
+        }
+        other => panic!("expected the application's error, got {other:?}"),
+    }
+}
+
 /// The server places a request's deadline from when the request arrives, however long the
 /// connection has been open (its driver skips the clock for messages that carry no budget, and
 /// must not skip it for those that do).

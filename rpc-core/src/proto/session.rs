@@ -896,8 +896,13 @@ impl Session {
     fn reply_error(&mut self, call: u32, e: &RpcError) {
         self.served.remove(call);
         let (status, msg) = e.to_wire();
+        // A message longer than an eager payload is cut, at a character's boundary.
+        let mut end = msg.len().min(self.cfg.eager_max.max(64));
+        while !msg.is_char_boundary(end) {
+            end -= 1;
+        }
         let mut body = msg.into_bytes();
-        body.truncate(self.cfg.eager_max.max(64));
+        body.truncate(end);
         self.queue_small(Kind::Response, call, status as u16, body);
     }
 
