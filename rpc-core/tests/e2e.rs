@@ -11,7 +11,7 @@ mod common;
 use common::{bounded, device, test_ip};
 
 use rdma_rpc_core::transport::Device;
-use rdma_rpc_core::{context, CallOptions, Client, Config, RpcError, Server};
+use rdma_rpc_core::{context, CallOptions, Client, Config, RpcError, Server, ServerBuilder};
 
 const ECHO: u32 = 1;
 const SIZED: u32 = 2;
@@ -66,6 +66,16 @@ fn config() -> Config {
         eager_threshold: Some(THRESHOLD),
         ..Config::default()
     }
+}
+
+/// Binds `builder` on the test device and address, serves it, and connects a client with
+/// `cfg`; gives the address too, for more clients.
+async fn serve_and_connect(builder: ServerBuilder, cfg: Config) -> (Client, SocketAddr) {
+    let server = builder.bind(&device(), SocketAddr::new(test_ip(), 0)).expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    let client = bounded(Client::connect(&device(), addr, cfg)).await.expect("connect");
+    (client, addr)
 }
 
 async fn start(cfg: Config) -> (Client, Arc<Probe>) {
@@ -371,29 +381,27 @@ async fn handlers_see_their_callers_deadline() {
     const MAKING: u32 = 3;
     const BODY: u32 = 4;
     const BUF: u32 = 5;
-    let dev = device();
-    let server = Server::builder(config())
-        .handler(AT_ONCE, |_req| async move { Ok(left_now()) })
-        .handler(LATER, |_req| async move {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            Ok(left_now())
-        })
-        .handler(MAKING, |_req| {
-            let seen = left_now();
-            async move { Ok(seen) }
-        })
-        .handler_body(BODY, |_body| async move { Ok(left_now()) })
-        .handler_buf(BUF, |_body, bufs| async move {
-            let seen = left_now();
-            let mut out = bufs.buffer(seen.len())?;
-            out.bytes_mut().copy_from_slice(&seen);
-            Ok(out)
-        })
-        .bind(&dev, SocketAddr::new(test_ip(), 0))
-        .expect("bind");
-    let addr = server.local_addr().expect("addr");
-    tokio::spawn(server.serve());
-    let client = bounded(Client::connect(&dev, addr, config())).await.expect("connect");
+    let (client, _) = serve_and_connect(
+        Server::builder(config())
+            .handler(AT_ONCE, |_req| async move { Ok(left_now()) })
+            .handler(LATER, |_req| async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                Ok(left_now())
+            })
+            .handler(MAKING, |_req| {
+                let seen = left_now();
+                async move { Ok(seen) }
+            })
+            .handler_body(BODY, |_body| async move { Ok(left_now()) })
+            .handler_buf(BUF, |_body, bufs| async move {
+                let seen = left_now();
+                let mut out = bufs.buffer(seen.len())?;
+                out.bytes_mut().copy_from_slice(&seen);
+                Ok(out)
+            }),
+        config(),
+    )
+    .await;
     let budget = Duration::from_secs(600);
     let timed = CallOptions {
         deadline: Some(budget),
@@ -423,14 +431,11 @@ async fn handlers_see_their_callers_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadlines_beyond_what_the_wire_carries_are_kept_by_the_caller() {
     const LEFT: u32 = 1;
-    let dev = device();
-    let server = Server::builder(config())
-        .handler(LEFT, |_req| async move { Ok(left_now()) })
-        .bind(&dev, SocketAddr::new(test_ip(), 0))
-        .expect("bind");
-    let addr = server.local_addr().expect("addr");
-    tokio::spawn(server.serve());
-    let client = bounded(Client::connect(&dev, addr, config())).await.expect("connect");
+    let (client, _) = serve_and_connect(
+        Server::builder(config()).handler(LEFT, |_req| async move { Ok(left_now()) }),
+        config(),
+    )
+    .await;
     for d in [
         Duration::MAX,
         Duration::from_secs(u64::MAX / 2),
@@ -599,16 +604,13 @@ async fn response_hints_of_any_size_are_only_hints() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_error_messages_are_cut_at_a_character() {
     const LONG: u32 = 1;
-    let dev = device();
-    let server = Server::builder(config())
-        .handler(LONG, |_req| async move {
+    let (client, _) = serve_and_connect(
+        Server::builder(config()).handler(LONG, |_req| async move {
             Err(RpcError::Application("€".repeat(3 * THRESHOLD)))
-        })
-        .bind(&dev, SocketAddr::new(test_ip(), 0))
-        .expect("bind");
-    let addr = server.local_addr().expect("addr");
-    tokio::spawn(server.serve());
-    let client = bounded(Client::connect(&dev, addr, config())).await.expect("connect");
+        }),
+        config(),
+    )
+    .await;
     match bounded(client.call(LONG, vec![])).await {
         Err(RpcError::Application(m)) => {
             assert!(!m.is_empty() && m.len() <= THRESHOLD, "{} bytes", m.len());
@@ -624,17 +626,14 @@ async fn long_error_messages_are_cut_at_a_character() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_budget_counts_from_its_arrival_on_an_old_connection() {
     const NAP: u32 = 1;
-    let dev = device();
-    let server = Server::builder(config())
-        .handler(NAP, |_req| async move {
+    let (client, _) = serve_and_connect(
+        Server::builder(config()).handler(NAP, |_req| async move {
             tokio::time::sleep(Duration::from_millis(300)).await;
             Ok(b"rested".to_vec())
-        })
-        .bind(&dev, SocketAddr::new(test_ip(), 0))
-        .expect("bind");
-    let addr = server.local_addr().expect("addr");
-    tokio::spawn(server.serve());
-    let client = bounded(Client::connect(&dev, addr, config())).await.expect("connect");
+        }),
+        config(),
+    )
+    .await;
     // The connection grows older than the budget the call will carry.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let opts = CallOptions {
@@ -740,17 +739,14 @@ async fn unknown_method_panic_application_error_and_too_large() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_panics_before_its_future_fails_only_its_call() {
     const EAGER_PANIC: u32 = 1;
-    let dev = device();
-    let server = Server::builder(config())
-        .handler(EAGER_PANIC, |req: Vec<u8>| {
+    let (client, _) = serve_and_connect(
+        Server::builder(config()).handler(EAGER_PANIC, |req: Vec<u8>| {
             assert!(!req.is_empty(), "handler exploded early");
             async move { Ok(req) }
-        })
-        .bind(&dev, SocketAddr::new(test_ip(), 0))
-        .expect("bind");
-    let addr = server.local_addr().expect("addr");
-    tokio::spawn(server.serve());
-    let client = bounded(Client::connect(&dev, addr, config())).await.expect("connect");
+        }),
+        config(),
+    )
+    .await;
     let timed = CallOptions {
         deadline: Some(Duration::from_secs(600)),
         ..Default::default()
