@@ -504,7 +504,7 @@ impl Session {
     ) -> Result<u32, RpcError> {
         // Before the loss: after the peer's Close the connection is lost too, and the caller
         // must learn that this call was not run (and may be retried elsewhere).
-        if self.theirs != Shutdown::None || self.ours != Shutdown::None {
+        if self.is_going_away() {
             return Err(RpcError::ShuttingDown);
         }
         if let Some(why) = &self.lost {
