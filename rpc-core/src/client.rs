@@ -102,11 +102,6 @@ impl Client {
     /// when the peer is not an rdma-rpc server of this version.
     pub async fn connect(device: &Device, addr: SocketAddr, config: Config) -> Result<Client, RpcError> {
         config.validate()?;
-        if config.connect_timeout.is_zero() {
-            return Err(RpcError::Config(
-                "Config::connect_timeout is zero: give connection set-up some time (10 s by default)".into(),
-            ));
-        }
         let config = config.on(device);
         let tr = |e: rdma_rpc_transport::Error| RpcError::Transport(e.to_string());
         let pd = device.alloc_pd().map_err(tr)?;

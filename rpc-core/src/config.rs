@@ -102,7 +102,7 @@ pub struct Config {
     pub max_payload: u64,
     /// How completions are waited for.
     pub mode: CompletionMode,
-    /// Limit for connection set-up (a client's; more than zero).
+    /// Limit for connection set-up (more than zero).
     pub connect_timeout: Duration,
     /// How long a peer can reach lent buffers.
     pub isolation: Isolation,
@@ -143,8 +143,8 @@ impl Config {
     /// Fewest and most receive slots a side may keep posted ([`Config::ring`]).
     pub const RING_RANGE: std::ops::RangeInclusive<u32> = 2..=4096;
 
-    /// Checks what the protocol bounds: the ring's depth and the eager threshold (which the
-    /// handshake carries in 32 bits).
+    /// Checks what the protocol bounds: the ring's depth, the eager threshold (which the
+    /// handshake carries in 32 bits) and a connect timeout that leaves set-up some time.
     pub(crate) fn validate(&self) -> Result<(), crate::RpcError> {
         if !Self::RING_RANGE.contains(&self.ring) {
             return Err(crate::RpcError::Config(format!(
@@ -153,6 +153,11 @@ impl Config {
                 Self::RING_RANGE.start(),
                 Self::RING_RANGE.end()
             )));
+        }
+        if self.connect_timeout.is_zero() {
+            return Err(crate::RpcError::Config(
+                "Config::connect_timeout is zero: give connection set-up some time (10 s by default)".into(),
+            ));
         }
         if let Some(t) = self.eager_threshold.filter(|&t| u32::try_from(t).is_err()) {
             return Err(crate::RpcError::Config(format!(

@@ -71,10 +71,11 @@ fn config() -> Config {
 /// Binds `builder` on the test device and address, serves it, and connects a client with
 /// `cfg`; gives the address too, for more clients.
 async fn serve_and_connect(builder: ServerBuilder, cfg: Config) -> (Client, SocketAddr) {
-    let server = builder.bind(&device(), SocketAddr::new(test_ip(), 0)).expect("bind");
+    let dev = device();
+    let server = builder.bind(&dev, SocketAddr::new(test_ip(), 0)).expect("bind");
     let addr = server.local_addr().expect("addr");
     tokio::spawn(server.serve());
-    let client = bounded(Client::connect(&device(), addr, cfg)).await.expect("connect");
+    let client = bounded(Client::connect(&dev, addr, cfg)).await.expect("connect");
     (client, addr)
 }
 
@@ -555,6 +556,12 @@ async fn configurations_outside_the_protocol_are_refused_naming_the_field() {
         connect_timeout: Duration::ZERO,
         ..d()
     };
+    let bound = Server::builder(no_time.clone()).bind(&dev, SocketAddr::new(test_ip(), 0));
+    assert!(
+        matches!(&bound, Err(RpcError::Config(m)) if m.contains("Config::connect_timeout")),
+        "bind: {:?}",
+        bound.err()
+    );
     let connected = bounded(Client::connect(&dev, addr, no_time)).await;
     assert!(
         matches!(&connected, Err(RpcError::Config(m)) if m.contains("Config::connect_timeout")),
