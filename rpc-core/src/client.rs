@@ -118,7 +118,10 @@ impl Client {
         .map_err(|e| RpcError::Transport(format!("connect task: {e}")))?
         .map_err(tr)?;
         let theirs = Hello::decode(&reply).ok_or_else(|| RpcError::Protocol("not an rdma-rpc server".into()))?;
-        let session = Session::new(agree(&mine, &theirs));
+        let mut session = Session::new(agree(&mine, &theirs));
+        if theirs.max_requests > 0 {
+            session.limit_calls(theirs.max_requests as usize);
+        }
         let conn = Conn::new(session, &pd, qp, cq, (slot, config.ring), config.isolation)?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {

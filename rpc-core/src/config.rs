@@ -106,6 +106,20 @@ pub struct Config {
     pub connect_timeout: Duration,
     /// How long a peer can reach lent buffers.
     pub isolation: Isolation,
+    /// Server side: requests of one connection served at once (received and not answered
+    /// yet), at least 1. The server tells its clients when they connect, and a
+    /// [`Client`](crate::Client) keeps further calls waiting, unsent, until earlier ones are
+    /// answered; a peer that sends more anyway gets [`RpcError::Overloaded`](crate::RpcError)
+    /// for them, unrun. With the handlers' tasks and request bodies, this bounds what one
+    /// connection can make the server hold: at most this many eager requests (each within the
+    /// eager threshold).
+    pub max_concurrent_requests: u32,
+    /// Server side: bytes of rendezvous request bodies one connection may have the server read
+    /// and hold at once, at least 1. A request whose body would go beyond waits, unread (its
+    /// bytes stay in the caller's memory, and its deadline runs), until earlier ones are
+    /// answered; one alone is always read, so a request up to
+    /// [`max_payload`](Config::max_payload) is served whatever this limit.
+    pub max_request_bytes_in_flight: u64,
 }
 
 /// The switch point verbs suggests, and the one a configuration falls back to where no device
@@ -122,6 +136,8 @@ impl Default for Config {
             mode: CompletionMode::default(),
             connect_timeout: Duration::from_secs(10),
             isolation: Isolation::Connection,
+            max_concurrent_requests: 1024,
+            max_request_bytes_in_flight: 1 << 30,
         }
     }
 }
@@ -157,6 +173,17 @@ impl Config {
         if self.connect_timeout.is_zero() {
             return Err(crate::RpcError::Config(
                 "Config::connect_timeout is zero: give connection set-up some time (10 s by default)".into(),
+            ));
+        }
+        if self.max_concurrent_requests == 0 {
+            return Err(crate::RpcError::Config(
+                "Config::max_concurrent_requests is zero: a server must serve at least one request at a time (1024 by default)".into(),
+            ));
+        }
+        if self.max_request_bytes_in_flight == 0 {
+            return Err(crate::RpcError::Config(
+                "Config::max_request_bytes_in_flight is zero: give rendezvous requests some room (1 GiB by default)"
+                    .into(),
             ));
         }
         if let Some(t) = self.eager_threshold.filter(|&t| u32::try_from(t).is_err()) {
@@ -195,7 +222,8 @@ pub struct CallOptions {
 }
 
 /// The handshake: what each side tells the other in the connection's private data
-/// (`"RRPC" | version | ring: u32 | eager threshold: u32 | max payload: u64`, little endian).
+/// (`"RRPC" | version | ring: u32 | eager threshold: u32 | max payload: u64 | max concurrent
+/// requests: u32`, little endian).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hello {
     /// Receive ring depth of the sender (2..=4096).
@@ -204,6 +232,9 @@ pub struct Hello {
     pub eager_threshold: u32,
     /// Largest payload the sender accepts.
     pub max_payload: u64,
+    /// Requests of the connection the sender serves at once
+    /// ([`Config::max_concurrent_requests`]); 0 when it did not say (no limit).
+    pub max_requests: u32,
 }
 
 const MAGIC: &[u8; 4] = b"RRPC";
@@ -215,6 +246,7 @@ impl Hello {
             ring: c.ring,
             eager_threshold: c.eager().min(u32::MAX as usize) as u32,
             max_payload: c.max_payload,
+            max_requests: c.max_concurrent_requests,
         }
     }
 
@@ -225,11 +257,23 @@ impl Hello {
         v.extend_from_slice(&self.ring.to_le_bytes());
         v.extend_from_slice(&self.eager_threshold.to_le_bytes());
         v.extend_from_slice(&self.max_payload.to_le_bytes());
+        v.extend_from_slice(&self.max_requests.to_le_bytes());
         v
     }
 
     /// Parses a peer's private data: `None` for anything that is not a handshake of this
-    /// version with a ring of 2..=4096 (extra bytes after the 21 are ignored).
+    /// version with a ring of 2..=4096. The request limit may be missing (a peer that sends
+    /// 21 bytes states no limit); extra bytes after the 25 are ignored.
+    ///
+    /// # Examples
+    /// ```
+    /// use rdma_rpc_core::{proto::Hello, Config};
+    /// let hello = Hello::from_config(&Config { max_concurrent_requests: 8, ..Config::default() });
+    /// let bytes = hello.encode();
+    /// assert_eq!(Hello::decode(&bytes), Some(hello));
+    /// assert_eq!(Hello::decode(&bytes[..21]).map(|h| h.max_requests), Some(0));
+    /// assert_eq!(Hello::decode(&bytes[..20]), None);
+    /// ```
     pub fn decode(b: &[u8]) -> Option<Self> {
         if b.len() < 21 || &b[..4] != MAGIC || b[4] != crate::proto::VERSION {
             return None;
@@ -241,6 +285,7 @@ impl Hello {
             ring: u32_at(5),
             eager_threshold: u32_at(9),
             max_payload: u64::from_le_bytes(mp),
+            max_requests: if b.len() >= 25 { u32_at(21) } else { 0 },
         };
         (h.ring >= 2 && h.ring <= 4096).then_some(h)
     }

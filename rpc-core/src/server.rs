@@ -399,6 +399,10 @@ async fn serve_connection(
         .map_err(tr)?;
     let mut session = Session::new(agree(&mine, &theirs));
     session.serve_in_slot(in_slot.iter().copied());
+    session.limit_serving(
+        config.max_concurrent_requests as usize,
+        config.max_request_bytes_in_flight,
+    );
     let conn = Conn::new(session, &pd, qp, cq, (slot, config.ring), config.isolation)?;
     let role = ServerRole {
         buffers: conn.stash.buffers(),

@@ -291,6 +291,15 @@ impl Stash {
         if !self.vectors || len == 0 {
             return self.take(len).map(|(id, _)| id);
         }
+        // Asked of the allocator first: a refusal is an error of this call, where `vec!` would
+        // abort the process (the memory then comes zeroed and untouched from `vec!`).
+        let mut probe: Vec<u8> = Vec::new();
+        if probe.try_reserve_exact(len).is_err() {
+            return Err(RpcError::Transport(format!(
+                "cannot allocate {len} bytes to read a rendezvous body into: lower Config::max_payload or Config::max_request_bytes_in_flight, or free memory"
+            )));
+        }
+        drop(probe);
         let mr = self.pd.register_vec(vec![0u8; len], AccessFlags::LOCAL_WRITE);
         let mr = mr.map_err(|e| RpcError::Transport(format!("registering a {len}-byte vector: {e}")))?;
         Ok(self.hold_as(mr, false, true))

@@ -23,6 +23,10 @@ pub enum Status {
     Application = 7,
     /// The server failed for a reason of its own (e.g. it could not fetch the request).
     Internal = 8,
+    /// The server was serving as many requests of the connection as it allows at once
+    /// ([`Config::max_concurrent_requests`](crate::Config::max_concurrent_requests)): the
+    /// request was not run.
+    Overloaded = 9,
 }
 
 impl Status {
@@ -37,6 +41,7 @@ impl Status {
             5 => Status::DeadlineExceeded,
             6 => Status::Cancelled,
             7 => Status::Application,
+            9 => Status::Overloaded,
             _ => Status::Internal,
         }
     }
@@ -90,6 +95,15 @@ pub enum RpcError {
     /// address once the server is back) or to another server.
     #[error("the server is shutting down: the call was not run; retry it on a new connection or another server")]
     ShuttingDown,
+    /// The server was already serving as many requests of this connection as it allows at
+    /// once, so it refused this one unrun: safe to retry. A [`Client`](crate::Client) never
+    /// sends more than the server's limit (it learns it when connecting, and further calls
+    /// wait their turn), so this comes from a peer that does not keep the limit.
+    #[error("the server was already serving as many requests of this connection as it allows ({limit}) and did not run the call: retry it later, or raise Config::max_concurrent_requests on the server")]
+    Overloaded {
+        /// The server's limit (0 when it did not say).
+        limit: u64,
+    },
     /// The transport failed (registration, posting).
     #[error("transport error: {0}")]
     Transport(String),
@@ -110,6 +124,7 @@ impl RpcError {
             RpcError::DeadlineExceeded => Status::DeadlineExceeded,
             RpcError::Cancelled => Status::Cancelled,
             RpcError::Application(_) => Status::Application,
+            RpcError::Overloaded { .. } => Status::Overloaded,
             _ => Status::Internal,
         };
         let msg = match self {
@@ -117,6 +132,7 @@ impl RpcError {
                 m.clone()
             }
             RpcError::PayloadTooLarge { len, max } => format!("{len}/{max}"),
+            RpcError::Overloaded { limit } => limit.to_string(),
             other => other.to_string(),
         };
         (status, msg)
@@ -141,6 +157,9 @@ impl RpcError {
             Status::Cancelled => RpcError::Cancelled,
             Status::Application => RpcError::Application(text),
             Status::Internal => RpcError::Internal(text),
+            Status::Overloaded => RpcError::Overloaded {
+                limit: text.parse().unwrap_or(0),
+            },
         }
     }
 }

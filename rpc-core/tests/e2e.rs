@@ -537,6 +537,20 @@ async fn configurations_outside_the_protocol_are_refused_naming_the_field() {
                 ..d()
             },
         ),
+        (
+            "Config::max_concurrent_requests",
+            Config {
+                max_concurrent_requests: 0,
+                ..d()
+            },
+        ),
+        (
+            "Config::max_request_bytes_in_flight",
+            Config {
+                max_request_bytes_in_flight: 0,
+                ..d()
+            },
+        ),
     ];
     for (field, cfg) in bad {
         let bound = Server::builder(cfg.clone()).bind(&dev, SocketAddr::new(test_ip(), 0));
@@ -1010,4 +1024,101 @@ async fn dropped_large_vec_calls_stay_intact_and_leak_nothing() {
     );
     let req = pattern(LEN, 99);
     assert!(bounded(client.call(ECHO, req.clone())).await.expect("healthy") == req);
+}
+
+/// Counts a handler's runs in progress and the most seen at once.
+#[derive(Default)]
+struct Gauge {
+    now: AtomicUsize,
+    most: AtomicUsize,
+}
+
+impl Gauge {
+    async fn run_for(&self, d: Duration) {
+        let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(n, Ordering::SeqCst);
+        tokio::time::sleep(d).await;
+        self.now.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_beyond_the_servers_limit_wait_their_turn_in_the_client() {
+    let gauge = Arc::new(Gauge::default());
+    let g = gauge.clone();
+    let cfg = Config {
+        max_concurrent_requests: 3,
+        ..config()
+    };
+    let builder = Server::builder(cfg.clone()).handler(SLOW, move |req| {
+        let g = g.clone();
+        async move {
+            g.run_for(Duration::from_millis(20)).await;
+            Ok(req)
+        }
+    });
+    // The client's own limit is the default (1024): what it keeps is the server's.
+    let (client, _) = serve_and_connect(builder, config()).await;
+    let calls = (0..12u64).map(|i| {
+        let client = client.clone();
+        // Eager and rendezvous requests alike.
+        let req = tagged(if i % 2 == 0 { 100 } else { THRESHOLD * 2 }, i);
+        async move { (client.call(SLOW, req.clone()).await, req) }
+    });
+    for (got, sent) in bounded(spawn_all(calls)).await {
+        assert_eq!(got.expect("every call is served, none refused"), sent);
+    }
+    let most = gauge.most.load(Ordering::SeqCst);
+    assert_eq!(most, 3, "the server ran at most its limit at once, and that many");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rendezvous_requests_beyond_the_byte_limit_wait_unread() {
+    let gauge = Arc::new(Gauge::default());
+    let g = gauge.clone();
+    let body = THRESHOLD * 4;
+    let cfg = Config {
+        // Room for two bodies at once, not three.
+        max_request_bytes_in_flight: (body * 2 + body / 2) as u64,
+        ..config()
+    };
+    let builder = Server::builder(cfg).handler(SLOW, move |req| {
+        let g = g.clone();
+        async move {
+            g.run_for(Duration::from_millis(20)).await;
+            Ok(req[..8].to_vec())
+        }
+    });
+    let (client, _) = serve_and_connect(builder, config()).await;
+    let calls = (0..8u64).map(|i| {
+        let client = client.clone();
+        let req = tagged(body, i);
+        async move { (client.call(SLOW, req.clone()).await, req) }
+    });
+    for (got, sent) in bounded(spawn_all(calls)).await {
+        assert_eq!(got.expect("every call is served"), sent[..8]);
+    }
+    // A body larger than the whole limit is still served (alone).
+    let big = tagged(body * 3, 99);
+    let got = bounded(client.call(SLOW, big.clone())).await.expect("served alone");
+    assert_eq!(got, big[..8]);
+    assert_eq!(
+        gauge.most.load(Ordering::SeqCst),
+        2,
+        "two bodies held at once, never three"
+    );
+}
+
+/// Runs the futures at once, each in a task of its own, and gives their outputs in order.
+async fn spawn_all<F>(fs: impl IntoIterator<Item = F>) -> Vec<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let tasks: Vec<_> = fs.into_iter().map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.expect("the call's task"));
+    }
+    out
 }

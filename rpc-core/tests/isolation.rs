@@ -2,7 +2,8 @@
 //! client (the sans-IO session over a transport QP, so it sees every descriptor the server lends
 //! it) that forges RDMA Reads and Writes: at another connection's lent buffer, at its own buffer
 //! after the transfer ended, past the end of a buffer, at random rkeys. Each must fail with a
-//! remote access error and move no byte. Runs on the provider named by `RDMA_RPC_PROVIDER`
+//! remote access error and move no byte. A peer that ignores the server's limit on requests
+//! served at once gets the excess refused, unrun. Runs on the provider named by `RDMA_RPC_PROVIDER`
 //! (tcp; verbs on rxe0 in the VM lane).
 
 use std::net::{IpAddr, SocketAddr};
@@ -146,6 +147,10 @@ impl Raw {
             self.flush();
             if !self.reads.is_empty() {
                 return None;
+            }
+            // One completion batch may bring several results: those taken before waiting again.
+            if let Some(Event::CallDone { result, .. }) = self.session.poll_event() {
+                return Some(result);
             }
             for c in self.completions().await {
                 assert_eq!(c.status, WcStatus::Success, "{c:?}");
@@ -295,4 +300,50 @@ async fn with_per_transfer_isolation_a_finished_transfers_buffer_is_out_of_reach
     peer.echo().await; // the server has handled our ReadDone and released the buffer
     let (status, buf) = peer.one_sided(lent.at(0), RESPONSE, false).await;
     denied(status, &buf, "read of a released rendezvous buffer");
+}
+
+/// A peer that ignores the limit the server stated in its hello (a `Client` keeps it) and
+/// sends more requests than the server serves at once: the excess is refused at once, unrun,
+/// and the requests within the limit are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_sends_beyond_the_servers_limit_is_refused_unrun() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let ran = Arc::new(AtomicUsize::new(0));
+    let r = ran.clone();
+    let config = Config {
+        max_concurrent_requests: 2,
+        eager_threshold: Some(THRESHOLD),
+        ..Config::default()
+    };
+    let server = Server::builder(config)
+        .handler(ECHO, move |req: Vec<u8>| {
+            r.fetch_add(1, Ordering::SeqCst);
+            async move {
+                // Long enough that the third request arrives while both run.
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                Ok::<_, RpcError>(req)
+            }
+        })
+        .bind(&device(), SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    let mut raw = Raw::connect(&device(), addr).await;
+    for tag in 0..3u8 {
+        raw.session
+            .start_call(ECHO, Payload::Eager(vec![tag]), None, None, Instant::now())
+            .expect("start");
+    }
+    let first = raw.pump().await.expect("a result");
+    assert_eq!(first.err(), Some(RpcError::Overloaded { limit: 2 }));
+    for _ in 0..2 {
+        let r = raw.pump().await.expect("a result");
+        assert!(matches!(r, Ok(Reply::Bytes(ref b)) if b.len() == 1), "{r:?}");
+    }
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        2,
+        "the refused request never reached its handler"
+    );
 }

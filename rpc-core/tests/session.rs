@@ -949,7 +949,13 @@ proptest! {
     /// never RNR, credits within the ring, every live call answered once and correctly, and no
     /// buffer reached after its release.
     #[test]
-    fn random_mixes_keep_every_promise(ops in proptest::collection::vec((0u8..8, 0usize..400, 0usize..400), 1..120), held in any::<bool>(), deferred in any::<bool>(), in_slot in any::<bool>(), placed in any::<bool>()) {
+    ///
+    /// With limits (`limits.0`: 1 the server's and the client keeping them, 2 the server's
+    /// alone): the server never has more requests unanswered, nor more request bytes held, than
+    /// it allows (one request alone excepted); a client that keeps the limit never sees
+    /// `Overloaded`, and a call refused so never ran.
+    #[test]
+    fn random_mixes_keep_every_promise(ops in proptest::collection::vec((0u8..8, 0usize..400, 0usize..400), 1..120), held in any::<bool>(), deferred in any::<bool>(), in_slot in any::<bool>(), placed in any::<bool>(), limits in (0u8..3, 1usize..4, 1u64..800)) {
         let t0 = Instant::now();
         let server = if held { Side::new(2000).holding_reads() } else { Side::new(2000) };
         let client = Side::new(1000);
@@ -960,6 +966,13 @@ proptest! {
         } else {
             (client, server)
         };
+        let (limited, max_requests, max_bytes) = limits;
+        if limited > 0 {
+            b.s.limit_serving(max_requests, max_bytes);
+        }
+        if limited == 1 {
+            a.s.limit_calls(max_requests);
+        }
         let mut started: HashMap<u32, (usize, usize)> = HashMap::new();
         let mut cancelled = HashSet::new();
         let mut now = t0;
@@ -986,6 +999,10 @@ proptest! {
                 }
             }
             prop_assert!(a.s.credits().available() <= RING && b.s.credits().available() <= RING);
+            if limited > 0 {
+                prop_assert!(b.s.unanswered() <= max_requests, "{} requests unanswered, limit {}", b.s.unanswered(), max_requests);
+                prop_assert!(b.s.held_request_bytes() <= max_bytes.max(400), "{} request bytes held, limit {}", b.s.held_request_bytes(), max_bytes);
+            }
         }
         settle(&mut a, &mut b, now, resp_for);
         prop_assert_eq!((a.rnr, b.rnr), (0, 0));
@@ -993,6 +1010,10 @@ proptest! {
             match a.done.get(id) {
                 Some(Ok(r)) => prop_assert_eq!(reply_bytes(&a, r), expected_response(*req, *resp)),
                 Some(Err(RpcError::DeadlineExceeded | RpcError::Cancelled)) => {}
+                Some(Err(RpcError::Overloaded { limit })) if limited == 2 => {
+                    prop_assert_eq!(*limit, max_requests as u64);
+                    prop_assert!(!b.ran.contains(id), "call {} was refused as overloaded, yet ran", id);
+                }
                 Some(Err(e)) => prop_assert!(false, "call {} failed: {}", id, e),
                 None => prop_assert!(cancelled.contains(id), "call {} never answered", id),
             }
@@ -1003,6 +1024,7 @@ proptest! {
         prop_assert!(b.reading.is_empty(), "server read buffers neither handed out nor released: {:?}", b.reading);
         prop_assert_eq!(a.s.pending_calls(), 0);
         prop_assert_eq!(b.s.serving(), 0);
+        prop_assert_eq!((b.s.unanswered(), b.s.held_request_bytes(), a.s.held_back_calls()), (0, 0, 0));
         prop_assert!(a.slots.is_empty() && b.slots.is_empty(), "receive slots still held");
         prop_assert!(a.sending.is_empty() && b.sending.is_empty(), "placed buffers neither sent nor released");
     }
@@ -1232,10 +1254,15 @@ proptest! {
     /// `ShuttingDown` and never reached a handler (or was cancelled or timed out); the server
     /// ends with Close, the client's session with it, with no RNR and no buffer left lent.
     #[test]
-    fn random_mixes_with_a_shutdown_run_each_call_once_or_not_at_all(ops in proptest::collection::vec((0u8..9, 0usize..400, 0usize..400), 1..120), stop_at in 0usize..120, held in any::<bool>(), placed in any::<bool>()) {
+    fn random_mixes_with_a_shutdown_run_each_call_once_or_not_at_all(ops in proptest::collection::vec((0u8..9, 0usize..400, 0usize..400), 1..120), stop_at in 0usize..120, held in any::<bool>(), placed in any::<bool>(), limits in proptest::option::of((1usize..4, 1u64..800))) {
         let mut now = Instant::now();
         let server = if held { Side::new(2000).holding_reads() } else { Side::new(2000) };
         let (mut a, mut b) = if placed { (Side::new(1000).placing(), server.placing()) } else { (Side::new(1000), server) };
+        // With limits, some calls wait unsent in the client when GoAway comes: they fail as not run.
+        if let Some((requests, bytes)) = limits {
+            b.s.limit_serving(requests, bytes);
+            a.s.limit_calls(requests);
+        }
         let resp_for = |req: usize| (req * 7 + 3) % 400;
         let mut started: HashMap<u32, (usize, usize)> = HashMap::new();
         for (i, (op, x, y)) in ops.into_iter().enumerate() {
@@ -1292,6 +1319,149 @@ proptest! {
         prop_assert!(b.lent.is_empty(), "server buffers still lent: {:?}", b.lent);
         prop_assert!(b.reading.is_empty(), "server read buffers neither handed out nor released: {:?}", b.reading);
         prop_assert_eq!(b.s.serving(), 0);
+        prop_assert_eq!(a.s.held_back_calls(), 0);
         prop_assert!(a.sending.is_empty() && b.sending.is_empty(), "placed buffers neither sent nor released");
     }
+}
+
+#[test]
+fn a_server_refuses_requests_beyond_its_limit_unrun() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    b.s.limit_serving(2, u64::MAX);
+    // A caller that does not keep the limit (no `limit_calls`): three calls, one eager beyond.
+    let ids = [
+        a.call(10, None, None, now),
+        a.call(300, None, None, now),
+        a.call(20, None, None, now),
+    ];
+    exchange(&mut a, &mut b, now);
+    assert_eq!(b.requests.len(), 2, "two requests at the handler");
+    assert_eq!(b.s.unanswered(), 2);
+    assert_eq!(a.done.get(&ids[2]), Some(&Err(RpcError::Overloaded { limit: 2 })));
+    // Once one is answered, the next call is served.
+    serve(&mut b, |n| n);
+    let again = a.call(20, None, None, now);
+    settle(&mut a, &mut b, now, |n| n);
+    assert!(!b.ran.contains(&ids[2]), "the refused call never ran");
+    for (id, len) in [(ids[0], 10), (ids[1], 300), (again, 20)] {
+        let r = a.done.remove(&id).expect("answered").expect("ok");
+        assert_eq!(reply_bytes(&a, &r), expected_response(len, len));
+    }
+    assert!(a.lent.is_empty() && b.lent.is_empty());
+}
+
+#[test]
+fn a_client_holds_calls_beyond_the_servers_limit_back_until_earlier_ones_finish() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    b.s.limit_serving(2, u64::MAX);
+    a.s.limit_calls(2);
+    let ids: Vec<u32> = (0..6).map(|i| a.call(10 + i * 60, None, None, now)).collect();
+    let late = a.call(5, None, Some(Duration::from_millis(1)), now);
+    exchange(&mut a, &mut b, now);
+    assert_eq!(b.requests.len(), 2, "the server sees only as many as it serves");
+    assert_eq!(a.s.held_back_calls(), 5);
+    // A call that waits can be cancelled, or time out, without ever reaching the server.
+    a.s.cancel(ids[3]);
+    a.s.handle_timeout(now + Duration::from_millis(2));
+    a.drain_events();
+    assert_eq!(a.done.get(&late), Some(&Err(RpcError::DeadlineExceeded)));
+    assert_eq!(a.s.held_back_calls(), 3);
+    settle(&mut a, &mut b, now, |n| n + 1);
+    for (i, id) in ids.iter().enumerate() {
+        let len = 10 + i * 60;
+        match a.done.remove(id) {
+            None => assert_eq!(i, 3, "only the cancelled call has no result"),
+            Some(r) => {
+                let r = r.expect("answered");
+                assert_eq!(reply_bytes(&a, &r), expected_response(len, len + 1));
+            }
+        }
+    }
+    assert!(!b.ran.contains(&ids[3]) && !b.ran.contains(&late));
+    assert_eq!((a.s.pending_calls(), a.s.held_back_calls()), (0, 0));
+    assert!(a.lent.is_empty(), "the waiting calls' buffers came back");
+}
+
+#[test]
+fn calls_held_back_when_the_server_goes_away_fail_as_not_run() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000).placing(), Side::new(2000));
+    a.s.limit_calls(1);
+    let sent = a.call(10, None, None, now);
+    let waiting = [a.call(10, None, None, now), a.call(300, None, None, now)];
+    exchange(&mut a, &mut b, now);
+    b.s.go_away();
+    exchange(&mut a, &mut b, now);
+    for id in waiting {
+        assert_eq!(a.done.remove(&id), Some(Err(RpcError::ShuttingDown)), "call {id}");
+    }
+    settle(&mut a, &mut b, now, |n| n);
+    assert!(a.done.remove(&sent).expect("answered").is_ok());
+    assert!(b.s.is_closed());
+    assert!(
+        a.lent.is_empty() && a.sending.is_empty(),
+        "the waiting calls' buffers came back"
+    );
+}
+
+#[test]
+fn rendezvous_requests_beyond_the_byte_limit_wait_unread() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    b.s.limit_serving(usize::MAX, 500);
+    let ids = [
+        a.call(300, None, None, now),
+        a.call(200, None, None, now),
+        a.call(100, None, None, now),
+    ];
+    exchange(&mut a, &mut b, now);
+    // 300 + 200 fit; the third waits, unread, though a request behind it is small.
+    assert_eq!(b.requests.len(), 2);
+    assert_eq!(b.s.held_request_bytes(), 500);
+    assert_eq!(b.s.unanswered(), 3, "the waiting one counts as a request");
+    serve(&mut b, |n| n);
+    exchange(&mut a, &mut b, now);
+    assert_eq!(b.requests.len(), 1, "read once the others were answered");
+    // One request larger than the limit is read when it is alone.
+    let big = a.call(900, None, None, now);
+    let small = a.call(10, None, None, now);
+    settle(&mut a, &mut b, now, |n| n);
+    for (id, len) in [(ids[0], 300), (ids[1], 200), (ids[2], 100), (big, 900), (small, 10)] {
+        let r = a.done.remove(&id).expect("answered").expect("ok");
+        assert_eq!(reply_bytes(&a, &r), expected_response(len, len));
+    }
+    assert_eq!((b.s.unanswered(), b.s.held_request_bytes()), (0, 0));
+}
+
+#[test]
+fn a_request_waiting_for_bytes_can_be_cancelled_or_time_out() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    b.s.limit_serving(usize::MAX, 300);
+    let first = a.call(300, None, None, now);
+    let cancelled = a.call(300, None, None, now);
+    let timed = a.call(300, None, Some(Duration::from_millis(5)), now);
+    exchange(&mut a, &mut b, now);
+    assert_eq!(b.requests.len(), 1);
+    assert_eq!(b.s.unanswered(), 3);
+    a.s.cancel(cancelled);
+    exchange(&mut a, &mut b, now);
+    assert_eq!(b.s.unanswered(), 2, "the server let the cancelled one go unread");
+    let later = now + Duration::from_millis(6);
+    assert!(
+        b.s.poll_timeout().is_some_and(|t| t <= later),
+        "a waiting request's deadline runs"
+    );
+    b.s.handle_timeout(later);
+    b.drain_events();
+    assert!(b.aborted.is_empty(), "no handler ran for it, none to abort");
+    exchange(&mut a, &mut b, later);
+    assert_eq!(a.done.remove(&timed), Some(Err(RpcError::DeadlineExceeded)));
+    settle(&mut a, &mut b, later, |n| n);
+    assert!(a.done.remove(&first).expect("answered").is_ok());
+    assert!(!b.ran.contains(&cancelled) && !b.ran.contains(&timed));
+    assert!(a.lent.is_empty(), "the lent bodies of the unread requests came back");
+    assert_eq!((b.s.unanswered(), b.s.held_request_bytes()), (0, 0));
 }

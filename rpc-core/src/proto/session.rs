@@ -308,6 +308,8 @@ struct ClientCall {
 }
 
 enum Serving {
+    /// Waiting for request bytes to free up before its body is read ([`Session::limit_serving`]).
+    Queued(RemoteRegion),
     Reading,
     Running,
     /// Response lent; waiting for ReadDone.
@@ -322,6 +324,9 @@ struct ServerCall {
     landing: Option<RemoteRegion>,
     state: Serving,
     cancelled: bool,
+    /// Request bytes this call holds against [`Session::limit_serving`]'s bytes (a
+    /// rendezvous request's, from the start of its Read until it is answered).
+    bytes: u64,
 }
 
 enum Out {
@@ -374,6 +379,19 @@ pub struct Session {
     ours: Shutdown,
     /// The peer's: its GoAway, then its Close, as they came.
     theirs: Shutdown,
+    /// Requests this side serves at once, and request bytes it reads and holds at once
+    /// ([`Session::limit_serving`]).
+    serve_limit: usize,
+    byte_limit: u64,
+    /// Served requests not answered yet ([`Serving::is_active`]), and the bytes they hold.
+    active: usize,
+    held_bytes: u64,
+    /// Rendezvous requests waiting for bytes, in arrival order.
+    deferred: VecDeque<u32>,
+    /// Calls of ours the peer serves at once ([`Session::limit_calls`]); calls beyond wait
+    /// here, unsent, in the order they were made.
+    call_limit: usize,
+    held_back: VecDeque<(u32, Out)>,
 }
 
 /// How far one side's shutdown went ([`Session::go_away`]).
@@ -391,6 +409,13 @@ struct Joining {
     header: Header,
     total: usize,
     body: Vec<u8>,
+}
+
+impl Serving {
+    /// Not answered yet: counts against [`Session::limit_serving`]'s requests.
+    fn is_active(&self) -> bool {
+        matches!(self, Serving::Queued(_) | Serving::Reading | Serving::Running)
+    }
 }
 
 impl Session {
@@ -412,7 +437,49 @@ impl Session {
             deadlines: AtomicBool::new(false),
             ours: Shutdown::None,
             theirs: Shutdown::None,
+            serve_limit: usize::MAX,
+            byte_limit: u64::MAX,
+            active: 0,
+            held_bytes: 0,
+            deferred: VecDeque::new(),
+            call_limit: usize::MAX,
+            held_back: VecDeque::new(),
         }
+    }
+
+    /// Bounds what this side serves at once (no bound by default):
+    /// - `requests`: requests received and not answered yet (being read, waiting, or run).
+    ///   A request beyond is answered at once with [`Status::Overloaded`], unrun.
+    /// - `bytes`: bodies of rendezvous requests being read or run. A request whose body would
+    ///   go beyond waits, unread (its bytes stay in the caller's memory), until enough of the
+    ///   earlier ones are answered; one alone is always read (up to the largest payload).
+    pub fn limit_serving(&mut self, requests: usize, bytes: u64) {
+        self.serve_limit = requests;
+        self.byte_limit = bytes;
+    }
+
+    /// Bounds how many calls of ours are sent and not answered at once: the peer's
+    /// `requests` of [`Session::limit_serving`], so that no call of a well-behaved caller is
+    /// refused for it. Calls beyond wait in the session, unsent, and go out in the order they
+    /// were made as earlier ones finish; a waiting call can still be cancelled or time out.
+    pub fn limit_calls(&mut self, n: usize) {
+        self.call_limit = n.max(1);
+    }
+
+    /// Served requests not answered yet: being read, waiting for bytes, or run
+    /// ([`Session::limit_serving`]).
+    pub fn unanswered(&self) -> usize {
+        self.active
+    }
+
+    /// Bytes of rendezvous request bodies being read or run ([`Session::limit_serving`]).
+    pub fn held_request_bytes(&self) -> u64 {
+        self.held_bytes
+    }
+
+    /// Calls of ours waiting for one of the peer's requests to free up ([`Session::limit_calls`]).
+    pub fn held_back_calls(&self) -> usize {
+        self.held_back.len()
     }
 
     /// Eager requests for these methods are handed over in the receive slot they arrived in
@@ -477,7 +544,7 @@ impl Session {
         }
         for s in self.served.values() {
             // A request still being read keeps its deadline for when its handler runs.
-            consider(s.deadline, matches!(s.state, Serving::Running));
+            consider(s.deadline, matches!(s.state, Serving::Running | Serving::Queued(_)));
         }
         if !any {
             self.deadlines.store(false, Ordering::Relaxed);
@@ -569,7 +636,7 @@ impl Session {
             body_len: 0,
             budget_us,
         };
-        self.queue.push_back(match payload {
+        let out = match payload {
             Payload::Placed { buf, len } => Out::Placed { header, buf, len },
             // The payload is the body as it stands: moved, not copied.
             Payload::Eager(b) if body.is_empty() => Out::Msg { header, body: b },
@@ -578,7 +645,13 @@ impl Session {
                 Out::Msg { header, body }
             }
             Payload::Lent { .. } => Out::Msg { header, body },
-        });
+        };
+        // Beyond what the peer serves at once, or behind calls that wait: the call waits too.
+        if self.held_back.is_empty() && self.calls.len() < self.call_limit {
+            self.queue.push_back(out);
+        } else {
+            self.held_back.push_back((call, out));
+        }
         // Past what an `Instant` can hold (`Duration::MAX`, say): never.
         let deadline = budget.and_then(|b| now.checked_add(b));
         if deadline.is_some() {
@@ -645,13 +718,45 @@ impl Session {
         if let Some(c) = self.calls.get_mut(call) {
             if c.live {
                 c.live = false;
-                self.queue_small(Kind::Cancel, call, 0, Vec::new());
+                if !self.withdraw(call) {
+                    self.queue_small(Kind::Cancel, call, 0, Vec::new());
+                }
             }
+        }
+    }
+
+    /// Takes `call` (no longer live) out of the calls waiting to be sent, if it is one, and
+    /// finishes it there: nothing of it reached the peer.
+    fn withdraw(&mut self, call: u32) -> bool {
+        if self.held_back.is_empty() {
+            return false;
+        }
+        let Some(i) = self.held_back.iter().position(|(c, _)| *c == call) else {
+            return false;
+        };
+        if let Some((_, Out::Placed { buf, .. })) = self.held_back.remove(i) {
+            self.actions.push_back(Transmit::Release(buf));
+        }
+        self.finish_call(call, Err(RpcError::Cancelled));
+        true
+    }
+
+    /// The calls waiting to be sent fail with `e` (the peer's GoAway: they were never sent).
+    #[cold]
+    fn fail_held_back(&mut self, e: &RpcError) {
+        while let Some((call, out)) = self.held_back.pop_front() {
+            if let Out::Placed { buf, .. } = out {
+                self.actions.push_back(Transmit::Release(buf));
+            }
+            self.finish_call(call, Err(e.clone()));
         }
     }
 
     fn finish_call(&mut self, call: u32, result: Result<Reply, RpcError>) {
         let Some(c) = self.calls.remove(call) else { return };
+        if !self.held_back.is_empty() {
+            self.send_held_back();
+        }
         if let Some(b) = c.lent {
             self.actions.push_back(Transmit::Release(b));
         }
@@ -663,6 +768,19 @@ impl Session {
         }
         if c.live {
             self.events.push_back(Event::CallDone { call, result });
+        }
+    }
+
+    /// Sends the calls waiting for the peer, as far as its limit allows.
+    fn send_held_back(&mut self) {
+        if self.lost.is_some() || self.theirs != Shutdown::None {
+            return;
+        }
+        while self.calls.len() - self.held_back.len() < self.call_limit {
+            let Some((_, out)) = self.held_back.pop_front() else {
+                break;
+            };
+            self.queue.push_back(out);
         }
     }
 
@@ -719,6 +837,16 @@ impl Session {
         if self.served.contains_key(call) {
             return Err(ProtoError::DuplicateCall(call));
         }
+        if self.active >= self.serve_limit {
+            // Refused before anything of it is kept: the caller learns that it was not run.
+            self.queue_small(
+                Kind::Response,
+                call,
+                Status::Overloaded as u16,
+                self.serve_limit.to_string().into_bytes(),
+            );
+            return Ok(());
+        }
         let (landing, skip) = if h.flags & FLAG_LANDING != 0 {
             (Some(decode_desc(&body)?.0), DESC_LEN)
         } else {
@@ -736,11 +864,11 @@ impl Session {
             landing,
             state: Serving::Running,
             cancelled: false,
+            bytes: 0,
         };
         if h.flags & FLAG_RENDEZVOUS != 0 {
             let (desc, _) = decode_desc(rest)?;
             if desc.len > self.cfg.max_payload {
-                self.served.insert(call, sc);
                 self.reply_error(
                     call,
                     &RpcError::PayloadTooLarge {
@@ -750,14 +878,24 @@ impl Session {
                 );
                 return Ok(());
             }
-            sc.state = Serving::Reading;
-            self.served.insert(call, sc);
-            self.actions.push_back(Transmit::Read {
-                token: Token::Request(call),
-                remote: desc,
-            });
+            self.active += 1;
+            if self.deferred.is_empty() && self.bytes_fit(desc.len) {
+                self.held_bytes += desc.len;
+                sc.bytes = desc.len;
+                sc.state = Serving::Reading;
+                self.served.insert(call, sc);
+                self.actions.push_back(Transmit::Read {
+                    token: Token::Request(call),
+                    remote: desc,
+                });
+            } else {
+                sc.state = Serving::Queued(desc);
+                self.served.insert(call, sc);
+                self.deferred.push_back(call);
+            }
             return Ok(());
         }
+        self.active += 1;
         self.served.insert(call, sc);
         let payload = match body {
             Cow::Borrowed(b) if self.offer.is_some() && self.in_slot_methods.contains(&h.method) => {
@@ -779,6 +917,60 @@ impl Session {
             budget,
         });
         Ok(())
+    }
+
+    /// Whether a rendezvous body of `len` bytes may be read now: within the byte limit, or
+    /// alone.
+    fn bytes_fit(&self, len: u64) -> bool {
+        self.held_bytes == 0 || self.held_bytes.saturating_add(len) <= self.byte_limit
+    }
+
+    /// Served request `call` is answered (or dropped): it no longer counts against the limits,
+    /// and requests waiting for bytes may be read.
+    fn unserve(&mut self, call: u32) -> Option<ServerCall> {
+        let sc = self.served.remove(call)?;
+        if sc.state.is_active() {
+            self.settle(sc.bytes);
+        }
+        if matches!(sc.state, Serving::Queued(_)) {
+            // It may have been the one that did not fit, holding back those behind it.
+            self.deferred.retain(|&c| c != call);
+            self.read_deferred();
+        }
+        Some(sc)
+    }
+
+    /// An active served request (holding `bytes`) is answered.
+    fn settle(&mut self, bytes: u64) {
+        self.active = self.active.saturating_sub(1);
+        if bytes > 0 {
+            self.held_bytes = self.held_bytes.saturating_sub(bytes);
+            self.read_deferred();
+        }
+    }
+
+    /// Starts the Reads of requests that waited for bytes, in arrival order, as far as they fit.
+    fn read_deferred(&mut self) {
+        while let Some(&call) = self.deferred.front() {
+            let Some(Serving::Queued(desc)) = self.served.get(call).map(|s| &s.state) else {
+                self.deferred.pop_front();
+                continue;
+            };
+            let desc = *desc;
+            if !self.bytes_fit(desc.len) {
+                break;
+            }
+            self.deferred.pop_front();
+            self.held_bytes += desc.len;
+            if let Some(sc) = self.served.get_mut(call) {
+                sc.bytes = desc.len;
+                sc.state = Serving::Reading;
+            }
+            self.actions.push_back(Transmit::Read {
+                token: Token::Request(call),
+                remote: desc,
+            });
+        }
     }
 
     /// The deadline of served request `call` on this side's clock (placed from its budget when
@@ -825,7 +1017,7 @@ impl Session {
         match result {
             Ok(Payload::Placed { buf, len }) => match self.check_placed(len) {
                 Ok(()) => {
-                    self.served.remove(call);
+                    self.unserve(call);
                     let header = Header {
                         kind: Kind::Response,
                         flags: 0,
@@ -844,7 +1036,7 @@ impl Session {
                 }
             },
             Ok(Payload::Eager(bytes)) if bytes.len() <= self.cfg.eager_max => {
-                self.served.remove(call);
+                self.unserve(call);
                 self.queue_small(Kind::Response, call, Status::Ok as u16, bytes);
             }
             Ok(Payload::Eager(bytes)) => {
@@ -867,6 +1059,9 @@ impl Session {
                 }
                 let landing = self.served.get(call).and_then(|s| s.landing);
                 if let Some(sc) = self.served.get_mut(call) {
+                    // Answered: the request no longer counts, though the entry stays for the
+                    // response's transfer.
+                    let bytes = std::mem::take(&mut sc.bytes);
                     match landing.filter(|l| l.len >= desc.len + LANDING_PREFIX as u64) {
                         Some(remote) => {
                             sc.state = Serving::Writing(buf);
@@ -887,6 +1082,7 @@ impl Session {
                             self.queue_msg(Kind::Response, FLAG_RENDEZVOUS, call, Status::Ok as u16, body);
                         }
                     }
+                    self.settle(bytes);
                 }
             }
             Err(e) => self.reply_error(call, &e),
@@ -894,7 +1090,7 @@ impl Session {
     }
 
     fn reply_error(&mut self, call: u32, e: &RpcError) {
-        self.served.remove(call);
+        self.unserve(call);
         let (status, msg) = e.to_wire();
         // A message longer than an eager payload is cut, at a character's boundary.
         let mut end = msg.len().min(self.cfg.eager_max.max(64));
@@ -912,6 +1108,7 @@ impl Session {
                 self.events.push_back(Event::Abort { call });
                 self.reply_error(call, &RpcError::Cancelled);
             }
+            Some(Serving::Queued(_)) => self.reply_error(call, &RpcError::Cancelled),
             Some(Serving::Reading) => {
                 if let Some(s) = self.served.get_mut(call) {
                     s.cancelled = true;
@@ -927,7 +1124,7 @@ impl Session {
         match self.served.get(call).map(|s| &s.state) {
             Some(Serving::Lent(buf)) => {
                 let buf = *buf;
-                self.served.remove(call);
+                self.unserve(call);
                 self.actions.push_back(Transmit::Release(buf));
                 Ok(())
             }
@@ -1049,6 +1246,8 @@ impl Session {
             Kind::Credit => Ok(()),
             Kind::GoAway => {
                 self.theirs = self.theirs.max(Shutdown::GoingAway);
+                // Never sent, so never run: safe to retry elsewhere.
+                self.fail_held_back(&RpcError::ShuttingDown);
                 Ok(())
             }
             Kind::Close => {
@@ -1141,7 +1340,7 @@ impl Session {
             .find(|(_, s)| matches!(s.state, Serving::Writing(b) if b == buf))
             .map(|(c, _)| c);
         if let Some(call) = call {
-            self.served.remove(call);
+            self.unserve(call);
         }
         self.actions.push_back(Transmit::Release(buf));
     }
@@ -1162,16 +1361,21 @@ impl Session {
                 call,
                 result: Err(RpcError::DeadlineExceeded),
             });
-            self.queue_small(Kind::Cancel, call, 0, Vec::new());
+            if !self.withdraw(call) {
+                self.queue_small(Kind::Cancel, call, 0, Vec::new());
+            }
         }
-        let late: Vec<u32> = self
+        let late: Vec<(u32, bool)> = self
             .served
             .iter()
-            .filter(|(_, s)| matches!(s.state, Serving::Running) && s.deadline.is_some_and(|d| d <= now))
-            .map(|(id, _)| id)
+            .filter(|(_, s)| matches!(s.state, Serving::Running | Serving::Queued(_)))
+            .filter(|(_, s)| s.deadline.is_some_and(|d| d <= now))
+            .map(|(id, s)| (id, matches!(s.state, Serving::Running)))
             .collect();
-        for call in late {
-            self.events.push_back(Event::Abort { call });
+        for (call, running) in late {
+            if running {
+                self.events.push_back(Event::Abort { call });
+            }
             self.reply_error(call, &RpcError::DeadlineExceeded);
         }
     }
@@ -1254,6 +1458,11 @@ impl Session {
                 self.actions.push_back(Transmit::Release(buf));
             }
         }
+        for (_, out) in self.held_back.drain(..) {
+            if let Out::Placed { buf, .. } = out {
+                self.actions.push_back(Transmit::Release(buf));
+            }
+        }
         self.joining = None;
         let calls: Vec<u32> = self.calls.iter().map(|(id, _)| id).collect();
         for call in calls {
@@ -1263,9 +1472,12 @@ impl Session {
             match s.state {
                 Serving::Running => self.events.push_back(Event::Abort { call }),
                 Serving::Lent(b) | Serving::Writing(b) => self.actions.push_back(Transmit::Release(b)),
-                Serving::Reading => {}
+                Serving::Reading | Serving::Queued(_) => {}
             }
         }
+        self.deferred.clear();
+        self.active = 0;
+        self.held_bytes = 0;
     }
 
     /// True once the connection was declared lost.
