@@ -354,6 +354,16 @@ enum Out {
     },
 }
 
+impl Out {
+    /// The call a request waiting to be sent belongs to ([`Session::limit_calls`]).
+    fn call(&self) -> Option<u32> {
+        match self {
+            Out::Msg { header, .. } | Out::Placed { header, .. } | Out::Pieces { header, .. } => Some(header.call_id),
+            Out::WriteImm { .. } => None,
+        }
+    }
+}
+
 /// One side of an rdma-rpc connection. See the [module docs](super) for the order of calls.
 pub struct Session {
     cfg: SessionConfig,
@@ -391,7 +401,7 @@ pub struct Session {
     /// Calls of ours the peer serves at once ([`Session::limit_calls`]); calls beyond wait
     /// here, unsent, in the order they were made.
     call_limit: usize,
-    held_back: VecDeque<(u32, Out)>,
+    held_back: VecDeque<Out>,
 }
 
 /// How far one side's shutdown went ([`Session::go_away`]).
@@ -636,7 +646,13 @@ impl Session {
             body_len: 0,
             budget_us,
         };
-        let out = match payload {
+        // Beyond what the peer serves at once, or behind calls that wait: the call waits too.
+        let to = if self.held_back.is_empty() && self.calls.len() < self.call_limit {
+            &mut self.queue
+        } else {
+            &mut self.held_back
+        };
+        to.push_back(match payload {
             Payload::Placed { buf, len } => Out::Placed { header, buf, len },
             // The payload is the body as it stands: moved, not copied.
             Payload::Eager(b) if body.is_empty() => Out::Msg { header, body: b },
@@ -645,13 +661,7 @@ impl Session {
                 Out::Msg { header, body }
             }
             Payload::Lent { .. } => Out::Msg { header, body },
-        };
-        // Beyond what the peer serves at once, or behind calls that wait: the call waits too.
-        if self.held_back.is_empty() && self.calls.len() < self.call_limit {
-            self.queue.push_back(out);
-        } else {
-            self.held_back.push_back((call, out));
-        }
+        });
         // Past what an `Instant` can hold (`Duration::MAX`, say): never.
         let deadline = budget.and_then(|b| now.checked_add(b));
         if deadline.is_some() {
@@ -731,10 +741,10 @@ impl Session {
         if self.held_back.is_empty() {
             return false;
         }
-        let Some(i) = self.held_back.iter().position(|(c, _)| *c == call) else {
+        let Some(i) = self.held_back.iter().position(|o| o.call() == Some(call)) else {
             return false;
         };
-        if let Some((_, Out::Placed { buf, .. })) = self.held_back.remove(i) {
+        if let Some(Out::Placed { buf, .. }) = self.held_back.remove(i) {
             self.actions.push_back(Transmit::Release(buf));
         }
         self.finish_call(call, Err(RpcError::Cancelled));
@@ -744,11 +754,13 @@ impl Session {
     /// The calls waiting to be sent fail with `e` (the peer's GoAway: they were never sent).
     #[cold]
     fn fail_held_back(&mut self, e: &RpcError) {
-        while let Some((call, out)) = self.held_back.pop_front() {
+        while let Some(out) = self.held_back.pop_front() {
             if let Out::Placed { buf, .. } = out {
                 self.actions.push_back(Transmit::Release(buf));
             }
-            self.finish_call(call, Err(e.clone()));
+            if let Some(call) = out.call() {
+                self.finish_call(call, Err(e.clone()));
+            }
         }
     }
 
@@ -777,7 +789,7 @@ impl Session {
             return;
         }
         while self.calls.len() - self.held_back.len() < self.call_limit {
-            let Some((_, out)) = self.held_back.pop_front() else {
+            let Some(out) = self.held_back.pop_front() else {
                 break;
             };
             self.queue.push_back(out);
@@ -927,8 +939,9 @@ impl Session {
 
     /// Served request `call` is answered (or dropped): it no longer counts against the limits,
     /// and requests waiting for bytes may be read.
-    fn unserve(&mut self, call: u32) -> Option<ServerCall> {
-        let sc = self.served.remove(call)?;
+    #[inline]
+    fn unserve(&mut self, call: u32) {
+        let Some(sc) = self.served.remove(call) else { return };
         if sc.state.is_active() {
             self.settle(sc.bytes);
         }
@@ -937,7 +950,6 @@ impl Session {
             self.deferred.retain(|&c| c != call);
             self.read_deferred();
         }
-        Some(sc)
     }
 
     /// An active served request (holding `bytes`) is answered.
@@ -1458,7 +1470,7 @@ impl Session {
                 self.actions.push_back(Transmit::Release(buf));
             }
         }
-        for (_, out) in self.held_back.drain(..) {
+        for out in self.held_back.drain(..) {
             if let Out::Placed { buf, .. } = out {
                 self.actions.push_back(Transmit::Release(buf));
             }
