@@ -98,7 +98,8 @@ impl Client {
     ///
     /// # Errors
     /// [`RpcError::Config`] for a configuration outside what the protocol allows;
-    /// [`RpcError::Transport`] when the connection cannot be made; [`RpcError::Protocol`]
+    /// [`RpcError::ConnectionRefused`] when the server refuses it (at its connection limit, or
+    /// shutting down); [`RpcError::Transport`] when it cannot be made; [`RpcError::Protocol`]
     /// when the peer is not an rdma-rpc server of this version.
     pub async fn connect(device: &Device, addr: SocketAddr, config: Config) -> Result<Client, RpcError> {
         config.validate()?;
@@ -116,7 +117,10 @@ impl Client {
         })
         .await
         .map_err(|e| RpcError::Transport(format!("connect task: {e}")))?
-        .map_err(tr)?;
+        .map_err(|e| match e {
+            rdma_rpc_transport::Error::Rejected => RpcError::ConnectionRefused,
+            e => tr(e),
+        })?;
         let theirs = Hello::decode(&reply).ok_or_else(|| RpcError::Protocol("not an rdma-rpc server".into()))?;
         let mut session = Session::new(agree(&mine, &theirs));
         if theirs.max_requests > 0 {

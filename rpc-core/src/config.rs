@@ -120,6 +120,10 @@ pub struct Config {
     /// answered; one alone is always read, so a request up to
     /// [`max_payload`](Config::max_payload) is served whatever this limit.
     pub max_request_bytes_in_flight: u64,
+    /// Server side: connections served at once, at least 1. Each holds its receive ring, send
+    /// buffers and rendezvous pools (a few MiB with the default ring); a connection request
+    /// beyond is refused, and the client gets [`RpcError::ConnectionRefused`](crate::RpcError).
+    pub max_connections: u32,
 }
 
 /// The switch point verbs suggests, and the one a configuration falls back to where no device
@@ -138,6 +142,7 @@ impl Default for Config {
             isolation: Isolation::Connection,
             max_concurrent_requests: 1024,
             max_request_bytes_in_flight: 1 << 30,
+            max_connections: 1024,
         }
     }
 }
@@ -178,6 +183,11 @@ impl Config {
         if self.max_concurrent_requests == 0 {
             return Err(crate::RpcError::Config(
                 "Config::max_concurrent_requests is zero: a server must serve at least one request at a time (1024 by default)".into(),
+            ));
+        }
+        if self.max_connections == 0 {
+            return Err(crate::RpcError::Config(
+                "Config::max_connections is zero: a server must take at least one connection (1024 by default)".into(),
             ));
         }
         if self.max_request_bytes_in_flight == 0 {

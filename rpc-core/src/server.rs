@@ -4,7 +4,7 @@ use foldhash::{HashMap, HashSet};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -152,6 +152,7 @@ impl ServerBuilder {
             config: self.config,
             handlers: Arc::new(self.handlers),
             in_slot: Arc::new(self.in_slot),
+            connections: Arc::new(AtomicUsize::new(0)),
         })
     }
 }
@@ -163,6 +164,8 @@ pub struct Server {
     config: Config,
     handlers: Arc<HashMap<u32, Handler>>,
     in_slot: Arc<HashSet<u32>>,
+    /// Connections set up or being set up ([`Config::max_connections`]).
+    connections: Arc<AtomicUsize>,
 }
 
 impl Server {
@@ -195,8 +198,9 @@ impl Server {
     pub async fn serve(self) -> Result<(), RpcError> {
         loop {
             let req = accept(self.listener.clone(), None).await?;
-            let Some(req) = req else { continue };
-            let conn = self.connection(req, None);
+            let Some(conn) = req.and_then(|req| self.connection(req, None)) else {
+                continue;
+            };
             tokio::spawn(conn);
         }
     }
@@ -265,7 +269,9 @@ impl Server {
                     pending_accept = None;
                     match r {
                         Ok(Ok(Some(req))) => {
-                            conns.spawn(self.connection(req, Some(shutdown.clone())));
+                            if let Some(conn) = self.connection(req, Some(shutdown.clone())) {
+                                conns.spawn(conn);
+                            }
                         }
                         Ok(Ok(None)) => {}
                         Ok(Err(e)) => break Err(e),
@@ -286,19 +292,47 @@ impl Server {
         result
     }
 
-    /// The task that sets up and serves one connection.
+    /// The task that sets up and serves one connection, or `None` when the server already has
+    /// [`Config::max_connections`] (the request is refused).
     fn connection(
         &self,
         req: rdma_rpc_transport::ConnectRequest,
         shutdown: Option<Arc<Shutdown>>,
-    ) -> impl Future<Output = ()> + Send + 'static {
+    ) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let max = self.config.max_connections as usize;
+        let Some(counted) = Counted::new(&self.connections, max) else {
+            tracing::warn!(max, peer = ?req.peer(), "refusing a connection: at Config::max_connections");
+            req.reject();
+            return None;
+        };
         let (device, config) = (self.device.clone(), self.config.clone());
         let (handlers, in_slot) = (self.handlers.clone(), self.in_slot.clone());
-        async move {
+        Some(async move {
+            // Counted until the connection's task ends, however it ends (aborted included).
+            let _counted = counted;
             if let Err(e) = serve_connection(device, config, handlers, &in_slot, req, shutdown).await {
                 tracing::warn!(%e, "setting up a connection");
             }
-        }
+        })
+    }
+}
+
+/// One connection counted against [`Config::max_connections`] while it lives.
+struct Counted(Arc<AtomicUsize>);
+
+impl Counted {
+    /// Counts one more, unless `max` are counted already.
+    fn new(count: &Arc<AtomicUsize>, max: usize) -> Option<Counted> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
+            .ok()
+            .map(|_| Counted(count.clone()))
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

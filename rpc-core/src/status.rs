@@ -104,6 +104,11 @@ pub enum RpcError {
         /// The server's limit (0 when it did not say).
         limit: u64,
     },
+    /// The server refused the connection: it was at its limit of connections
+    /// ([`Config::max_connections`](crate::Config::max_connections)), or shutting down, or did
+    /// not understand the hello. Nothing was connected; try again later, or another server.
+    #[error("the server refused the connection (at its Config::max_connections, shutting down, or not speaking this version): try again later or another server")]
+    ConnectionRefused,
     /// The transport failed (registration, posting).
     #[error("transport error: {0}")]
     Transport(String),

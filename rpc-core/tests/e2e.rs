@@ -545,6 +545,13 @@ async fn configurations_outside_the_protocol_are_refused_naming_the_field() {
             },
         ),
         (
+            "Config::max_connections",
+            Config {
+                max_connections: 0,
+                ..d()
+            },
+        ),
+        (
             "Config::max_request_bytes_in_flight",
             Config {
                 max_request_bytes_in_flight: 0,
@@ -1121,4 +1128,36 @@ where
         out.push(t.await.expect("the call's task"));
     }
     out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_servers_limit_are_refused_until_one_closes() {
+    let cfg = Config {
+        max_connections: 2,
+        ..config()
+    };
+    let builder = Server::builder(cfg).handler(ECHO, |req| async move { Ok(req) });
+    let (first, addr) = serve_and_connect(builder, config()).await;
+    let dev = device();
+    let second = bounded(Client::connect(&dev, addr, config())).await.expect("second");
+    let third = bounded(Client::connect(&dev, addr, config())).await;
+    assert_eq!(third.err(), Some(RpcError::ConnectionRefused));
+    // The two connected are served as before.
+    for c in [&first, &second] {
+        assert_eq!(bounded(c.call(ECHO, b"x".to_vec())).await.expect("served"), b"x");
+    }
+    // Once a client goes, its place is free (when the server has seen it go).
+    drop(first);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let fourth = loop {
+        match bounded(Client::connect(&dev, addr, config())).await {
+            Ok(c) => break c,
+            Err(RpcError::ConnectionRefused) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("connecting after a client left: {e}"),
+        }
+    };
+    assert_eq!(bounded(fourth.call(ECHO, b"y".to_vec())).await.expect("served"), b"y");
+    assert_eq!(bounded(second.call(ECHO, b"z".to_vec())).await.expect("served"), b"z");
 }
