@@ -1465,3 +1465,28 @@ fn a_request_waiting_for_bytes_can_be_cancelled_or_time_out() {
     assert!(a.lent.is_empty(), "the lent bodies of the unread requests came back");
     assert_eq!((b.s.unanswered(), b.s.held_request_bytes()), (0, 0));
 }
+
+#[test]
+fn calls_held_back_when_the_connection_is_lost_say_they_never_ran() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000).placing(), Side::new(2000));
+    a.s.limit_calls(1);
+    let sent = a.call(10, None, None, now);
+    let waiting = [a.call(10, None, None, now), a.call(300, None, None, now)];
+    pump(&mut a, &mut b);
+    a.s.handle_connection_lost("peer died");
+    a.drain_events();
+    pump(&mut a, &mut b);
+    assert_eq!(
+        a.done.remove(&sent),
+        Some(Err(RpcError::ConnectionLost("peer died".into()))),
+        "a call that was sent may have run: no more is known"
+    );
+    for id in waiting {
+        match a.done.remove(&id) {
+            Some(Err(RpcError::ConnectionLost(m))) => assert!(m.contains("never sent"), "{m}"),
+            other => panic!("call {id}: {other:?}"),
+        }
+    }
+    assert!(a.lent.is_empty() && a.sending.is_empty(), "every buffer back");
+}

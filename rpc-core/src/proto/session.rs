@@ -1470,10 +1470,10 @@ impl Session {
                 self.actions.push_back(Transmit::Release(buf));
             }
         }
-        for out in self.held_back.drain(..) {
-            if let Out::Placed { buf, .. } = out {
-                self.actions.push_back(Transmit::Release(buf));
-            }
+        if !self.held_back.is_empty() {
+            // Known not to have run: said so, for callers that retry only such calls.
+            let e = RpcError::ConnectionLost(format!("{why} (this call was never sent, so it did not run)"));
+            self.fail_held_back(&e);
         }
         self.joining = None;
         let calls: Vec<u32> = self.calls.iter().map(|(id, _)| id).collect();
