@@ -113,6 +113,32 @@ pub struct Config {
     /// for them, unrun. With the handlers' tasks and request bodies, this bounds what one
     /// connection can make the server hold: at most this many eager requests (each within the
     /// eager threshold).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use rdma_rpc_core::{transport::Device, Client, Config, Server};
+    /// let dev = Device::open("tcp")?;
+    /// // A server that runs one request of a connection at a time...
+    /// let one_at_a_time = Config { max_concurrent_requests: 1, ..Config::default() };
+    /// let server = Server::builder(one_at_a_time)
+    ///     .handler(1, |req: Vec<u8>| async move { Ok(req) })
+    ///     .bind(&dev, "127.0.0.1:0".parse()?)?;
+    /// let addr = server.local_addr()?;
+    /// tokio::spawn(server.serve());
+    /// // ...still answers every call of a client that makes four at once: three wait their
+    /// // turn in the client, none is refused.
+    /// let client = Client::connect(&dev, addr, Config::default()).await?;
+    /// let (a, b, c, d) = tokio::join!(
+    ///     client.call(1, vec![0]),
+    ///     client.call(1, vec![1]),
+    ///     client.call(1, vec![2]),
+    ///     client.call(1, vec![3]),
+    /// );
+    /// assert_eq!((a?, b?, c?, d?), (vec![0], vec![1], vec![2], vec![3]));
+    /// # Ok(())
+    /// # }
+    /// ```
     pub max_concurrent_requests: u32,
     /// Server side: bytes of rendezvous request bodies one connection may have the server read
     /// and hold at once, at least 1. A request whose body would go beyond waits, unread (its
