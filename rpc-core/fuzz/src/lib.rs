@@ -73,11 +73,16 @@ pub fn request(data: &[u8]) {
 
 const MAX: u64 = 1 << 20;
 const RING: u32 = 8;
+/// The fuzzed session's limits on what it serves at once (`Session::limit_serving`).
+const SERVING: usize = 3;
+const SERVING_BYTES: u64 = 6000;
 
 /// A session fed a hostile peer: after calls of its own (eager, lent, with a landing buffer)
 /// and while serving, it receives arbitrary messages, Writes-with-immediate and timeouts, as
 /// records `[op, len, bytes...]`. It never panics, never holds more credits than the peer's
-/// ring, and never asks for a Read beyond the maximum payload.
+/// ring, never asks for a Read beyond the maximum payload, and never serves more requests or
+/// holds more request bytes at once than its limits allow (the driver answers some requests
+/// only at the next timeout, so that requests pile up).
 pub fn session(data: &[u8]) {
     let cfg = SessionConfig {
         ring: RING,
@@ -86,6 +91,9 @@ pub fn session(data: &[u8]) {
         max_payload: MAX,
     };
     let mut s = Session::new(cfg);
+    s.limit_serving(SERVING, SERVING_BYTES);
+    s.limit_calls(2);
+    let mut later = Vec::new();
     let t0 = Instant::now();
     let region = |len| RemoteRegion {
         addr: 0x1000,
@@ -100,7 +108,7 @@ pub fn session(data: &[u8]) {
     let _ = s.start_call(2, lent, None, Some(Duration::from_millis(5)), t0);
     let _ = s.start_call(3, Payload::Eager(vec![]), Some((region(9000), 2)), None, t0);
     let _ = s.start_call(4, Payload::Placed { buf: 3, len: 40 }, None, None, t0);
-    drain(&mut s);
+    drain(&mut s, &mut later);
     let mut rest = data;
     let mut now = t0;
     while let [op, len, tail @ ..] = rest {
@@ -120,21 +128,24 @@ pub fn session(data: &[u8]) {
             _ => {
                 now += Duration::from_millis(u64::from(*len) % 8);
                 s.handle_timeout(now);
+                for call in later.drain(..) {
+                    s.respond(call, Ok(Payload::Eager(vec![4; 2])));
+                }
             }
         }
-        drain(&mut s);
+        drain(&mut s, &mut later);
         if s.is_lost() {
             break;
         }
     }
     s.handle_connection_lost("fuzz end");
-    drain(&mut s);
+    drain(&mut s, &mut later);
 }
 
 /// Buffer ids this driver reads requests into (`handle_request_read`), far from the session's.
 const HELD_BASE: u64 = 1 << 40;
 
-fn drain(s: &mut Session) {
+fn drain(s: &mut Session, later: &mut Vec<u32>) {
     let mut reads = Vec::new();
     while let Some(t) = s.poll_transmit() {
         if let Transmit::Read { remote, token } = t {
@@ -153,6 +164,11 @@ fn drain(s: &mut Session) {
         }
     }
     assert!(s.credits().available() <= RING, "credits beyond the peer's ring");
+    assert!(s.unanswered() <= SERVING, "more requests served at once than allowed");
+    assert!(
+        s.held_request_bytes() <= SERVING_BYTES.max(MAX),
+        "more request bytes held than allowed"
+    );
     let mut respond = Vec::new();
     while let Some(e) = s.poll_event() {
         if let Event::Request { call, payload, .. } = e {
@@ -166,8 +182,13 @@ fn drain(s: &mut Session) {
             respond.push(call);
         }
     }
-    // Every other response is sent from a buffer of the driver's.
+    // Every third request is answered only at the next timeout; of the others, every other
+    // response is sent from a buffer of the driver's.
     for call in respond {
+        if call % 3 == 0 {
+            later.push(call);
+            continue;
+        }
         let p = match call % 2 {
             0 => Payload::Eager(vec![3; 4]),
             _ => Payload::Placed {
