@@ -119,7 +119,9 @@ pub enum RpcError {
 }
 
 impl RpcError {
-    /// The status and message a server sends for this error.
+    /// The status and message a server sends for this error returned by a handler. Errors that
+    /// promise the call did not run ([`RpcError::Overloaded`], [`RpcError::ShuttingDown`]) go
+    /// as [`Status::Internal`]: the handler ran. The session sends those statuses itself.
     pub fn to_wire(&self) -> (Status, String) {
         let status = match self {
             RpcError::UnknownMethod(_) => Status::UnknownMethod,
@@ -129,7 +131,8 @@ impl RpcError {
             RpcError::DeadlineExceeded => Status::DeadlineExceeded,
             RpcError::Cancelled => Status::Cancelled,
             RpcError::Application(_) => Status::Application,
-            RpcError::Overloaded { .. } => Status::Overloaded,
+            // Not `Overloaded` or `ShuttingDown`, whose callers take them for "not run": a
+            // handler that passes one on (from a call of its own) did run.
             _ => Status::Internal,
         };
         let msg = match self {
@@ -137,7 +140,6 @@ impl RpcError {
                 m.clone()
             }
             RpcError::PayloadTooLarge { len, max } => format!("{len}/{max}"),
-            RpcError::Overloaded { limit } => limit.to_string(),
             other => other.to_string(),
         };
         (status, msg)

@@ -1161,3 +1161,20 @@ async fn connections_beyond_the_servers_limit_are_refused_until_one_closes() {
     assert_eq!(bounded(fourth.call(ECHO, b"y".to_vec())).await.expect("served"), b"y");
     assert_eq!(bounded(second.call(ECHO, b"z".to_vec())).await.expect("served"), b"z");
 }
+
+/// `Overloaded` and `ShuttingDown` tell a caller that its call did not run. A handler that
+/// passes one on (from a call of its own to another server) did run, so its caller gets a
+/// server error instead, never a false "safe to retry".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_passes_on_a_not_run_error_is_not_taken_for_unrun() {
+    let builder = Server::builder(config())
+        .handler(FAIL, |_req| async move { Err(RpcError::Overloaded { limit: 5 }) })
+        .handler(ECHO, |_req| async move { Err(RpcError::ShuttingDown) });
+    let (client, _) = serve_and_connect(builder, config()).await;
+    for method in [FAIL, ECHO] {
+        match bounded(client.call(method, b"x".to_vec())).await {
+            Err(RpcError::Internal(m)) => assert!(!m.is_empty(), "the handler's error is named"),
+            other => panic!("method {method}: {other:?}"),
+        }
+    }
+}
