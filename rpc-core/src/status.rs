@@ -119,6 +119,32 @@ pub enum RpcError {
 }
 
 impl RpcError {
+    /// True when the call certainly did not run on the server, so that retrying it (on this
+    /// connection later, or elsewhere) cannot run it twice: [`RpcError::ShuttingDown`],
+    /// [`RpcError::Overloaded`], [`RpcError::ConnectionRefused`], and errors raised before
+    /// anything was sent ([`RpcError::Encode`], [`RpcError::Config`]). False for every other
+    /// error, including those after which the call may or may not have run
+    /// ([`RpcError::ConnectionLost`], [`RpcError::DeadlineExceeded`], [`RpcError::Cancelled`]),
+    /// and those a handler can pass on from a call of its own.
+    ///
+    /// ```
+    /// use rdma_rpc_core::RpcError;
+    /// assert!(RpcError::ShuttingDown.did_not_run());
+    /// assert!(RpcError::Overloaded { limit: 8 }.did_not_run());
+    /// assert!(!RpcError::DeadlineExceeded.did_not_run());
+    /// assert!(!RpcError::ConnectionLost("reset".into()).did_not_run());
+    /// ```
+    pub fn did_not_run(&self) -> bool {
+        matches!(
+            self,
+            RpcError::ShuttingDown
+                | RpcError::Overloaded { .. }
+                | RpcError::ConnectionRefused
+                | RpcError::Encode(_)
+                | RpcError::Config(_)
+        )
+    }
+
     /// The status and message a server sends for this error returned by a handler. Errors that
     /// promise the call did not run ([`RpcError::Overloaded`], [`RpcError::ShuttingDown`]) go
     /// as [`Status::Internal`]: the handler ran. The session sends those statuses itself.

@@ -1141,7 +1141,9 @@ async fn connections_beyond_the_servers_limit_are_refused_until_one_closes() {
     let dev = device();
     let second = bounded(Client::connect(&dev, addr, config())).await.expect("second");
     let third = bounded(Client::connect(&dev, addr, config())).await;
-    assert_eq!(third.err(), Some(RpcError::ConnectionRefused));
+    let refused = third.err();
+    assert_eq!(refused, Some(RpcError::ConnectionRefused));
+    assert!(refused.is_some_and(|e| e.did_not_run()));
     // The two connected are served as before.
     for c in [&first, &second] {
         assert_eq!(bounded(c.call(ECHO, b"x".to_vec())).await.expect("served"), b"x");
@@ -1173,7 +1175,7 @@ async fn a_handler_that_passes_on_a_not_run_error_is_not_taken_for_unrun() {
     let (client, _) = serve_and_connect(builder, config()).await;
     for method in [FAIL, ECHO] {
         match bounded(client.call(method, b"x".to_vec())).await {
-            Err(RpcError::Internal(m)) => assert!(!m.is_empty(), "the handler's error is named"),
+            Err(e @ RpcError::Internal(_)) => assert!(!e.did_not_run(), "{e}"),
             other => panic!("method {method}: {other:?}"),
         }
     }

@@ -336,7 +336,9 @@ async fn a_peer_that_sends_beyond_the_servers_limit_is_refused_unrun() {
             .expect("start");
     }
     let first = raw.pump().await.expect("a result");
-    assert_eq!(first.err(), Some(RpcError::Overloaded { limit: 2 }));
+    let refused = first.err();
+    assert_eq!(refused, Some(RpcError::Overloaded { limit: 2 }));
+    assert!(refused.is_some_and(|e| e.did_not_run()), "safe to retry");
     for _ in 0..2 {
         let r = raw.pump().await.expect("a result");
         assert!(matches!(r, Ok(Reply::Bytes(ref b)) if b.len() == 1), "{r:?}");
