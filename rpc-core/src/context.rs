@@ -53,20 +53,39 @@
 //!
 //! A `#[service]` method reads them the same way (its handler is registered through
 //! [`ServerBuilder::handler`](crate::ServerBuilder::handler)). Outside a handler, or for a
-//! request without a budget, both are `None`; tasks a handler spawns do not inherit them (pass
-//! the value on).
+//! request without a budget, both are `None`. A task a handler spawns (`tokio::spawn`) is a
+//! task of its own: it sees them only when spawned through [`inherit`].
 
 use std::future::Future;
 use std::time::{Duration, Instant};
 
 tokio::task_local! {
-    static DEADLINE: Instant;
+    /// `None` in force only under [`inherit`] from outside a budget.
+    static DEADLINE: Option<Instant>;
 }
 
 /// When the caller of the request this handler serves stops waiting: the server aborts the
 /// handler then. `None` when the caller set no deadline, or outside a handler.
 pub fn deadline() -> Option<Instant> {
-    DEADLINE.try_with(|d| *d).ok()
+    DEADLINE.try_with(|d| *d).ok().flatten()
+}
+
+/// `fut` with the deadline in force here (the handler's) in force while it runs too: for a
+/// task a handler spawns on the request's behalf, which is a task of its own and would see no
+/// deadline. Where none is in force, `fut` sees none either.
+///
+/// ```
+/// use rdma_rpc_core::{context, Config, Server};
+/// let builder = Server::builder(Config::default()).handler(1, |req: Vec<u8>| async move {
+///     // Work on the request's behalf in a task of its own, within the caller's deadline.
+///     let left = tokio::spawn(context::inherit(async { context::remaining() }));
+///     let left = left.await.ok().flatten();
+///     Ok(left.map_or(req, |d| d.as_millis().to_string().into_bytes()))
+/// });
+/// # drop(builder);
+/// ```
+pub fn inherit<F: Future>(fut: F) -> impl Future<Output = F::Output> {
+    DEADLINE.scope(deadline(), fut)
 }
 
 /// The time left until [`deadline`] (zero once it has passed), for a call made on the request's
@@ -87,8 +106,8 @@ where
 {
     match deadline {
         Some(d) => {
-            let fut = DEADLINE.sync_scope(d, make);
-            Box::pin(DEADLINE.scope(d, fut))
+            let fut = DEADLINE.sync_scope(Some(d), make);
+            Box::pin(DEADLINE.scope(Some(d), fut))
         }
         None => Box::pin(make()),
     }

@@ -382,6 +382,7 @@ async fn handlers_see_their_callers_deadline() {
     const MAKING: u32 = 3;
     const BODY: u32 = 4;
     const BUF: u32 = 5;
+    const SPAWNED: u32 = 6;
     let (client, _) = serve_and_connect(
         Server::builder(config())
             .handler(AT_ONCE, |_req| async move { Ok(left_now()) })
@@ -399,6 +400,16 @@ async fn handlers_see_their_callers_deadline() {
                 let mut out = bufs.buffer(seen.len())?;
                 out.bytes_mut().copy_from_slice(&seen);
                 Ok(out)
+            })
+            // A task of its own sees the deadline only when spawned through `inherit`.
+            .handler(SPAWNED, |_req| async move {
+                let plain = tokio::spawn(async { left_now() }).await.ok();
+                assert_eq!(plain.as_deref(), Some(&[0u8][..]), "a plain task inherits nothing");
+                let task = tokio::spawn(context::inherit(async {
+                    tokio::task::yield_now().await;
+                    left_now()
+                }));
+                task.await.map_err(|e| RpcError::Application(e.to_string()))
             }),
         config(),
     )
@@ -408,7 +419,7 @@ async fn handlers_see_their_callers_deadline() {
         deadline: Some(budget),
         ..Default::default()
     };
-    for method in [AT_ONCE, LATER, MAKING, BODY, BUF] {
+    for method in [AT_ONCE, LATER, MAKING, BODY, BUF, SPAWNED] {
         for len in [8, 4 * THRESHOLD] {
             let what = format!("method {method}, {len}-byte request");
             let r = bounded(client.call_with(method, vec![3; len], timed.clone())).await;
