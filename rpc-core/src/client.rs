@@ -183,6 +183,19 @@ impl Client {
         st.conn.session.is_going_away()
     }
 
+    /// How many calls this connection has its server run at once: the server's
+    /// [`Config::max_concurrent_requests`], stated when connecting (`None` from a server that
+    /// stated none). Calls beyond wait in the client, unsent, until earlier ones are answered.
+    pub fn call_limit(&self) -> Option<usize> {
+        self.handle.shared.state.lock().conn.session.call_limit()
+    }
+
+    /// Calls waiting in the client for the server's [`Client::call_limit`]: more than zero
+    /// means this connection is saturated, and a pool may open another.
+    pub fn waiting_calls(&self) -> usize {
+        self.handle.shared.state.lock().conn.session.held_back_calls()
+    }
+
     /// Calls `method` with `payload`; returns the response bytes.
     ///
     /// Up to the eager threshold the payload is copied into the request message; above it, it

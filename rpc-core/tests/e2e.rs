@@ -1077,15 +1077,31 @@ async fn calls_beyond_the_servers_limit_wait_their_turn_in_the_client() {
     });
     // The client's own limit is the default (1024): what it keeps is the server's.
     let (client, _) = serve_and_connect(builder, config()).await;
-    let calls = (0..12u64).map(|i| {
-        let client = client.clone();
-        // Eager and rendezvous requests alike.
-        let req = tagged(if i % 2 == 0 { 100 } else { THRESHOLD * 2 }, i);
-        async move { (client.call(SLOW, req.clone()).await, req) }
-    });
-    for (got, sent) in bounded(spawn_all(calls)).await {
+    assert_eq!(client.call_limit(), Some(3), "the server's limit, from its hello");
+    let calls: Vec<_> = (0..12u64)
+        .map(|i| {
+            let client = client.clone();
+            // Eager and rendezvous requests alike.
+            let req = tagged(if i % 2 == 0 { 100 } else { THRESHOLD * 2 }, i);
+            tokio::spawn(async move { (client.call(SLOW, req.clone()).await, req) })
+        })
+        .collect();
+    // While the server runs three, the others wait in the client.
+    let most_waiting = bounded(async {
+        let mut most = 0;
+        while !calls.iter().all(|c| c.is_finished()) {
+            most = most.max(client.waiting_calls());
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        most
+    })
+    .await;
+    assert!(most_waiting > 0, "no call was seen waiting");
+    for call in calls {
+        let (got, sent) = bounded(call).await.expect("the call's task");
         assert_eq!(got.expect("every call is served, none refused"), sent);
     }
+    assert_eq!(client.waiting_calls(), 0);
     let most = gauge.most.load(Ordering::SeqCst);
     assert_eq!(most, 3, "the server ran at most its limit at once, and that many");
 }

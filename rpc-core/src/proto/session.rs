@@ -487,6 +487,11 @@ impl Session {
         self.held_bytes
     }
 
+    /// How many calls of ours are sent at once ([`Session::limit_calls`]); `None` without a limit.
+    pub fn call_limit(&self) -> Option<usize> {
+        (self.call_limit != usize::MAX).then_some(self.call_limit)
+    }
+
     /// Calls of ours waiting for one of the peer's requests to free up ([`Session::limit_calls`]).
     pub fn held_back_calls(&self) -> usize {
         self.held_back.len()
