@@ -291,17 +291,13 @@ impl Stash {
         if !self.vectors || len == 0 {
             return self.take(len).map(|(id, _)| id);
         }
-        // Asked of the allocator first: a refusal is an error of this call, where `vec!` would
-        // abort the process (the memory then comes zeroed and untouched from `vec!`).
-        let mut probe: Vec<u8> = Vec::new();
-        if probe.try_reserve_exact(len).is_err() {
-            return Err(RpcError::Transport(format!(
-                "cannot allocate {len} bytes to read a rendezvous body into: lower Config::max_payload or Config::max_request_bytes_in_flight, or free memory"
-            )));
-        }
-        drop(probe);
-        let mr = self.pd.register_vec(vec![0u8; len], AccessFlags::LOCAL_WRITE);
-        let mr = mr.map_err(|e| RpcError::Transport(format!("registering a {len}-byte vector: {e}")))?;
+        // A refusal of the allocator is an error of this call, not an abort of the process.
+        let mr = self.pd.register_zeroed_vec(len, AccessFlags::LOCAL_WRITE);
+        let mr = mr.map_err(|e| {
+            RpcError::Transport(format!(
+                "a {len}-byte vector to read a rendezvous body into: {e} (or lower Config::max_payload)"
+            ))
+        })?;
         Ok(self.hold_as(mr, false, true))
     }
 

@@ -72,9 +72,15 @@ struct Raw {
 
 impl Raw {
     async fn connect(dev: &Device, addr: SocketAddr) -> Raw {
+        Raw::connect_with(dev, addr, Config::default().max_payload).await
+    }
+
+    /// As [`Raw::connect`], saying it accepts payloads up to `max_payload`.
+    async fn connect_with(dev: &Device, addr: SocketAddr, max_payload: u64) -> Raw {
         let eager = THRESHOLD;
         let config = Config {
             eager_threshold: Some(eager),
+            max_payload,
             ..Config::default()
         };
         let mine = Hello::from_config(&config);
@@ -127,6 +133,8 @@ impl Raw {
                         .expect("post send");
                 }
                 Transmit::Read { token, remote } => self.reads.push((token, remote)),
+                // A buffer this peer lent (by hand, in a test) is its own again.
+                Transmit::Release(_) => {}
                 other => panic!("unexpected transmit {other:?}"),
             }
         }
@@ -348,4 +356,46 @@ async fn a_peer_that_sends_beyond_the_servers_limit_is_refused_unrun() {
         2,
         "the refused request never reached its handler"
     );
+}
+
+/// A peer lends a request body far larger than the server's memory, to a server whose
+/// `max_payload` lets it through: the server cannot allocate the buffer to read it into, and
+/// that call fails with an error (the server lives on) instead of the allocation aborting the
+/// server's process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_larger_than_memory_fails_its_call_not_the_server() {
+    let config = Config {
+        max_payload: u64::MAX,
+        eager_threshold: Some(THRESHOLD),
+        ..Config::default()
+    };
+    let server = Server::builder(config)
+        .handler(ECHO, |req: Vec<u8>| async move { Ok::<_, RpcError>(req) })
+        .bind(&device(), SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    let mut raw = Raw::connect_with(&device(), addr, u64::MAX).await;
+    // 32 TiB: no allocator gives that on these machines.
+    let huge = RemoteRegion {
+        addr: 0x1000,
+        len: 1 << 45,
+        rkey: 7,
+    };
+    raw.session
+        .start_call(ECHO, Payload::Lent { desc: huge, buf: 1 }, None, None, Instant::now())
+        .expect("start");
+    // tcp reads it into a vector of its own, which the allocator refuses; shm and verbs refuse
+    // the registration (beyond the provider's largest region, or the memory again).
+    let r = raw.pump().await.expect("a result");
+    assert!(
+        matches!(&r, Err(RpcError::Internal(m)) if m.contains("fetching the request")),
+        "{r:?}"
+    );
+    // The server is still there for the next call.
+    raw.session
+        .start_call(ECHO, Payload::Eager(vec![7]), None, None, Instant::now())
+        .expect("start");
+    let r = raw.pump().await.expect("a result");
+    assert!(matches!(r, Ok(Reply::Bytes(ref b)) if b == &[7]), "{r:?}");
 }

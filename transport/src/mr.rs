@@ -106,10 +106,22 @@ pub(crate) enum RegionImpl {
 /// before), so a refusal is an error in all but a race with another allocation between the two.
 fn zeroed_words(len: usize) -> Result<Box<[u64]>> {
     let words = len.div_ceil(8);
-    let mut probe: Vec<u64> = Vec::new();
-    probe.try_reserve_exact(words).map_err(|_| Error::OutOfMemory { len })?;
-    drop(probe);
+    ask_allocator::<u64>(words, len)?;
     Ok(vec![0u64; words].into_boxed_slice())
+}
+
+/// As [`zeroed_words`], as a vector of `len` bytes ([`ProtectionDomain::register_zeroed_vec`]).
+pub(crate) fn zeroed_bytes(len: usize) -> Result<Vec<u8>> {
+    ask_allocator::<u8>(len, len)?;
+    Ok(vec![0u8; len])
+}
+
+/// Whether the allocator gives `n` values of `T` (for a region of `len` bytes): asked, and
+/// given back at once.
+fn ask_allocator<T>(n: usize, len: usize) -> Result<()> {
+    Vec::<T>::new()
+        .try_reserve_exact(n)
+        .map_err(|_| Error::OutOfMemory { len })
 }
 
 impl Region {

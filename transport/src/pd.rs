@@ -97,6 +97,16 @@ impl ProtectionDomain {
     pub fn register_vec(&self, v: Vec<u8>, access: AccessFlags) -> Result<MemoryRegion> {
         MemoryRegion::register_vec(self, v, access)
     }
+
+    /// As [`ProtectionDomain::register_vec`], of a new zeroed vector of `len` bytes (given back
+    /// by [`MemoryRegion::into_vec`]).
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) where the allocator refuses the
+    /// memory, as [`ProtectionDomain::register`]; otherwise as [`ProtectionDomain::register_vec`].
+    pub fn register_zeroed_vec(&self, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
+        MemoryRegion::register_vec(self, crate::mr::zeroed_bytes(len)?, access)
+    }
 }
 
 impl std::fmt::Debug for ProtectionDomain {
