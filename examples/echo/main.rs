@@ -4,7 +4,7 @@
 //! cargo run --example echo -- --listen 127.0.0.1:7471                      # server
 //! cargo run --example echo -- --connect 127.0.0.1:7471 --sizes 64,1048576 # client
 //! ```
-//! `--provider tcp|verbs|verbs:<dev>` picks the transport (default: `RDMA_RPC_PROVIDER`, else
+//! `--provider tcp|shm|verbs|verbs:<dev>` picks the transport (default: `RDMA_RPC_PROVIDER`, else
 //! `tcp`). The server prints `listening on <addr>` and serves until Ctrl-C or SIGTERM, then shuts
 //! down gracefully; the client checks every echo byte for byte and prints the median round trip
 //! per size.
@@ -28,7 +28,7 @@ struct Args {
     /// Call a server at this address.
     #[arg(long)]
     connect: Option<SocketAddr>,
-    /// Transport provider: tcp, verbs or verbs:<device>.
+    /// Transport provider: tcp, shm (processes on one host), verbs or verbs:<device>.
     #[arg(long)]
     provider: Option<String>,
     /// Message sizes in bytes (client).

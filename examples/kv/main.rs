@@ -31,7 +31,7 @@ use service::{KvClient, KvServer};
 #[derive(Parser)]
 #[command(about = "a KV cache: RPC get/put/delete and a one-sided GET by RDMA Read")]
 struct Args {
-    /// Transport provider: tcp, verbs or verbs:<device> (default: RDMA_RPC_PROVIDER, else tcp).
+    /// Transport provider: tcp, shm (processes on one host), verbs or verbs:<device> (default: RDMA_RPC_PROVIDER, else tcp).
     #[arg(long, global = true)]
     provider: Option<String>,
     #[command(subcommand)]

@@ -30,7 +30,7 @@ use words::{Words, COUNTER, LOCK, SEQUENCER};
 #[derive(Parser)]
 #[command(about = "a lock by CAS guarding a counter, and a sequencer by FAA, on remote words")]
 struct Args {
-    /// Transport provider: tcp, verbs or verbs:<device> (default: RDMA_RPC_PROVIDER, else tcp).
+    /// Transport provider: tcp, shm (processes on one host), verbs or verbs:<device> (default: RDMA_RPC_PROVIDER, else tcp).
     #[arg(long, global = true)]
     provider: Option<String>,
     #[command(subcommand)]

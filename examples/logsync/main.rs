@@ -27,7 +27,7 @@ use clap::{Parser, Subcommand};
 #[derive(Parser)]
 #[command(about = "log replication by RDMA Write-with-immediate, with credits")]
 struct Args {
-    /// Transport provider: tcp, verbs or verbs:<device> (default: RDMA_RPC_PROVIDER, else tcp).
+    /// Transport provider: tcp, shm (processes on one host), verbs or verbs:<device> (default: RDMA_RPC_PROVIDER, else tcp).
     #[arg(long, global = true)]
     provider: Option<String>,
     #[command(subcommand)]
