@@ -11,6 +11,7 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 use rdma_rpc_transport::{BufMut, BufRef, MemoryRegion};
 
+use crate::proto::Inline;
 use crate::stash::Free;
 
 /// A buffer registered with one connection's protection domain, owned by the application.
@@ -181,9 +182,11 @@ impl std::fmt::Debug for RegisteredBuf {
 /// A request's bytes as a [`handler_body`](crate::ServerBuilder::handler_body) gets them, or a
 /// response's as [`Client::call_body`](crate::Client::call_body) returns them: without a copy,
 /// in the receive slot an eager one arrived in, or in the registered buffer a large request was
-/// read into; copied out ([`Body::Bytes`]) where it was joined from pieces, where its message is
-/// shorter than [`IN_SLOT_MIN`](crate::IN_SLOT_MIN) bytes (such a copy costs less than lending
-/// the slot), or where the application already holds half of the connection's receive slots.
+/// read into; copied out where it was joined from pieces, where its message is shorter than
+/// [`IN_SLOT_MIN`](crate::IN_SLOT_MIN) bytes (such a copy costs less than lending the slot), or
+/// where the application already holds half of the connection's receive slots. A copied body
+/// of at most [`Inline::MAX`] bytes is held by value ([`Body::Inline`]: no allocation), a
+/// longer one in a vector ([`Body::Bytes`]).
 ///
 /// A body held in a receive slot keeps that slot out of the connection's receive ring, so the
 /// peer has one credit less until the body is dropped: drop it when done with it (or turn it into
@@ -197,6 +200,8 @@ pub enum Body {
     /// In registered memory of the connection: the receive slot it arrived in, or the buffer
     /// a large request was read into.
     Registered(RegisteredBuf),
+    /// Copied out of its message, and short enough to be held by value.
+    Inline(Inline),
 }
 
 impl Body {
@@ -205,6 +210,7 @@ impl Body {
         match self {
             Body::Bytes(b) => b.len(),
             Body::Registered(r) => r.len(),
+            Body::Inline(b) => b.len(),
         }
     }
 
@@ -218,6 +224,7 @@ impl Body {
         BodyRef(match self {
             Body::Bytes(b) => Inner::Slice(b),
             Body::Registered(r) => Inner::Buf(r.bytes()),
+            Body::Inline(b) => Inner::Slice(b),
         })
     }
 
@@ -226,6 +233,7 @@ impl Body {
         match self {
             Body::Bytes(b) => b,
             Body::Registered(r) => r.to_vec(),
+            Body::Inline(b) => b.to_vec(),
         }
     }
 }

@@ -577,6 +577,7 @@ impl State {
             if let Event::CallDone { call, result } = ev {
                 let result = result.and_then(|r| match r {
                     Reply::Bytes(b) => Ok(Body::Bytes(b)),
+                    Reply::Inline(b) => Ok(Body::Inline(b)),
                     Reply::Landed { buf } => self.conn.stash.landed(buf).map(Body::Bytes),
                     Reply::InSlot { slot, range } => self
                         .conn

@@ -19,6 +19,7 @@
 mod calls;
 mod credits;
 mod header;
+mod inline;
 mod session;
 
 pub use crate::config::Hello;
@@ -28,6 +29,7 @@ pub use header::{
     decode_desc, encode_desc, Header, Kind, DESC_LEN, FLAG_FRAGMENT, FLAG_LANDING, FLAG_RENDEZVOUS, FRAG_PREFIX,
     HEADER_LEN, VERSION,
 };
+pub use inline::Inline;
 pub use session::{
     BufId, Event, Message, Payload, Reply, RequestBody, Route, Session, SessionConfig, Token, Transmit, FRAGMENT,
     LANDING_PREFIX,

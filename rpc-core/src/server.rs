@@ -573,6 +573,7 @@ impl Role for ServerRole {
                 // First the body, so that a held buffer goes back even when no handler runs.
                 let body = match payload {
                     RequestBody::Bytes(b) => Body::Bytes(b),
+                    RequestBody::Inline(b) => Body::Inline(b),
                     RequestBody::InSlot { slot, range } => match conn.slot_body(slot, range) {
                         Some(r) => Body::Registered(r),
                         None => {

@@ -233,6 +233,11 @@ impl Side {
                 } => self.requests.push((call, payload, None)),
                 Event::Request {
                     call,
+                    payload: RequestBody::Inline(payload),
+                    ..
+                } => self.requests.push((call, payload.to_vec(), None)),
+                Event::Request {
+                    call,
                     payload: RequestBody::InSlot { slot, range },
                     ..
                 } => {
@@ -454,6 +459,7 @@ fn settle(a: &mut Side, b: &mut Side, now: Instant, resp_len: impl Fn(usize) -> 
 fn reply_bytes(a: &Side, r: &Reply) -> Vec<u8> {
     match r {
         Reply::Bytes(b) => b.clone(),
+        Reply::Inline(b) => b.to_vec(),
         Reply::InSlot { .. } => panic!("in-slot replies are taken out when they arrive"),
         Reply::Landed { buf } => {
             let b = &a.bufs[buf];
@@ -775,7 +781,7 @@ fn only_offered_slots_of_methods_and_calls_that_ask_are_kept() {
         let mut b = Session::new(cfg());
         b.serve_in_slot([served]);
         assert_eq!(b.handle_message_in(&one(20), offer, now), Ok(false));
-        let copied = matches!(b.poll_event(), Some(Event::Request { payload: RequestBody::Bytes(p), .. }) if p == pattern(20, 9));
+        let copied = matches!(b.poll_event(), Some(Event::Request { payload: RequestBody::Inline(p), .. }) if p[..] == pattern(20, 9)[..]);
         assert!(copied, "method {served} served in place, offer {offer:?}: copied");
     }
     // A message in pieces is joined, never kept in any one slot.
@@ -835,6 +841,79 @@ fn only_offered_slots_of_methods_and_calls_that_ask_are_kept() {
         }
     }
     assert_eq!(kept.len(), 1, "only the call that asked keeps its response in place");
+}
+
+#[test]
+fn short_bodies_not_kept_in_a_slot_come_inline_for_body_takers_only() {
+    let now = Instant::now();
+    // One piece for every message here.
+    let wide = SessionConfig {
+        eager_max: 4096,
+        fragment: 4096,
+        ..cfg()
+    };
+    let (mut a, mut b) = (Session::new(wide.clone()), Session::new(wide));
+    b.serve_in_slot([7]);
+    // Requests of Inline::MAX and Inline::MAX + 1 bytes, and a response of each length to a
+    // call that takes a `Body` (keep_in_slot) and to one that takes a `Vec`.
+    for (len, body_taker) in [(Inline::MAX, true), (Inline::MAX + 1, true), (Inline::MAX, false)] {
+        let call = a
+            .start_call(7, Payload::Eager(pattern(len, 2)), None, None, now)
+            .expect("start");
+        if body_taker {
+            a.keep_in_slot(call);
+        }
+        let Some(Transmit::Send(m)) = a.poll_transmit() else {
+            panic!("a request")
+        };
+        // Offered no slot: copied out, whichever way suits its length.
+        b.handle_message_in(&m.to_vec(), None, now).expect("request");
+        match b.poll_event() {
+            Some(Event::Request {
+                payload: RequestBody::Inline(p),
+                ..
+            }) => {
+                assert!(len <= Inline::MAX);
+                assert_eq!(p[..], pattern(len, 2)[..]);
+            }
+            Some(Event::Request {
+                payload: RequestBody::Bytes(p),
+                ..
+            }) => {
+                assert!(len > Inline::MAX);
+                assert_eq!(p, pattern(len, 2));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        b.respond(call, Ok(Payload::Eager(pattern(len, 3))));
+        let Some(Transmit::Send(m)) = b.poll_transmit() else {
+            panic!("a response")
+        };
+        assert!(!a.handle_message_in(&m.to_vec(), None, now).expect("response"));
+        match a.poll_event() {
+            Some(Event::CallDone {
+                result: Ok(Reply::Inline(r)),
+                ..
+            }) => {
+                assert!(
+                    body_taker && len <= Inline::MAX,
+                    "inline only for a Body taker, and short"
+                );
+                assert_eq!(r[..], pattern(len, 3)[..]);
+            }
+            Some(Event::CallDone {
+                result: Ok(Reply::Bytes(r)),
+                ..
+            }) => {
+                assert!(
+                    !body_taker || len > Inline::MAX,
+                    "a vector for a Vec taker, or a long one"
+                );
+                assert_eq!(r, pattern(len, 3));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
 }
 
 #[test]

@@ -17,6 +17,7 @@ use super::header::{
     decode_desc, encode_desc, Header, Kind, DESC_LEN, FLAG_FRAGMENT, FLAG_LANDING, FLAG_RENDEZVOUS, FRAG_PREFIX,
     HEADER_LEN,
 };
+use super::inline::Inline;
 use super::ProtoError;
 use crate::{RpcError, Status};
 
@@ -111,6 +112,10 @@ pub enum Route {
 pub enum Reply {
     /// The response bytes.
     Bytes(Vec<u8>),
+    /// A short response (at most [`Inline::MAX`] bytes) for a call that takes its response
+    /// where it lands ([`Session::keep_in_slot`]), copied out of its message without an
+    /// allocation.
+    Inline(Inline),
     /// The response is `range` of the message in receive slot `slot`, which the driver offered
     /// ([`Session::handle_message_in`]) for a call that asked for it ([`Session::keep_in_slot`]):
     /// the driver hands the slot to the caller and reposts it when the caller lets go.
@@ -184,6 +189,9 @@ pub enum Transmit {
 pub enum RequestBody {
     /// Copied out of the message (or read and copied, see [`Session::handle_read_done`]).
     Bytes(Vec<u8>),
+    /// A short request (at most [`Inline::MAX`] bytes) not kept in its slot: copied out of the
+    /// message without an allocation.
+    Inline(Inline),
     /// In held buffer `buf`, from its start, after [`Session::handle_request_read`]: the
     /// driver hands the buffer itself to the application.
     Held {
@@ -835,7 +843,11 @@ impl Session {
                     slot: self.offer.take().unwrap_or_default(),
                     range: HEADER_LEN..HEADER_LEN + b.len(),
                 },
-                (body, _) => Reply::Bytes(body.into_owned()),
+                // A short one by value for a caller that takes a `Body`; a `Vec` for the others.
+                (body, in_slot) => match in_slot.then(|| Inline::new(&body)).flatten() {
+                    Some(small) => Reply::Inline(small),
+                    None => Reply::Bytes(body.into_owned()),
+                },
             }),
             s => Err(RpcError::from_wire(s, c.method, &body)),
         };
@@ -921,7 +933,13 @@ impl Session {
                     range: HEADER_LEN + skip..HEADER_LEN + b.len(),
                 }
             }
-            Cow::Borrowed(b) => RequestBody::Bytes(b[skip..].to_vec()),
+            Cow::Borrowed(b) => {
+                let body = &b[skip..];
+                match Inline::new(body) {
+                    Some(small) => RequestBody::Inline(small),
+                    None => RequestBody::Bytes(body.to_vec()),
+                }
+            }
             Cow::Owned(mut v) => {
                 v.drain(..skip);
                 RequestBody::Bytes(v)
