@@ -144,7 +144,7 @@ pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
     }
     if let Some((b, w)) = worst(rows, "rpc-body", "send", 2.0, 4096) {
         println!(
-            "  the RPC with bodies from registered buffers that neither the handler nor the caller reads, left in their receive slots from 512 B, and {raw_ring} receives posted on each side, as in the raw ping-pong (rpc-body: call_buf_body, handler_buf) / the same: worst {w:.2}x at {b} B (target <= 1.5x): {}{}{}",
+            "  the RPC with bodies from registered buffers that neither the handler nor the caller reads, left in their receive slots from 512 B, and {raw_ring} receives posted on each side, as in the raw ping-pong (rpc-body: call_buf_body, handler_buf_sync) / the same: worst {w:.2}x at {b} B (target <= 1.5x): {}{}{}",
             verdict(w <= 1.5),
             held(rows, "rpc-body", w),
             by_round(rows, "rpc-body", "send", 2.0)

@@ -14,8 +14,8 @@ pub const SINK: u32 = 2;
 /// answers its length.
 pub const SINK_BODY: u32 = 3;
 /// Takes the request as it arrived (a small one in its receive slot) and answers as many bytes
-/// from a registered buffer of its own, reading and writing neither: the work of the raw Send
-/// ping-pong's echo side.
+/// from a registered buffer of its own, reading and writing neither, at once (a synchronous
+/// handler): the work of the raw Send ping-pong's echo side.
 pub const SIZED_BODY: u32 = 4;
 
 /// Eager threshold and ring for each RPC mode at a given size; `raw_ring` is the depth of the
@@ -66,10 +66,7 @@ pub async fn connect(
         .handler_body(SINK_BODY, |req: Body| async move {
             Ok(Vec::from((req.len() as u64).to_le_bytes()))
         })
-        .handler_buf(
-            SIZED_BODY,
-            |req: Body, bufs: Buffers| async move { bufs.buffer(req.len()) },
-        )
+        .handler_buf_sync(SIZED_BODY, |req: &Body, bufs: &Buffers| bufs.buffer(req.len()))
         .bind(dev, SocketAddr::new(ip, 0))
         .expect("bind the benchmark server");
     let addr = server.local_addr().expect("server address");
@@ -93,8 +90,9 @@ pub async fn measure(client: &Client, size: usize, plan: Plan) -> Samples {
 }
 
 /// `size` bytes each way which neither the handler nor the caller reads, as in the raw Send
-/// ping-pong: the request goes from a registered buffer (`Client::call_buf_body`) to the handler
-/// (`handler_buf`), which answers as many bytes from a registered buffer of its own. From
+/// ping-pong: the request goes from a registered buffer (`Client::call_buf_body`) to a
+/// synchronous handler (`handler_buf_sync`, as the ping-pong's echo answers at once), which
+/// answers as many bytes from a registered buffer of its own. From
 /// `IN_SLOT_MIN` (512 B with the header) each body stays in the receive slot it landed in;
 /// shorter ones the RPC copies out, which costs less than holding the slot.
 pub async fn in_place(client: &Client, size: usize, plan: Plan) -> Samples {

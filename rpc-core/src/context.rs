@@ -112,3 +112,11 @@ where
         None => Box::pin(make()),
     }
 }
+
+/// Runs `f` with `deadline` in force (a synchronous handler); without one, as it is.
+pub(crate) fn scoped<R>(deadline: Option<Instant>, f: impl FnOnce() -> R) -> R {
+    match deadline {
+        Some(d) => DEADLINE.sync_scope(Some(d), f),
+        None => f(),
+    }
+}

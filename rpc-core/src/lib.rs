@@ -9,6 +9,7 @@ mod client;
 mod config;
 pub mod context;
 mod driver;
+mod handler;
 pub mod proto;
 mod server;
 mod spans;

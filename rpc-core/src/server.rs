@@ -6,138 +6,31 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use rdma_rpc_transport::{Device, Listener, QpOptions};
 use tracing::Instrument;
 
-use crate::buf::{Body, RegisteredBuf};
+use crate::buf::Body;
 use crate::client::{agree, qp_caps, slot_size};
 use crate::config::{Config, Hello};
 use crate::context;
 use crate::driver::{self, Conn, Role, RoleInput};
+use crate::handler::{panic_message, CatchUnwind, Handler, Response};
 use crate::proto::{Event, Payload, RequestBody, Session};
 use crate::spans::{self, How};
 use crate::stash::Buffers;
 use crate::tasks::Tasks;
 use crate::RpcError;
 
-type BoxFuture = Pin<Box<dyn Future<Output = Result<Response, RpcError>> + Send>>;
-/// A handler, type-erased: the request's body, the connection's buffers and the request's
-/// deadline (put in force for [`context::deadline`](crate::context::deadline)) in, its future out.
-type Handler = Arc<dyn Fn(Body, &Buffers, Option<Instant>) -> BoxFuture + Send + Sync>;
-
-/// A handler's answer: bytes to copy into the message, or a registered buffer to send from.
-enum Response {
-    Bytes(Vec<u8>),
-    Buf(RegisteredBuf),
-}
-
 /// Collects handlers, then binds.
 pub struct ServerBuilder {
     config: Config,
-    handlers: HashMap<u32, Handler>,
+    pub(crate) handlers: HashMap<u32, Handler>,
     /// Methods whose handlers take a [`Body`]: their small requests stay in the receive slot.
-    in_slot: HashSet<u32>,
+    pub(crate) in_slot: HashSet<u32>,
 }
 
 impl ServerBuilder {
-    /// Registers the handler of `method`: request bytes in, response bytes (or an error) out.
-    /// A later registration for the same id replaces the earlier one.
-    pub fn handler<F, Fut>(mut self, method: u32, f: F) -> Self
-    where
-        F: Fn(Vec<u8>) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<Vec<u8>, RpcError>> + Send + 'static,
-    {
-        let f = Arc::new(f);
-        self.handlers.insert(
-            method,
-            Arc::new(move |req: Body, _: &Buffers, deadline| {
-                context::boxed(deadline, || {
-                    let fut = f(req.into_vec());
-                    async move { fut.await.map(Response::Bytes) }
-                })
-            }),
-        );
-        self.in_slot.remove(&method);
-        self
-    }
-
-    /// As [`ServerBuilder::handler`], with the request as a [`Body`], without the copy into a
-    /// `Vec` ([`Body::into_vec`] makes one when wanted): an eager request stays in the receive
-    /// slot it arrived in (one shorter than [`IN_SLOT_MIN`](crate::IN_SLOT_MIN) bytes with its
-    /// header is copied, which costs less), a large one arrives in the registered buffer the
-    /// server read it into.
-    /// Dropping the body gives the slot or buffer back to the connection: a handler holds at
-    /// most half of its connection's receive slots this way (beyond that, requests come
-    /// copied), and should let go of the body as soon as it is done with it.
-    ///
-    /// # Examples
-    /// ```
-    /// use rdma_rpc_core::{Body, Config, RpcError, Server};
-    /// // Answers with the request's length and first byte, without copying the request.
-    /// let builder = Server::builder(Config::default()).handler_body(7, |body: Body| async move {
-    ///     let first = body.bytes().first().copied().unwrap_or(0);
-    ///     let mut out = (body.len() as u64).to_le_bytes().to_vec();
-    ///     out.push(first);
-    ///     Ok::<_, RpcError>(out)
-    /// });
-    /// # drop(builder);
-    /// ```
-    pub fn handler_body<F, Fut>(mut self, method: u32, f: F) -> Self
-    where
-        F: Fn(Body) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<Vec<u8>, RpcError>> + Send + 'static,
-    {
-        self.handlers.insert(
-            method,
-            Arc::new(move |req: Body, _: &Buffers, deadline| {
-                context::boxed(deadline, || {
-                    let fut = f(req);
-                    async move { fut.await.map(Response::Bytes) }
-                })
-            }),
-        );
-        self.in_slot.insert(method);
-        self
-    }
-
-    /// As [`ServerBuilder::handler_body`], answering from a registered buffer: the handler gets
-    /// the connection's [`Buffers`], fills one and returns it, and the response goes to the
-    /// caller straight from it (sent as it is when small, lent when large), with no copy. A
-    /// buffer of another connection is copied. The buffer goes back to the connection once sent.
-    /// With a tracing subscriber installed, a DEBUG event `rpc.payload` (`side = "response"`,
-    /// `len`, `how`) says which of these happened.
-    ///
-    /// # Examples
-    /// ```
-    /// use rdma_rpc_core::{Body, Buffers, Config, RpcError, Server};
-    /// // Answers with 4 KiB of the request's first byte, written in place.
-    /// let builder = Server::builder(Config::default()).handler_buf(9, |req: Body, bufs: Buffers| async move {
-    ///     let mut out = bufs.buffer(4096)?;
-    ///     out.bytes_mut().fill(req.bytes().first().copied().unwrap_or(0));
-    ///     Ok::<_, RpcError>(out)
-    /// });
-    /// # drop(builder);
-    /// ```
-    pub fn handler_buf<F, Fut>(mut self, method: u32, f: F) -> Self
-    where
-        F: Fn(Body, Buffers) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<RegisteredBuf, RpcError>> + Send + 'static,
-    {
-        self.handlers.insert(
-            method,
-            Arc::new(move |req: Body, bufs: &Buffers, deadline| {
-                context::boxed(deadline, || {
-                    let fut = f(req, bufs.clone());
-                    async move { fut.await.map(Response::Buf) }
-                })
-            }),
-        );
-        self.in_slot.insert(method);
-        self
-    }
-
     /// Listens on `addr` (port 0 picks one).
     ///
     /// # Errors
@@ -527,29 +420,6 @@ fn answer(conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
     conn.session.respond(call, result);
 }
 
-/// Polls a future, turning a panic inside it into an `Err` with the panic's payload.
-struct CatchUnwind(BoxFuture);
-
-impl Future for CatchUnwind {
-    type Output = Result<Result<Response, RpcError>, Box<dyn std::any::Any + Send>>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
-        let fut = self.0.as_mut();
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fut.poll(cx))) {
-            Ok(std::task::Poll::Ready(r)) => std::task::Poll::Ready(Ok(r)),
-            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
-            Err(p) => std::task::Poll::Ready(Err(p)),
-        }
-    }
-}
-
-fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "panic with a non-string payload".into())
-}
-
 impl Role for ServerRole {
     #[inline]
     fn drain_inputs(&mut self, conn: &mut Conn) -> bool {
@@ -599,6 +469,23 @@ impl Role for ServerRole {
                 };
                 // The deadline the session placed, only for a request that carries a budget.
                 let deadline = budget.and_then(|_| conn.session.served_deadline(call));
+                let h = match h {
+                    Handler::Async(h) => h,
+                    Handler::Sync(h) => {
+                        let answered = {
+                            let _enter = span.as_ref().map(tracing::Span::enter);
+                            let run = || context::scoped(deadline, || h(&body, &self.buffers));
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
+                        };
+                        let result = answered.unwrap_or_else(|p| Err(RpcError::HandlerPanic(panic_message(p))));
+                        answer(conn, call, result);
+                        conn.send_pending();
+                        // After the response is out: a request kept in its receive slot goes
+                        // back to the ring off the round trip's path.
+                        drop(body);
+                        return;
+                    }
+                };
                 // A handler may panic while it makes its future, before any of it runs as a
                 // future: that fails this call alone, as a panic inside the future does.
                 let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(body, &self.buffers, deadline)));

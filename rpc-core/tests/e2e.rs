@@ -11,7 +11,7 @@ mod common;
 use common::{bounded, device, test_ip};
 
 use rdma_rpc_core::transport::Device;
-use rdma_rpc_core::{context, CallOptions, Client, Config, RpcError, Server, ServerBuilder};
+use rdma_rpc_core::{context, Body, Buffers, CallOptions, Client, Config, RpcError, Server, ServerBuilder};
 
 const ECHO: u32 = 1;
 const SIZED: u32 = 2;
@@ -383,6 +383,8 @@ async fn handlers_see_their_callers_deadline() {
     const BODY: u32 = 4;
     const BUF: u32 = 5;
     const SPAWNED: u32 = 6;
+    const SYNC: u32 = 7;
+    const BUF_SYNC: u32 = 8;
     let (client, _) = serve_and_connect(
         Server::builder(config())
             .handler(AT_ONCE, |_req| async move { Ok(left_now()) })
@@ -396,6 +398,13 @@ async fn handlers_see_their_callers_deadline() {
             })
             .handler_body(BODY, |_body| async move { Ok(left_now()) })
             .handler_buf(BUF, |_body, bufs| async move {
+                let seen = left_now();
+                let mut out = bufs.buffer(seen.len())?;
+                out.bytes_mut().copy_from_slice(&seen);
+                Ok(out)
+            })
+            .handler_sync(SYNC, |_req| Ok(left_now()))
+            .handler_buf_sync(BUF_SYNC, |_body, bufs| {
                 let seen = left_now();
                 let mut out = bufs.buffer(seen.len())?;
                 out.bytes_mut().copy_from_slice(&seen);
@@ -419,7 +428,7 @@ async fn handlers_see_their_callers_deadline() {
         deadline: Some(budget),
         ..Default::default()
     };
-    for method in [AT_ONCE, LATER, MAKING, BODY, BUF, SPAWNED] {
+    for method in [AT_ONCE, LATER, MAKING, BODY, BUF, SPAWNED, SYNC, BUF_SYNC] {
         for len in [8, 4 * THRESHOLD] {
             let what = format!("method {method}, {len}-byte request");
             let r = bounded(client.call_with(method, vec![3; len], timed.clone())).await;
@@ -797,6 +806,75 @@ async fn a_handler_that_panics_before_its_future_fails_only_its_call() {
         }
         let r = bounded(client.call(EAGER_PANIC, b"fine".to_vec())).await;
         assert_eq!(r.as_deref(), Ok(&b"fine"[..]), "the connection lives on");
+    }
+}
+
+/// Synchronous handlers (`handler_sync`, `handler_buf_sync`) answer every size, eager, kept in
+/// the receive slot and rendezvous, from many callers at once; the slots they borrow go back to
+/// the ring (a ring of four would stall after four calls otherwise); a panic fails its call
+/// alone and the connection serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn synchronous_handlers_answer_borrow_and_fail_alone() {
+    const REVERSE: u32 = 1;
+    const REVERSE_BUF: u32 = 2;
+    let reverse = |req: &[u8]| -> Vec<u8> {
+        assert!(req.first() != Some(&0xee), "handler exploded");
+        req.iter().rev().copied().collect()
+    };
+    let cfg = Config { ring: 4, ..config() };
+    let (client, _) = serve_and_connect(
+        Server::builder(cfg.clone())
+            .handler_sync(REVERSE, move |req| Ok(reverse(req)))
+            .handler_buf_sync(REVERSE_BUF, move |req: &Body, bufs: &Buffers| {
+                let rev = reverse(&req.bytes());
+                let mut out = bufs.buffer(rev.len())?;
+                out.bytes_mut().copy_from_slice(&rev);
+                Ok(out)
+            }),
+        cfg,
+    )
+    .await;
+    let sizes = [0, 1, 64, 65, 511, 512, 4096, THRESHOLD, 4 * THRESHOLD];
+    for round in 0..3u64 {
+        for (i, &len) in sizes.iter().enumerate() {
+            let req = pattern(len, round * 100 + i as u64);
+            let want: Vec<u8> = req.iter().rev().copied().collect();
+            let what = format!("{len} bytes, round {round}");
+            assert_eq!(
+                bounded(client.call(REVERSE, req.clone())).await.as_deref(),
+                Ok(&want[..]),
+                "{what}"
+            );
+            let body = bounded(client.call_body(REVERSE_BUF, req)).await.expect(&what);
+            assert_eq!(&body.bytes()[..], &want[..], "{what}, from a buffer");
+        }
+    }
+    // Many callers at once: each gets its own answer.
+    let calls = (0..64u64).map(|k| {
+        let client = client.clone();
+        async move {
+            let req = pattern(600 + k as usize, k);
+            let got = client
+                .call(if k % 2 == 0 { REVERSE } else { REVERSE_BUF }, req.clone())
+                .await;
+            (req, got)
+        }
+    });
+    for (req, got) in spawn_all(calls).await {
+        let want: Vec<u8> = req.iter().rev().copied().collect();
+        assert_eq!(got.as_deref(), Ok(&want[..]));
+    }
+    for method in [REVERSE, REVERSE_BUF] {
+        for len in [1, 600] {
+            let mut req = vec![1; len];
+            req[0] = 0xee;
+            match bounded(client.call(method, req)).await {
+                Err(RpcError::HandlerPanic(msg)) => assert!(msg.contains("handler exploded"), "{msg}"),
+                other => panic!("method {method}, {len} bytes: expected a handler panic, got {other:?}"),
+            }
+            let r = bounded(client.call(method, b"ab".to_vec())).await;
+            assert_eq!(r.as_deref(), Ok(&b"ba"[..]), "the connection lives on");
+        }
     }
 }
 
