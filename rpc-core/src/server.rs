@@ -26,7 +26,8 @@ use crate::RpcError;
 pub struct ServerBuilder {
     config: Config,
     pub(crate) handlers: HashMap<u32, Handler>,
-    /// Methods whose handlers take a [`Body`]: their small requests stay in the receive slot.
+    /// Methods whose handlers take the request where it arrived (a [`Body`], or borrowed by a
+    /// synchronous handler): their requests may stay in the receive slot.
     pub(crate) in_slot: HashSet<u32>,
 }
 
