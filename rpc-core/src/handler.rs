@@ -173,7 +173,7 @@ impl ServerBuilder {
     /// As [`ServerBuilder::handler_buf`], for a handler that answers at once, as
     /// [`ServerBuilder::handler_sync`] does: it borrows the request's [`Body`] and the
     /// connection's [`Buffers`], and returns a registered buffer of them, sent as it is. No
-    /// future, no reference count per request, the request's slot back to the ring after the
+    /// future, no `Buffers` clone per request, the request's slot back to the ring after the
     /// response is sent: the cheapest path through the server, for handlers that do not wait.
     ///
     /// # Examples
