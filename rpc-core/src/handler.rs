@@ -228,8 +228,13 @@ impl Future for CatchUnwind {
     }
 }
 
-/// The text of a handler's panic, for [`RpcError::HandlerPanic`].
-pub(crate) fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+/// A handler's result, or [`RpcError::HandlerPanic`] with the text of its panic.
+pub(crate) fn or_panic(r: std::thread::Result<Result<Response, RpcError>>) -> Result<Response, RpcError> {
+    r.unwrap_or_else(|p| Err(RpcError::HandlerPanic(panic_message(p))))
+}
+
+/// The text of a handler's panic.
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<&str>()
         .map(|s| (*s).to_owned())
         .or_else(|| p.downcast_ref::<String>().cloned())

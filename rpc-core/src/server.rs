@@ -15,7 +15,7 @@ use crate::client::{agree, qp_caps, slot_size};
 use crate::config::{Config, Hello};
 use crate::context;
 use crate::driver::{self, Conn, Role, RoleInput};
-use crate::handler::{panic_message, CatchUnwind, Handler, Response};
+use crate::handler::{or_panic, CatchUnwind, Handler, Response};
 use crate::proto::{Event, Payload, RequestBody, Session};
 use crate::spans::{self, How};
 use crate::stash::Buffers;
@@ -478,8 +478,7 @@ impl Role for ServerRole {
                             let run = || context::scoped(deadline, || h(&body, &self.buffers));
                             std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
                         };
-                        let result = answered.unwrap_or_else(|p| Err(RpcError::HandlerPanic(panic_message(p))));
-                        answer(conn, call, result);
+                        answer(conn, call, or_panic(answered));
                         conn.send_pending();
                         // After the response is out: a request kept in its receive slot goes
                         // back to the ring off the round trip's path.
@@ -493,7 +492,7 @@ impl Role for ServerRole {
                 let mut fut = match made {
                     Ok(fut) => CatchUnwind(fut),
                     Err(p) => {
-                        answer(conn, call, Err(RpcError::HandlerPanic(panic_message(p))));
+                        answer(conn, call, or_panic(Err(p)));
                         return;
                     }
                 };
@@ -505,8 +504,7 @@ impl Role for ServerRole {
                     Pin::new(&mut fut).poll(&mut cx)
                 };
                 if let std::task::Poll::Ready(r) = first {
-                    let result = r.unwrap_or_else(|p| Err(RpcError::HandlerPanic(panic_message(p))));
-                    answer(conn, call, result);
+                    answer(conn, call, or_panic(r));
                     // The response goes out now; the handler's future and the request are
                     // dropped after it, off the round trip's path.
                     conn.send_pending();
@@ -515,11 +513,7 @@ impl Role for ServerRole {
                 // Aborting the task (cancel, deadline) drops the handler and sends nothing.
                 self.tasks.spawn(
                     call,
-                    async move {
-                        fut.await
-                            .unwrap_or_else(|p| Err(RpcError::HandlerPanic(panic_message(p))))
-                    }
-                    .instrument(span.unwrap_or_else(tracing::Span::none)),
+                    async move { or_panic(fut.await) }.instrument(span.unwrap_or_else(tracing::Span::none)),
                 );
             }
             Event::Abort { call } => {
