@@ -772,6 +772,7 @@ impl<T> Call<'_, T> {
                 // Only the CQ until it has something; then everything that follows from it.
                 if st.conn.poll_cq() {
                     st.settle();
+                    self.reclaim_early(&mut st);
                 }
                 // A caller on another thread waiting to start a call gets the lock now (one
                 // atomic load when nobody waits).
@@ -843,6 +844,19 @@ impl<T> Call<'_, T> {
             shared.kick.notify_one();
         }
         Poll::Pending
+    }
+}
+
+impl<T> Call<'_, T> {
+    /// The caller's buffer back from the connection as soon as no peer reaches it (on a fast
+    /// provider the Send from it completes long before the response comes): taken while the
+    /// call waits, off the response's path.
+    fn reclaim_early(&mut self, st: &mut State) {
+        if let Some(Back::Kept { id, len }) = self.back {
+            if let Some(b) = st.conn.stash.reclaim_released(id, len) {
+                self.back = Some(Back::Own(b));
+            }
+        }
     }
 }
 

@@ -226,6 +226,17 @@ impl Stash {
         Some(RegisteredBuf::new(mr, LANDING_PREFIX, len, &self.free))
     }
 
+    /// As [`Stash::reclaim`] once no peer can reach the application's buffer `id` any more (the
+    /// Send from it completed, or its lending ended), while its call may still wait for a
+    /// response; `None`, with nothing changed, while it is still out.
+    pub(crate) fn reclaim_released(&mut self, id: BufId, len: usize) -> Option<RegisteredBuf> {
+        let e = self.entries.get(id)?;
+        if !(e.keep && e.released && e.mr.is_some()) {
+            return None;
+        }
+        self.reclaim(id, len)
+    }
+
     /// The application gave up on its lent buffer `id` (the call was cancelled): it goes back
     /// to the free lists once released.
     pub(crate) fn unkeep(&mut self, id: BufId) {
@@ -508,6 +519,32 @@ mod tests {
         s.put_back(id, mr);
         s.release(id);
         assert!(s.entries.len() == 0);
+        assert_eq!(free_count(&s), 1);
+    }
+
+    #[test]
+    fn a_buffer_comes_back_early_only_once_no_peer_reaches_it() {
+        let mut s = stash();
+        let buf = s.user_buffer(100).expect("a buffer");
+        let (_, id) = s.lend_user(buf, true).expect("lendable");
+        // Lent, not released: the peer may still read it.
+        assert!(s.reclaim_released(id, 100).is_none());
+        // Out in a work request: neither released nor here.
+        let mr = s.take_out(id).expect("held");
+        assert!(s.reclaim_released(id, 100).is_none());
+        s.put_back(id, mr);
+        assert!(s.reclaim_released(id, 100).is_none(), "back, but not released yet");
+        // Asking early changed nothing: still the application's.
+        assert!(s.in_flight(id) || s.get(id).is_some());
+        s.release(id);
+        let back = s.reclaim_released(id, 100).expect("released: the application's again");
+        assert_eq!(back.len(), 100);
+        assert!(s.entries.len() == 0 && s.reclaim_released(id, 100).is_none());
+        // A buffer the application gave up on (a cancelled call) never comes back early.
+        let (_, id) = s.lend_user(back, true).expect("lendable");
+        s.unkeep(id);
+        s.release(id);
+        assert!(s.reclaim_released(id, 100).is_none());
         assert_eq!(free_count(&s), 1);
     }
 
