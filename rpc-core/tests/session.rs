@@ -600,6 +600,57 @@ fn placed_payloads_are_checked_and_given_back_when_unsent() {
 }
 
 #[test]
+fn a_message_that_can_go_at_once_leaves_first_with_its_credits_or_comes_back_when_lost() {
+    let now = Instant::now();
+    let decode = |head: &[u8], body: usize| {
+        let mut msg = head.to_vec();
+        msg.resize(HEADER_LEN + body, 0);
+        Header::decode(&msg).map(|(h, _)| h).expect("a header")
+    };
+    let mut s = Session::new(cfg());
+    // Two slots posted again since the last message: their credits go with the next one.
+    s.reposted();
+    s.reposted();
+    let first = s
+        .start_call(1, Payload::Placed { buf: 7, len: 4 }, None, None, now)
+        .expect("call");
+    assert!(s.has_transmit());
+    // Made after it, it leaves after it, with no credit of the two.
+    let second = s
+        .start_call(2, Payload::Eager(vec![1, 2]), None, None, now)
+        .expect("call");
+    match s.poll_transmit() {
+        Some(Transmit::SendPlaced { head, buf: 7, len: 4 }) => {
+            let h = decode(&head, 4);
+            assert_eq!(
+                (h.kind, h.call_id, h.method, h.credits, h.body_len),
+                (Kind::Request, first, 1, 2, 4)
+            );
+        }
+        t => panic!("the first call's request first: {t:?}"),
+    }
+    match s.poll_transmit() {
+        Some(Transmit::Send(m)) => {
+            let (h, body) = Header::decode(&m.to_vec())
+                .map(|(h, b)| (h, b.to_vec()))
+                .expect("a message");
+            assert_eq!((h.call_id, h.credits, body), (second, 0, vec![1, 2]));
+        }
+        t => panic!("then the second's: {t:?}"),
+    }
+    assert_eq!(s.poll_transmit(), None);
+    assert_eq!(s.credits().available(), RING - 2, "one credit spent for each");
+
+    // Lost before the driver took it: the buffer comes back, and nothing is sent.
+    let mut s = Session::new(cfg());
+    s.start_call(1, Payload::Placed { buf: 9, len: 4 }, None, None, now)
+        .expect("call");
+    s.handle_connection_lost("gone");
+    assert_eq!(s.poll_transmit(), Some(Transmit::Release(9)));
+    assert_eq!(s.poll_transmit(), None);
+}
+
+#[test]
 fn credit_exhaustion_holds_the_sender_and_recovers() {
     credit_exhaustion(Side::new(1000), Side::new(2000));
 }

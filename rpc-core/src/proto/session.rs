@@ -380,6 +380,11 @@ pub struct Session {
     calls: CallMap<u32, ClientCall>,
     served: CallMap<u32, ServerCall>,
     queue: VecDeque<Out>,
+    /// A message that could go the moment it was made (nothing queued or pending before it, a
+    /// credit for it, in one piece), encoded with its credit spent: [`Session::poll_transmit`]
+    /// hands it out first, without a walk through the queue. Most messages of a connection
+    /// with one call at a time go this way.
+    ready: Option<Transmit>,
     actions: VecDeque<Transmit>,
     events: VecDeque<Event>,
     /// The message whose pieces are arriving (at most one: pieces travel back to back).
@@ -446,6 +451,7 @@ impl Session {
             calls: CallMap::default(),
             served: CallMap::default(),
             queue: VecDeque::new(),
+            ready: None,
             actions: VecDeque::new(),
             events: VecDeque::new(),
             joining: None,
@@ -659,13 +665,7 @@ impl Session {
             body_len: 0,
             budget_us,
         };
-        // Beyond what the peer serves at once, or behind calls that wait: the call waits too.
-        let to = if self.held_back.is_empty() && self.calls.len() < self.call_limit {
-            &mut self.queue
-        } else {
-            &mut self.held_back
-        };
-        to.push_back(match payload {
+        let out = match payload {
             Payload::Placed { buf, len } => Out::Placed { header, buf, len },
             // The payload is the body as it stands: moved, not copied.
             Payload::Eager(b) if body.is_empty() => Out::Msg { header, body: b },
@@ -674,7 +674,13 @@ impl Session {
                 Out::Msg { header, body }
             }
             Payload::Lent { .. } => Out::Msg { header, body },
-        });
+        };
+        // Beyond what the peer serves at once, or behind calls that wait: the call waits too.
+        if self.held_back.is_empty() && self.calls.len() < self.call_limit {
+            self.push_out(out);
+        } else {
+            self.held_back.push_back(out);
+        }
         // Past what an `Instant` can hold (`Duration::MAX`, say): never.
         let deadline = budget.and_then(|b| now.checked_add(b));
         if deadline.is_some() {
@@ -1063,7 +1069,7 @@ impl Session {
                         body_len: 0,
                         budget_us: 0,
                     };
-                    self.queue.push_back(Out::Placed { header, buf, len });
+                    self.push_out(Out::Placed { header, buf, len });
                 }
                 Err(e) => {
                     self.actions.push_back(Transmit::Release(buf));
@@ -1447,6 +1453,7 @@ impl Session {
             && self.lost.is_none()
             && self.served.len() == 0
             && self.queue.is_empty()
+            && self.ready.is_none()
             && self.credits.available() >= 1
     }
 
@@ -1493,6 +1500,9 @@ impl Session {
                 self.actions.push_back(Transmit::Release(buf));
             }
         }
+        if let Some(Transmit::SendPlaced { buf, .. }) = self.ready.take() {
+            self.actions.push_back(Transmit::Release(buf));
+        }
         if !self.held_back.is_empty() {
             // Known not to have run: said so, for callers that retry only such calls.
             let e = RpcError::ConnectionLost(format!("{why} (this call was never sent, so it did not run)"));
@@ -1522,6 +1532,41 @@ impl Session {
 
     // ------------------------------------------------------------------ outputs
 
+    /// Queues `out`, or makes it `ready` when it may go at once: nothing queued, ready or
+    /// pending before it, the connection open, a data credit free, and one piece long. What
+    /// `poll_transmit` would do for it then is done here.
+    fn push_out(&mut self, out: Out) {
+        let now = self.ready.is_none()
+            && self.queue.is_empty()
+            && self.actions.is_empty()
+            && self.lost.is_none()
+            && self.ours != Shutdown::Closed
+            && self.credits.can_send_data();
+        let one_piece = match &out {
+            Out::Msg { body, .. } => body.len() <= self.cfg.piece(),
+            Out::Placed { .. } => true,
+            Out::Pieces { .. } | Out::WriteImm { .. } => false,
+        };
+        if !(now && one_piece) {
+            self.queue.push_back(out);
+            return;
+        }
+        match (out, self.credits.spend()) {
+            (Out::Msg { header, body }, Some(c)) => self.ready = Some(Transmit::Send(encode(header, c, body))),
+            (Out::Placed { mut header, buf, len }, Some(c)) => {
+                header.credits = c;
+                header.body_len = len as u32;
+                self.ready = Some(Transmit::SendPlaced {
+                    head: header.to_bytes(),
+                    buf,
+                    len,
+                });
+            }
+            // Not reached (`now` saw two credits, `one_piece` the kind): queued as before.
+            (out, _) => self.queue.push_back(out),
+        }
+    }
+
     fn queue_small(&mut self, kind: Kind, call: u32, status: u16, body: Vec<u8>) {
         self.queue_msg(kind, 0, call, status, body);
     }
@@ -1530,7 +1575,7 @@ impl Session {
         if self.lost.is_some() {
             return;
         }
-        self.queue.push_back(Out::Msg {
+        self.push_out(Out::Msg {
             header: Header {
                 kind,
                 flags,
@@ -1548,7 +1593,8 @@ impl Session {
     /// False when [`Session::poll_transmit`] would give nothing now: a cheap look for drivers
     /// that poll often (true does not promise work: credits may still be short).
     pub fn has_transmit(&self) -> bool {
-        !self.actions.is_empty()
+        self.ready.is_some()
+            || !self.actions.is_empty()
             || (self.lost.is_none()
                 && self.ours != Shutdown::Closed
                 && ((!self.queue.is_empty() && self.credits.can_send_data())
@@ -1558,6 +1604,10 @@ impl Session {
 
     /// The next piece of work to post, if credits allow.
     pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        // Made before anything now in `actions` or the queue (see `push_out`).
+        if let Some(t) = self.ready.take() {
+            return Some(t);
+        }
         if let Some(a) = self.actions.pop_front() {
             return Some(a);
         }
