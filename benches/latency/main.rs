@@ -63,6 +63,34 @@ fn mode_sizes(mode: &str, sizes: &[usize]) -> Vec<usize> {
     }
 }
 
+/// The order of a round's rows.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Order {
+    /// Every mode of a size back to back, sizes ascending: the rows a ratio compares are
+    /// measured within a second of each other, so a slow phase of a shared machine falls on
+    /// both.
+    Size,
+    /// Every size of a mode back to back, modes as listed: the rows a ratio compares are a
+    /// round's share of the sweep apart.
+    Mode,
+}
+
+/// The rows of one round, in `order`.
+fn row_order<'a>(modes: &'a [String], sizes: &[usize], order: Order) -> Vec<(&'a str, usize)> {
+    let rows = modes
+        .iter()
+        .flat_map(|m| mode_sizes(m, sizes).into_iter().map(move |s| (m.as_str(), s)));
+    match order {
+        Order::Mode => rows.collect(),
+        Order::Size => {
+            let mut rows: Vec<(&str, usize)> = rows.collect();
+            // Stable: the modes of one size keep their listed order.
+            rows.sort_by_key(|&(_, size)| size);
+            rows
+        }
+    }
+}
+
 #[derive(Parser, Debug)]
 #[command(about = "Latency by message size: rdma-rpc RPCs, raw verbs and baselines, perftest's columns")]
 struct Args {
@@ -91,6 +119,11 @@ struct Args {
     /// then sees the same slow and fast phases, which keeps the ratios between modes honest.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
     rounds: u32,
+    /// The order of each round's rows: `size` measures every mode of a size back to back (the
+    /// rows a ratio compares then lie within a second of each other), `mode` every size of a
+    /// mode. The tables and the JSON list the rows mode by mode either way.
+    #[arg(long, value_enum, default_value_t = Order::Size)]
+    order: Order,
     /// IP to listen on (loopback for tcp; the rxe netdev's address for verbs).
     #[arg(long, default_value = "127.0.0.1")]
     ip: IpAddr,
@@ -168,12 +201,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         completion,
         raw_ring: args.raw_ring,
     };
-    let rows_planned: usize = args
-        .modes
-        .iter()
-        .map(|m| mode_sizes(m, &sizes).len())
-        .sum::<usize>()
-        .max(1);
+    let order = row_order(&args.modes, &sizes, args.order);
+    let rows_planned = order.len().max(1);
     let rounds = args.rounds as usize;
     let plan = Plan {
         iters: args.iters.map(|n| n.div_ceil(rounds)),
@@ -227,21 +256,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Every row's samples, merged over the rounds, in the order of the first round.
     let mut merged: Vec<(&str, usize, Convention, usize, sampler::Samples)> = Vec::new();
     for round in 0..rounds {
-        let mut k = 0;
-        for mode in &args.modes {
-            for size in mode_sizes(mode, &sizes) {
-                bar.set_message(format!("{mode} {size} B (round {}/{rounds})", round + 1));
-                let (conv, moved, s) = rt.block_on(measure(&srv, &dev, args.ip, mode, size, plan, knobs));
-                match merged.get_mut(k) {
-                    Some(m) => m.4.absorb(s),
-                    None => merged.push((mode, size, conv, moved, s)),
-                }
-                k += 1;
-                bar.inc(1);
+        for (k, &(mode, size)) in order.iter().enumerate() {
+            bar.set_message(format!("{mode} {size} B (round {}/{rounds})", round + 1));
+            let (conv, moved, s) = rt.block_on(measure(&srv, &dev, args.ip, mode, size, plan, knobs));
+            match merged.get_mut(k) {
+                Some(m) => m.4.absorb(s),
+                None => merged.push((mode, size, conv, moved, s)),
             }
+            bar.inc(1);
         }
     }
     bar.finish_and_clear();
+    // Mode by mode (sizes ascending within each), whatever order they were measured in.
+    merged.sort_by_key(|m| args.modes.iter().position(|x| x == m.0));
     let rows: Vec<Row> = merged
         .iter()
         .map(|(mode, size, conv, moved, s)| stats::row(mode, *conv, *size, *moved, s))
