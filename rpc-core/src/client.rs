@@ -845,9 +845,7 @@ impl<T> Call<'_, T> {
         }
         Poll::Pending
     }
-}
 
-impl<T> Call<'_, T> {
     /// The caller's buffer back from the connection as soon as no peer reaches it (on a fast
     /// provider the Send from it completes long before the response comes): taken while the
     /// call waits, off the response's path.
