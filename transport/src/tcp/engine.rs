@@ -240,7 +240,7 @@ impl Qp {
                     done: None,
                 };
                 if st.error {
-                    e.push_send(&pending, FLUSH, 0);
+                    e.push_send(pending, FLUSH, 0);
                     continue;
                 }
                 if let Some(v) = &pending.local {
@@ -248,7 +248,7 @@ impl Qp {
                     let no_write = d.op.writes_local() && !v.region.access.contains(AccessFlags::LOCAL_WRITE);
                     if wrong_pd || no_write {
                         e.error.store(true, Ordering::Release);
-                        e.push_send(&pending, WcStatus::LocProtErr, 0);
+                        e.push_send(pending, WcStatus::LocProtErr, 0);
                         e.enter_error(&mut st, None);
                         continue;
                     }
@@ -287,7 +287,7 @@ impl Qp {
                 }),
             };
             if st.error {
-                e.push_recv(posted.seq, FLUSH, WcOpcode::Recv, 0, None);
+                e.push_recv(posted, FLUSH, WcOpcode::Recv, 0, None);
             } else {
                 if let Some(rq) = &e.own_rq {
                     // Published for the peer to fill by itself (shm).
@@ -520,19 +520,13 @@ impl Engine {
             DataHead::Write { ssn, imm, ack, .. } => {
                 if let Some(imm) = imm {
                     let Some(r) = st.recvs.pop_front() else { return };
-                    self.push_recv(
-                        r.seq,
-                        WcStatus::Success,
-                        WcOpcode::RecvRdmaWithImm,
-                        len as u32,
-                        Some(imm),
-                    );
+                    self.push_recv(r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len as u32, Some(imm));
                 }
                 executed(&mut st, ssn, ack);
             }
             DataHead::Send { ssn, imm, ack } => {
                 let Some(r) = st.recvs.pop_front() else { return };
-                self.push_recv(r.seq, WcStatus::Success, WcOpcode::Recv, len as u32, imm);
+                self.push_recv(r, WcStatus::Success, WcOpcode::Recv, len as u32, imm);
                 executed(&mut st, ssn, ack);
             }
         }
@@ -555,23 +549,37 @@ impl Engine {
         }
     }
 
-    fn push_send(&self, p: &Pending, status: WcStatus, byte_len: u32) {
-        if self.destroyed.load(Ordering::Acquire) || (status.is_success() && !p.signaled) {
+    /// Completes `p`. Its view of the local buffer goes first: whoever takes the completion
+    /// (and the buffer with it) must find the registration held by that buffer alone, so that
+    /// dropping it deregisters at once (`Device::registered_bytes` counts it back then).
+    fn push_send(&self, p: Pending, status: WcStatus, byte_len: u32) {
+        let Pending {
+            seq,
+            opcode,
+            signaled,
+            local,
+            ..
+        } = p;
+        drop(local);
+        if self.destroyed.load(Ordering::Acquire) || (status.is_success() && !signaled) {
             return;
         }
         self.send_cq.push(RawWc {
             qp_num: self.qp_num,
-            seq: p.seq,
+            seq,
             recv: false,
             status,
-            opcode: p.opcode,
+            opcode,
             byte_len,
             imm: None,
             vendor_err: 0,
         });
     }
 
-    fn push_recv(&self, seq: u64, status: WcStatus, opcode: WcOpcode, byte_len: u32, imm: Option<u32>) {
+    /// Completes receive `r`, its view of the buffer dropped first (as in `push_send`).
+    fn push_recv(&self, r: PostedRecv, status: WcStatus, opcode: WcOpcode, byte_len: u32, imm: Option<u32>) {
+        let PostedRecv { seq, local } = r;
+        drop(local);
         if self.destroyed.load(Ordering::Acquire) {
             return;
         }
@@ -602,11 +610,11 @@ impl Engine {
         self.error.store(true, Ordering::Release);
         let mut status = head.unwrap_or(FLUSH);
         for p in st.outstanding.drain(..) {
-            self.push_send(&p, status, 0);
+            self.push_send(p, status, 0);
             status = FLUSH;
         }
         for r in st.recvs.drain(..) {
-            self.push_recv(r.seq, FLUSH, WcOpcode::Recv, 0, None);
+            self.push_recv(r, FLUSH, WcOpcode::Recv, 0, None);
         }
         st.stalled.clear();
         // Everything executed is acknowledged before the Fatal, asked for or not.
@@ -688,10 +696,10 @@ impl Engine {
                 if let Some(v) = &r.local {
                     v.region.prefetch(v.off, (d.byte_len as usize).min(v.len));
                 }
-                self.push_recv(r.seq, WcStatus::Success, opcode, d.byte_len, imm);
+                self.push_recv(r, WcStatus::Success, opcode, d.byte_len, imm);
             } else {
                 self.error.store(true, Ordering::Release);
-                self.push_recv(r.seq, d.status, opcode, 0, None);
+                self.push_recv(r, d.status, opcode, 0, None);
                 if !st.error {
                     // As after a failed delivery: the QP goes to error (the peer sends Fatal too).
                     self.enter_error(st, None);
@@ -717,10 +725,10 @@ impl Engine {
         while let Some(result) = st.outstanding.front().and_then(|p| p.done) {
             let Some(p) = st.outstanding.pop_front() else { return };
             match result {
-                Ok(byte_len) => self.push_send(&p, WcStatus::Success, byte_len),
+                Ok(byte_len) => self.push_send(p, WcStatus::Success, byte_len),
                 Err(status) => {
                     self.error.store(true, Ordering::Release);
-                    self.push_send(&p, status, 0);
+                    self.push_send(p, status, 0);
                     self.enter_error(st, None);
                     return;
                 }
@@ -745,8 +753,9 @@ impl Engine {
                 self.enter_error(st, Some(WcStatus::BadRespErr));
                 return;
             };
-            self.push_send(&p, WcStatus::Success, 0);
-            if p.seq == ssn {
+            let last = p.seq == ssn;
+            self.push_send(p, WcStatus::Success, 0);
+            if last {
                 return self.retire(st);
             }
         }
@@ -766,7 +775,7 @@ impl Engine {
         // A response acknowledges every Send and Write before it (RC executes in order).
         while st.outstanding.front().is_some_and(|p| p.seq < ssn && acked_by_later(p)) {
             if let Some(p) = st.outstanding.pop_front() {
-                self.push_send(&p, WcStatus::Success, 0);
+                self.push_send(p, WcStatus::Success, 0);
             }
         }
         let Some(p) = st.outstanding.pop_front() else {
@@ -782,13 +791,13 @@ impl Engine {
         let result = if status.is_success() { land(&p) } else { Err(status) };
         match result {
             Ok(byte_len) => {
-                self.push_send(&p, WcStatus::Success, byte_len);
+                self.push_send(p, WcStatus::Success, byte_len);
                 self.retire(st);
             }
             Err(status) => {
                 // The QP is in error before anyone can see the failed completion.
                 self.error.store(true, Ordering::Release);
-                self.push_send(&p, status, 0);
+                self.push_send(p, status, 0);
                 self.enter_error(st, None);
             }
         }
@@ -884,11 +893,11 @@ impl Engine {
                 let Some(r) = st.recvs.pop_front() else { return };
                 match deliver(&r, &data, &self.pd) {
                     Ok(()) => {
-                        self.push_recv(r.seq, WcStatus::Success, WcOpcode::Recv, data.len() as u32, imm);
+                        self.push_recv(r, WcStatus::Success, WcOpcode::Recv, data.len() as u32, imm);
                         executed(st, ssn, ack);
                     }
                     Err(status) => {
-                        self.push_recv(r.seq, status, WcOpcode::Recv, 0, None);
+                        self.push_recv(r, status, WcOpcode::Recv, 0, None);
                         let remote = if status == WcStatus::LocLenErr {
                             WcStatus::RemInvReqErr
                         } else {
@@ -924,7 +933,7 @@ impl Engine {
                     }
                     let Some(r) = st.recvs.pop_front() else { return };
                     self.push_recv(
-                        r.seq,
+                        r,
                         WcStatus::Success,
                         WcOpcode::RecvRdmaWithImm,
                         data.len() as u32,
