@@ -6,6 +6,7 @@
 //!         [--iters N] [--seconds 60] [--json out.json] [--plot out.svg]
 
 mod baseline;
+mod host;
 mod perftest;
 mod plot;
 mod raw;
@@ -214,6 +215,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // on this thread, every server of every mode (RPC, raw echo, TCP, tarpc) on the other.
     // Both CPUs are looked up before this thread is pinned: a thread's view of the machine's
     // CPUs is its own affinity mask, which its children inherit.
+    let host = host::describe();
     let (client_cpu, server_cpu) = match args.cpus.as_deref() {
         Some(&[c, s]) => (Some(core(c)?), Some(core(s)?)),
         None => (None, None),
@@ -253,6 +255,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             String::new()
         }
     );
+    println!("host: {host}");
     // Every row's samples, merged over the rounds, in the order of the first round.
     let mut merged: Vec<(&str, usize, Convention, usize, sampler::Samples)> = Vec::new();
     for round in 0..rounds {

@@ -6,6 +6,7 @@
 #   scripts/callgrind/instructions.sh LATENCY_BINARY MODE SIZE   e.g. ... rpc-body 64
 # The binary: `cargo bench --bench latency --no-run` prints it (a release build without debug
 # info, so that callgrind names functions, not lines). Needs valgrind (apt-get install valgrind).
+# TOP=N lists the N costliest functions outside the loops (25 by default).
 # Takes about a minute per mode. The two threads are pinned to CPUs 0 and 1: valgrind runs one
 # thread at a time, and unpinned they may report one CPU, which sends the adaptive RPC to sleep
 # between messages (a tokio wake-up path of some 12,000 instructions more per round trip).
@@ -19,7 +20,7 @@ for n in 10000 20000; do
         sed 's/([^)]*)//' > "$out/fn.$n"
 done
 python3 - "$out" "$mode" "$size" <<'PY'
-import re, sys
+import os, re, sys
 out, mode, size = sys.argv[1:]
 def load(f):
     d = {}
@@ -42,7 +43,7 @@ polling = sum(v for k, v in per.items() if any(x in k for x in spin))
 print(f"{mode} {size} B: {total:.0f} instructions per round trip, {polling:.0f} in the polling "
       f"loops, {total - polling:.0f} outside them")
 rest = sorted(((v, k) for k, v in per.items() if not any(x in k for x in spin)), reverse=True)
-for v, k in rest[:25]:
+for v, k in rest[:int(os.environ.get("TOP", "25"))]:
     print(f"  {v:7.0f} {k[:110]}")
 PY
 rm -r "$out"
