@@ -1,6 +1,7 @@
 //! The machine a sweep runs on, named in its header: the same code's figures differ with the
-//! processor (on `shm`, `rpc-body` / raw was 1.3-1.6x on one kind of 2-core VM and 1.4-2.2x on
-//! another, `bench-results/NOTES.md`), so every recorded table says where it was measured.
+//! processor (on `shm`, `rpc-body` / raw was 1.1-1.6x over the sizes of two main jobs on one
+//! kind of 2-core VM and 1.2-2.3x on another, `bench-results/NOTES.md`), so every recorded
+//! table says where it was measured.
 
 /// One line: the processor's model, the CPUs this process may use, their clock as the kernel
 /// reports it, and whether a hypervisor is underneath, e.g.
