@@ -149,6 +149,7 @@ pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
             held(rows, "rpc-body", w),
             by_round(rows, "rpc-body", "send", 2.0)
         );
+        rpc_layer_time(rows);
     }
     if let Some((b, w)) = worst(rows, "send-head", "send", 1.0, 4096) {
         println!(
@@ -188,6 +189,31 @@ pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
         );
     }
     shm_targets(rows);
+}
+
+/// The RPC layer's own time per round trip in µs, `rpc-body` p50 minus the raw Send round trip
+/// p50 at each size up to 4 KiB: what the ratio's target bounds, in absolute terms that compare
+/// across machines whose raw round trips differ.
+fn rpc_layer_time(rows: &[Row]) {
+    let extra: Vec<(usize, f64)> = rows
+        .iter()
+        .filter(|r| r.mode == "rpc-body" && r.bytes <= 4096)
+        .filter_map(|r| find(rows, "send", r.bytes).map(|s| (r.bytes, r.t_typical - 2.0 * s.t_typical)))
+        .collect();
+    let (Some(lo), Some(hi)) = (
+        extra.iter().map(|e| e.1).reduce(f64::min),
+        extra.iter().map(|e| e.1).reduce(f64::max),
+    ) else {
+        return;
+    };
+    let at64 = extra
+        .iter()
+        .find(|e| e.0 == 64)
+        .map(|e| format!(", {:.2} us at 64 B", e.1))
+        .unwrap_or_default();
+    println!(
+        "  the RPC layer's own time per round trip (rpc-body p50 - 2 x send p50), sizes <= 4 KiB: {lo:.2} to {hi:.2} us{at64}"
+    );
 }
 
 /// The machine's cross-core round trip (`spin-word`), and the 64 B round trips of the Send
