@@ -128,6 +128,22 @@ if [[ -n $bench_bin ]]; then
         echo "the crossover lines are wrong:"; echo "$band"; echo "$from"; fail=1
     fi
 fi
+# The steal line from --rows of made-up rows: the median over the rows that have a figure (0,
+# 0.5, 12.4, 40: the third), the rows of 1% or more listed from the most.
+if [[ -n $bench_bin ]]; then
+    srow() { printf '{"mode":"%s","convention":"Rtt","bytes":%s,"iterations":10,"t_min":1,"t_max":9,"t_typical":1,"t_avg":1,"t_stdev":0,"p99":1,"p999":1,"mb_per_s":1,"cpu_us_per_op":1,"round_p50":[]%s}' "$@"; }
+    printf '[%s,%s,%s,%s,%s]' "$(srow send 64 ',"steal_pct":0.0')" "$(srow rpc 64 ',"steal_pct":40.0')" \
+        "$(srow rpc 256 ',"steal_pct":12.4')" "$(srow rpc-body 64 ',"steal_pct":0.5')" "$(srow tcp 64 '')" > "$LOG/steal.json"
+    printf '[%s,%s]' "$(srow send 64 ',"steal_pct":0.0')" "$(srow rpc 64 ',"steal_pct":0.4')" > "$LOG/calm.json"
+    some=$("$bench_bin" --rows "$LOG/steal.json" 2>&1)
+    calm=$("$bench_bin" --rows "$LOG/calm.json" 2>&1)
+    if grep -q 'over 4 rows: median 12%; most in rpc 64 B 40%, rpc 256 B 12%$' <<< "$some" &&
+        grep -q 'over 2 rows: median 0%, below 1% in every row$' <<< "$calm"; then
+        echo "--rows: the hypervisor's steal over the rows, from made-up rows"
+    else
+        echo "the steal line is wrong:"; echo "$some"; echo "$calm"; fail=1
+    fi
+fi
 
 step "benchmark lane: a short sweep on verbs (rxe0) beside perftest, same boot (a report, not a test)"
 if [[ -z $bench_bin ]]; then

@@ -155,8 +155,9 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     perftest: Vec<String>,
     /// Measure nothing: read the rows of an earlier run (its `--json` file) and print only the
-    /// eager/rendezvous crossover they give and the comparison with `--perftest`, so that
-    /// perftest can run both before and after that sweep (as `scripts/vm-bench.sh` does).
+    /// eager/rendezvous crossover they give, the hypervisor's steal while they were timed and
+    /// the comparison with `--perftest`, so that perftest can run both before and after that
+    /// sweep (as `scripts/vm-bench.sh` does).
     #[arg(long)]
     rows: Option<String>,
     /// Passed by `cargo bench`; ignored.
@@ -171,6 +172,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let rows: Vec<Row> =
             serde_json::from_str(&text).map_err(|e| format!("{path} is not the JSON of a --json run: {e}"))?;
         report::print_crossover(&rows);
+        report::steal(&rows);
         if !args.perftest.is_empty() {
             perftest::compare(&rows, &perftest_files(&args.perftest));
         }

@@ -189,6 +189,36 @@ pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
         );
     }
     shm_targets(rows);
+    steal(rows);
+}
+
+/// How much of the guest's CPU time the hypervisor took while the rows were timed: on a shared
+/// host (2026-12-02: a third of it in a main job) whole rows run several times slower than
+/// their neighbours, and the ratios above move with them.
+pub fn steal(rows: &[Row]) {
+    let mut by_row: Vec<(&Row, f64)> = rows.iter().filter_map(|r| r.steal_pct.map(|p| (r, p))).collect();
+    if by_row.is_empty() {
+        return;
+    }
+    let mut pcts: Vec<f64> = by_row.iter().map(|x| x.1).collect();
+    pcts.sort_by(f64::total_cmp);
+    let median = pcts[pcts.len() / 2];
+    by_row.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let most: Vec<String> = by_row
+        .iter()
+        .take(5)
+        .filter(|x| x.1 >= 1.0)
+        .map(|(r, p)| format!("{} {} B {p:.0}%", r.mode, r.bytes))
+        .collect();
+    println!(
+        "the hypervisor's steal while rows were timed (/proc/stat: CPU time this guest wanted and another got), over {} rows: median {median:.0}%{}",
+        by_row.len(),
+        if most.is_empty() {
+            ", below 1% in every row".to_owned()
+        } else {
+            format!("; most in {}", most.join(", "))
+        }
+    );
 }
 
 /// The RPC layer's own time per round trip in µs, `rpc-body` p50 minus the raw Send round trip

@@ -4,6 +4,8 @@ use std::time::{Duration, Instant};
 
 use cpu_time::ProcessTime;
 
+use crate::host::{self, Ticks};
+
 /// Iteration policy: a fixed count, or as many as fit in `per_row` (bounded).
 #[derive(Debug, Clone, Copy)]
 pub struct Plan {
@@ -19,6 +21,8 @@ pub struct Samples {
     pub cpu: Duration,
     /// How many of `times` each round took, in order (one entry until rounds are merged).
     pub rounds: Vec<usize>,
+    /// The guest's CPU ticks while `times` were taken (`None` without `/proc/stat`).
+    pub ticks: Option<Ticks>,
 }
 
 impl Samples {
@@ -27,6 +31,10 @@ impl Samples {
         self.times.extend(other.times);
         self.cpu += other.cpu;
         self.rounds.extend(other.rounds);
+        self.ticks = match (self.ticks, other.ticks) {
+            (Some(a), Some(b)) => Some(a.plus(b)),
+            _ => None,
+        };
     }
 }
 
@@ -61,14 +69,18 @@ pub async fn run(plan: Plan, mut op: impl AsyncFnMut() -> Option<Duration>) -> S
     });
     let mut times = Vec::with_capacity(iters);
     let cpu0 = ProcessTime::now();
+    let ticks0 = host::ticks();
     for _ in 0..iters {
         let t = Instant::now();
         let own = op().await;
         times.push(own.unwrap_or_else(|| t.elapsed()));
     }
+    let cpu = cpu0.elapsed();
+    let ticks = ticks0.zip(host::ticks()).map(|(t0, t1)| t1.since(t0));
     Samples {
         rounds: vec![times.len()],
         times,
-        cpu: cpu0.elapsed(),
+        cpu,
+        ticks,
     }
 }

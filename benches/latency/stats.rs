@@ -45,6 +45,10 @@ pub struct Row {
     /// The median of each round alone (`--rounds`), in the order they ran: each round measures
     /// the row on connections of its own.
     pub round_p50: Vec<f64>,
+    /// The hypervisor's steal while the row was timed, in % of the guest's CPU time (absent
+    /// without `/proc/stat`, or for a row too short for its 10 ms ticks to say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steal_pct: Option<f64>,
 }
 
 /// Builds a row from per-operation samples (already halved for RTT/2 rows).
@@ -78,6 +82,7 @@ pub fn row(mode: &str, convention: Convention, bytes: usize, moved: usize, s: &S
         },
         cpu_us_per_op: cpu.as_secs_f64() * 1e6 / n,
         round_p50: round_medians(samples, &s.rounds),
+        steal_pct: s.ticks.and_then(|t| t.steal_pct()),
     }
 }
 
