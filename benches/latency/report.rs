@@ -200,10 +200,9 @@ pub fn steal(rows: &[Row]) {
     if by_row.is_empty() {
         return;
     }
-    let mut pcts: Vec<f64> = by_row.iter().map(|x| x.1).collect();
-    pcts.sort_by(f64::total_cmp);
-    let median = pcts[pcts.len() / 2];
+    // Most first: the median is the middle row (the upper one of an even count's two).
     by_row.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let median = by_row[(by_row.len() - 1) / 2].1;
     let most: Vec<String> = by_row
         .iter()
         .take(5)
