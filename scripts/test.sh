@@ -85,10 +85,11 @@ for p in shm tcp; do
     rows=$(grep -c '"mode"' "$LOG/smoke-$p.json" 2>/dev/null)
     if ((rc != 0)) || [[ $rows != 38 ]] || grep -q '"iterations": 0' "$LOG/smoke-$p.json" ||
         ! grep -q '^=== summary' "$LOG/smoke-$p.txt" || ! grep -q 'round by round' "$LOG/smoke-$p.txt" ||
+        ! grep -q '^host: .* (family [0-9]\+, model [0-9]\+), [1-9][0-9]* CPUs\?' "$LOG/smoke-$p.txt" ||
         ! grep -q '"round_p50"' "$LOG/smoke-$p.json" || [[ ! -s $LOG/smoke-$p.svg ]]; then
         echo "the harness smoke run on $p failed (exit $rc, $rows rows):"; tail -20 "$LOG/smoke-$p.txt"; fail=1
     else
-        echo "provider $p: $rows rows, summary, JSON and SVG written"
+        echo "provider $p: $rows rows, host line, summary, JSON and SVG written"
     fi
 done
 # --rows with a perftest report of three passes (t_typical 1, 2 and 9 us at 64 B: neither the
