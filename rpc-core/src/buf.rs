@@ -5,9 +5,9 @@
 //! a small request or response arrived in ([`Client::call_body`](crate::Client::call_body)).
 //! No copies: the peer reads from, or the transport reads into, exactly these bytes.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
+use crossbeam_queue::ArrayQueue;
 use parking_lot::Mutex;
 use rdma_rpc_transport::{BufMut, BufRef, MemoryRegion};
 
@@ -34,27 +34,41 @@ enum Home {
     Ring { wr_id: u64, slots: Arc<SlotsBack> },
 }
 
-/// Receive slots the application let go of, for the driver to post again.
-#[derive(Default)]
+/// Receive slots the application let go of, for the driver to post again: a bounded lock-free
+/// queue, one compare-and-swap to put a slot in and one to take it out (a mutex took two
+/// atomic read-modify-writes to put and three, with its flag, to take). It holds every slot
+/// of the ring, so a slot given back always finds room.
 pub(crate) struct SlotsBack {
-    slots: Mutex<Vec<(u64, MemoryRegion)>>,
-    /// Set when `slots` may hold something: the driver's check costs one load.
-    any: AtomicBool,
+    slots: ArrayQueue<(u64, MemoryRegion)>,
 }
 
 impl SlotsBack {
+    /// Room for the `ring` slots of a connection's receive ring.
+    pub(crate) fn new(ring: usize) -> Self {
+        Self {
+            slots: ArrayQueue::new(ring.max(1)),
+        }
+    }
+
     /// The slots given back since the last call.
     pub(crate) fn take(&self, into: &mut Vec<(u64, MemoryRegion)>) {
-        // A plain load first: no atomic write (and no cache line taken from the other core)
-        // on the polls that find nothing, which is nearly all of them.
-        if self.any.load(Ordering::Relaxed) && self.any.swap(false, Ordering::Acquire) {
-            into.append(&mut self.slots.lock());
+        // Two plain loads on the polls that find nothing, which is nearly all of them: no
+        // atomic write, no cache line taken from the other core (and not `pop`, which fences
+        // when it finds the queue empty). The driver is the only taker.
+        while !self.slots.is_empty() {
+            match self.slots.pop() {
+                Some(s) => into.push(s),
+                None => break,
+            }
         }
     }
 
     fn put(&self, wr_id: u64, mr: MemoryRegion) {
-        self.slots.lock().push((wr_id, mr));
-        self.any.store(true, Ordering::Release);
+        // Never full: it has room for the whole ring, and each slot is in it at most once.
+        // Were it full, the slot would be dropped (deregistered), and the ring a slot shorter.
+        if let Err((wr_id, _)) = self.slots.push((wr_id, mr)) {
+            tracing::warn!(wr_id, "a receive slot given back found no room: dropped");
+        }
     }
 }
 
@@ -253,5 +267,64 @@ impl std::ops::Deref for BodyRef<'_> {
             Inner::Slice(s) => s,
             Inner::Buf(b) => b,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slots(n: usize) -> Vec<MemoryRegion> {
+        let dev = rdma_rpc_transport::Device::open("tcp").expect("the tcp provider");
+        let pd = dev.alloc_pd().expect("a protection domain");
+        (0..n)
+            .map(|_| {
+                pd.register(64, rdma_rpc_transport::AccessFlags::LOCAL_WRITE)
+                    .expect("a slot")
+            })
+            .collect()
+    }
+
+    #[test]
+    fn slots_dropped_on_other_threads_all_come_back_once_each() {
+        const RING: usize = 16;
+        let back = Arc::new(SlotsBack::new(RING));
+        let mut got = Vec::new();
+        back.take(&mut got);
+        assert!(got.is_empty(), "nothing given back yet");
+        // The whole ring held by the application at once, dropped from four threads.
+        let bufs: Vec<RegisteredBuf> = slots(RING)
+            .into_iter()
+            .enumerate()
+            .map(|(i, mr)| RegisteredBuf::in_slot(mr, 8..40, i as u64, &back).expect("in range"))
+            .collect();
+        assert!(bufs.iter().all(|b| b.len() == 32));
+        let mut rest = bufs;
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let mine: Vec<RegisteredBuf> = rest.drain(..RING / 4).collect();
+                std::thread::spawn(move || drop(mine))
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("a dropping thread");
+        }
+        back.take(&mut got);
+        let mut ids: Vec<u64> = got.iter().map(|(id, _)| *id).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, (0..RING as u64).collect::<Vec<_>>());
+        assert!(got.iter().all(|(_, mr)| mr.len() == 64), "each slot whole");
+        let before = got.len();
+        back.take(&mut got);
+        assert_eq!(got.len(), before, "taken once");
+    }
+
+    #[test]
+    fn a_range_outside_its_slot_gives_the_slot_back() {
+        let back = Arc::new(SlotsBack::new(2));
+        let mut it = slots(1).into_iter();
+        let mr = it.next().expect("one slot");
+        let mr = RegisteredBuf::in_slot(mr, 60..70, 0, &back).expect_err("past the end");
+        assert_eq!(mr.len(), 64);
     }
 }
