@@ -144,6 +144,18 @@ if [[ -n $bench_bin ]]; then
     else
         echo "the steal line is wrong:"; echo "$some"; echo "$calm"; fail=1
     fi
+    # The cross-core line: four rounds of rows (420, 105, 100 and 98 ns): the median is the
+    # upper middle one (105), and only the round at twice that or more is listed.
+    printf '[%s,%s,%s]' "$(srow send 64 ',"round_xcore_ns":[100.0,105.0]')" "$(srow rpc 64 ',"round_xcore_ns":[420.0]')" \
+        "$(srow rpc 256 ',"round_xcore_ns":[98.0]')" > "$LOG/xcore.json"
+    xcore=$("$bench_bin" --rows "$LOG/xcore.json" 2>&1)
+    xcalm=$("$bench_bin" --rows "$LOG/calm.json" 2>&1)
+    if grep -q 'over 4 rounds of rows: median 105 ns, fastest 98 ns; 1 at 2x that or more: rpc 64 B round 1 420 ns$' <<< "$xcore" &&
+        ! grep -q 'cross-core' <<< "$xcalm" && grep -q '"round_xcore_ns"' "$LOG/smoke-shm.json"; then
+        echo "--rows: the cross-core round trip after each row, from made-up rows (and in the smoke run's JSON)"
+    else
+        echo "the cross-core line is wrong:"; echo "$xcore"; echo "$xcalm"; fail=1
+    fi
 fi
 
 step "benchmark lane: a short sweep on verbs (rxe0) beside perftest, same boot (a report, not a test)"

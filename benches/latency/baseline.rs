@@ -208,6 +208,26 @@ pub async fn spin_word(srv: &Handle, plan: Plan) -> Samples {
     samples
 }
 
+/// Round trips the gauge after each row takes.
+const GAUGE_TRIPS: usize = 2000;
+
+/// The two threads' cross-core round trip right now, in ns: the median of `GAUGE_TRIPS` round
+/// trips of [`spin_word`] (under a millisecond on two cores). The harness takes it after each
+/// row: on an AMD EPYC guest the host moved the two vCPUs every minute or so between places
+/// where this took 90-100 ns and places where it took 380-400 ns, and every shm row moved with
+/// it (the raw 64 B Send from 0.29-0.34 to 0.59 µs each way).
+pub async fn cross_core(srv: &Handle) -> Option<f64> {
+    let plan = Plan {
+        iters: Some(GAUGE_TRIPS),
+        per_row: std::time::Duration::ZERO,
+        min_iters: 1,
+        max_iters: GAUGE_TRIPS,
+    };
+    let mut t = spin_word(srv, plan).await.times;
+    t.sort_unstable();
+    t.get(t.len() / 2).map(|d| d.as_secs_f64() * 1e9)
+}
+
 /// A plain copy of `size` bytes between two buffers of this process: the speed limit of any
 /// software provider on one host.
 pub async fn memcpy(size: usize, plan: Plan) -> Samples {

@@ -173,6 +173,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             serde_json::from_str(&text).map_err(|e| format!("{path} is not the JSON of a --json run: {e}"))?;
         report::print_crossover(&rows);
         report::steal(&rows);
+        report::cross_core(&rows);
         if !args.perftest.is_empty() {
             perftest::compare(&rows, &perftest_files(&args.perftest));
         }
@@ -263,7 +264,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for round in 0..rounds {
         for (k, &(mode, size)) in order.iter().enumerate() {
             bar.set_message(format!("{mode} {size} B (round {}/{rounds})", round + 1));
-            let (conv, moved, s) = rt.block_on(measure(&srv, &dev, args.ip, mode, size, plan, knobs));
+            let (conv, moved, mut s) = rt.block_on(measure(&srv, &dev, args.ip, mode, size, plan, knobs));
+            s.xcore_ns.extend(rt.block_on(baseline::cross_core(&srv)));
             match merged.get_mut(k) {
                 Some(m) => m.4.absorb(s),
                 None => merged.push((mode, size, conv, moved, s)),

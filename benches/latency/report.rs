@@ -190,6 +190,7 @@ pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
     }
     shm_targets(rows);
     steal(rows);
+    cross_core(rows);
 }
 
 /// How much of the guest's CPU time the hypervisor took while the rows were timed: on a shared
@@ -216,6 +217,38 @@ pub fn steal(rows: &[Row]) {
             ", below 1% in every row".to_owned()
         } else {
             format!("; most in {}", most.join(", "))
+        }
+    );
+}
+
+/// The two threads' cross-core round trip measured after each round of each row: its median
+/// over them, and the rounds at twice that or more (the host had moved the vCPUs apart), the
+/// five slowest listed.
+pub fn cross_core(rows: &[Row]) {
+    let mut all: Vec<(&Row, usize, f64)> = rows
+        .iter()
+        .flat_map(|r| r.round_xcore_ns.iter().enumerate().map(move |(i, &ns)| (r, i, ns)))
+        .collect();
+    if all.is_empty() {
+        return;
+    }
+    // Slowest first: the median is the middle one (the upper of an even count's two).
+    all.sort_by(|a, b| b.2.total_cmp(&a.2));
+    let median = all[(all.len() - 1) / 2].2;
+    let fastest = all[all.len() - 1].2;
+    let far: Vec<&(&Row, usize, f64)> = all.iter().filter(|x| x.2 >= 2.0 * median).collect();
+    let listed: Vec<String> = far
+        .iter()
+        .take(5)
+        .map(|(r, i, ns)| format!("{} {} B round {} {ns:.0} ns", r.mode, r.bytes, i + 1))
+        .collect();
+    println!(
+        "the two threads' cross-core round trip right after each row (spin-word, 2000 round trips), over {} rounds of rows: median {median:.0} ns, fastest {fastest:.0} ns; {}",
+        all.len(),
+        if far.is_empty() {
+            "none at 2x that or more".to_owned()
+        } else {
+            format!("{} at 2x that or more: {}", far.len(), listed.join(", "))
         }
     );
 }
@@ -307,8 +340,25 @@ fn by_round(rows: &[Row], mode: &str, other: &str, k: f64) -> String {
         })
         .map(|w| format!("{w:.2}x"))
         .collect();
+    // Each round's cross-core round trip: the median over the rows of both modes it compares.
+    let gauge: Vec<String> = (0..rounds)
+        .filter_map(|i| {
+            let mut ns: Vec<f64> = rows
+                .iter()
+                .filter(|r| (r.mode == mode || r.mode == other) && r.bytes <= 4096)
+                .filter_map(|r| r.round_xcore_ns.get(i).copied())
+                .collect();
+            ns.sort_by(f64::total_cmp);
+            ns.get(ns.len() / 2).map(|m| format!("{m:.0}"))
+        })
+        .collect();
+    let gauge = if gauge.len() == worst.len() {
+        format!(" (cross-core round trip in those rounds: {} ns)", gauge.join(", "))
+    } else {
+        String::new()
+    };
     format!(
-        "; round by round, each on connections of its own: worst {}",
+        "; round by round, each on connections of its own: worst {}{gauge}",
         worst.join(", ")
     )
 }

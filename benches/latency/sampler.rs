@@ -23,6 +23,9 @@ pub struct Samples {
     pub rounds: Vec<usize>,
     /// The guest's CPU ticks while `times` were taken (`None` without `/proc/stat`).
     pub ticks: Option<Ticks>,
+    /// The two threads' cross-core round trip measured right after each round, in ns (see
+    /// `baseline::cross_core`), in the order of `rounds`.
+    pub xcore_ns: Vec<f64>,
 }
 
 impl Samples {
@@ -35,6 +38,7 @@ impl Samples {
             (Some(a), Some(b)) => Some(a.plus(b)),
             _ => None,
         };
+        self.xcore_ns.extend(other.xcore_ns);
     }
 }
 
@@ -82,5 +86,6 @@ pub async fn run(plan: Plan, mut op: impl AsyncFnMut() -> Option<Duration>) -> S
         times,
         cpu,
         ticks,
+        xcore_ns: Vec::new(),
     }
 }

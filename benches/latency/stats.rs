@@ -49,6 +49,10 @@ pub struct Row {
     /// without `/proc/stat`, or for a row too short for its 10 ms ticks to say).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub steal_pct: Option<f64>,
+    /// The two threads' cross-core round trip measured right after each round of the row, in
+    /// ns, in the order of `round_p50`: the host's placement of the two vCPUs at that moment.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub round_xcore_ns: Vec<f64>,
 }
 
 /// Builds a row from per-operation samples (already halved for RTT/2 rows).
@@ -83,6 +87,7 @@ pub fn row(mode: &str, convention: Convention, bytes: usize, moved: usize, s: &S
         cpu_us_per_op: cpu.as_secs_f64() * 1e6 / n,
         round_p50: round_medians(samples, &s.rounds),
         steal_pct: s.ticks.and_then(|t| t.steal_pct()),
+        round_xcore_ns: s.xcore_ns.clone(),
     }
 }
 
