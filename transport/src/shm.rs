@@ -31,6 +31,7 @@
 mod arena;
 pub(crate) mod bell;
 pub(crate) mod cm;
+mod copy;
 pub(crate) mod link;
 mod ring;
 pub(crate) mod rq;

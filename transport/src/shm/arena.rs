@@ -246,7 +246,7 @@ impl PeerArena {
     pub(crate) fn write_local(&self, addr: u64, lkey: u32, src: &[u8]) -> std::result::Result<(), WcStatus> {
         let dst = self.check(addr, lkey, src.len(), AccessFlags::LOCAL_WRITE)?;
         // SAFETY: as in `read`, the other way.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        unsafe { super::copy::for_peer(src.as_ptr(), dst, src.len()) };
         // The receiver reads the head of the message first (a header, most often).
         // SAFETY: `check` proved `[dst, dst + len)` inside our mapping of the peer's arena.
         unsafe { super::sys::demote(dst, src.len()) };
