@@ -5,9 +5,9 @@
 //! a small request or response arrived in ([`Client::call_body`](crate::Client::call_body)).
 //! No copies: the peer reads from, or the transport reads into, exactly these bytes.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
-use crossbeam_queue::ArrayQueue;
 use parking_lot::Mutex;
 use rdma_rpc_transport::{BufMut, BufRef, MemoryRegion};
 
@@ -34,41 +34,27 @@ enum Home {
     Ring { wr_id: u64, slots: Arc<SlotsBack> },
 }
 
-/// Receive slots the application let go of, for the driver to post again: a bounded lock-free
-/// queue, one compare-and-swap to put a slot in and one to take it out (a mutex took two
-/// atomic read-modify-writes to put and three, with its flag, to take). It holds every slot
-/// of the ring, so a slot given back always finds room.
+/// Receive slots the application let go of, for the driver to post again.
+#[derive(Default)]
 pub(crate) struct SlotsBack {
-    slots: ArrayQueue<(u64, MemoryRegion)>,
+    slots: Mutex<Vec<(u64, MemoryRegion)>>,
+    /// Set when `slots` may hold something: the driver's check costs one load.
+    any: AtomicBool,
 }
 
 impl SlotsBack {
-    /// Room for the `ring` slots of a connection's receive ring.
-    pub(crate) fn new(ring: usize) -> Self {
-        Self {
-            slots: ArrayQueue::new(ring.max(1)),
-        }
-    }
-
     /// The slots given back since the last call.
     pub(crate) fn take(&self, into: &mut Vec<(u64, MemoryRegion)>) {
-        // Two plain loads on the polls that find nothing, which is nearly all of them: no
-        // atomic write, no cache line taken from the other core (and not `pop`, which fences
-        // when it finds the queue empty). The driver is the only taker.
-        while !self.slots.is_empty() {
-            match self.slots.pop() {
-                Some(s) => into.push(s),
-                None => break,
-            }
+        // A plain load first: no atomic write (and no cache line taken from the other core)
+        // on the polls that find nothing, which is nearly all of them.
+        if self.any.load(Ordering::Relaxed) && self.any.swap(false, Ordering::Acquire) {
+            into.append(&mut self.slots.lock());
         }
     }
 
     fn put(&self, wr_id: u64, mr: MemoryRegion) {
-        // Never full: it has room for the whole ring, and each slot is in it at most once.
-        // Were it full, the slot would be dropped (deregistered), and the ring a slot shorter.
-        if let Err((wr_id, _)) = self.slots.push((wr_id, mr)) {
-            tracing::warn!(wr_id, "a receive slot given back found no room: dropped");
-        }
+        self.slots.lock().push((wr_id, mr));
+        self.any.store(true, Ordering::Release);
     }
 }
 
@@ -288,7 +274,7 @@ mod tests {
     #[test]
     fn slots_dropped_on_other_threads_all_come_back_once_each() {
         const RING: usize = 16;
-        let back = Arc::new(SlotsBack::new(RING));
+        let back = Arc::new(SlotsBack::default());
         let mut got = Vec::new();
         back.take(&mut got);
         assert!(got.is_empty(), "nothing given back yet");
@@ -321,7 +307,7 @@ mod tests {
 
     #[test]
     fn a_range_outside_its_slot_gives_the_slot_back() {
-        let back = Arc::new(SlotsBack::new(2));
+        let back = Arc::new(SlotsBack::default());
         let mut it = slots(1).into_iter();
         let mr = it.next().expect("one slot");
         let mr = RegisteredBuf::in_slot(mr, 60..70, 0, &back).expect_err("past the end");

@@ -146,7 +146,7 @@ impl Conn {
             // Half the ring at most stays with the application: the other half keeps the
             // peer's messages (and credits) flowing whatever the application holds.
             max_held: own_ring as usize / 2,
-            slots_back: Arc::new(SlotsBack::new(own_ring as usize)),
+            slots_back: Arc::default(),
             back: Vec::new(),
             lost: None,
             epoch: Instant::now(),
