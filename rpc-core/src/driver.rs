@@ -260,6 +260,12 @@ impl Conn {
         self.qp.peer_shares_cpu()
     }
 
+    /// Moves this thread off the peer's poller's CPU to another it may run on, when the two
+    /// share one (`QueuePair::leave_peer_cpu`); true when it moved.
+    pub(crate) fn leave_peer_cpu(&self) -> bool {
+        self.qp.leave_peer_cpu()
+    }
+
     /// Reaps completions without blocking; returns whether there were any.
     pub(crate) fn poll_cq(&mut self) -> bool {
         let mut done = std::mem::take(&mut self.scratch);
@@ -640,9 +646,14 @@ impl Job {
 /// Polls a spinning connection makes between turns through the runtime.
 const INNER_SPINS: u32 = 64;
 
+/// How often a connection may move its thread off its peer's CPU at most.
+const MOVE_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// Runs a connection until it is lost or its role is finished.
 pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: CompletionMode) {
     let mut budget = Budget::default();
+    // When this connection last moved its thread off its peer's CPU.
+    let mut moved: Option<Instant> = None;
     loop {
         let mut busy = role.drain_inputs(&mut conn);
         busy |= conn.progress();
@@ -693,9 +704,16 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
                 budget.restart();
             } else if matches!(mode, CompletionMode::Adaptive { .. }) && conn.peer_shares_cpu() {
                 // The peer's poller is on this core: spinning only keeps it from running
-                // (both budgets spent per round trip, 0.4 ms). Sleep now. (The scheduler may
-                // then keep the two on one core a while longer: see the README, Adaptive.)
-                wait(&mut conn, &mut role).await;
+                // (both budgets spent per round trip, 0.4 ms). Move to another core, where both
+                // can spin (at most once per `MOVE_EVERY`: a peer that keeps following is
+                // left to sleeping); else sleep now, and the scheduler may keep the two on one
+                // core a while longer (see the README, Adaptive).
+                if moved.is_none_or(|t| t.elapsed() >= MOVE_EVERY) && conn.leave_peer_cpu() {
+                    moved = Some(Instant::now());
+                    tracing::trace!("moved off the client's CPU");
+                } else {
+                    wait(&mut conn, &mut role).await;
+                }
                 budget.restart();
             } else {
                 budget.idle_round(mode);

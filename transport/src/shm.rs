@@ -41,7 +41,7 @@ use std::sync::Arc;
 
 pub(crate) use arena::{Arena, PeerArena};
 pub(crate) use rq::OwnRq;
-pub(crate) use sys::current_cpu;
+pub(crate) use sys::{current_cpu, leave_cpu};
 
 use crate::cq::CqImpl;
 use crate::{AccessFlags, DeviceCaps, Error, QpOptions, Result};

@@ -66,3 +66,65 @@ fn tcp_never_claims_a_shared_core() {
     assert!(!on_core(core, || client.peer_shares_cpu()));
     assert!(!on_core(core, || server.peer_shares_cpu()));
 }
+
+/// The calling thread's affinity mask, as CPU numbers.
+fn mask() -> Vec<usize> {
+    let set = rustix::thread::sched_getaffinity(None).expect("this thread's affinity");
+    (0..rustix::thread::CpuSet::MAX_CPU)
+        .filter(|&c| set.is_set(c))
+        .collect()
+}
+
+/// Sets the calling thread's affinity mask to `cpus`.
+fn set_mask(cpus: &[usize]) {
+    let mut set = rustix::thread::CpuSet::new();
+    for &c in cpus {
+        set.set(c);
+    }
+    rustix::thread::sched_setaffinity(None, &set).expect("set this thread's affinity");
+}
+
+#[test]
+fn an_end_on_its_peers_core_moves_to_another_and_keeps_its_mask() {
+    let (client, server) = pair("shm");
+    let all = mask();
+    if all.len() < 2 {
+        eprintln!("one CPU only: moving apart needs two");
+        return;
+    }
+    let here = all[0];
+    // The client's poller says it runs on `here`.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            set_mask(&[here]);
+            client.peer_shares_cpu();
+        });
+    });
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // On `here` with every CPU allowed: it moves, says where to, and has its mask back.
+            set_mask(&[here]);
+            set_mask(&all);
+            assert!(server.leave_peer_cpu(), "moved off the peer's CPU");
+            let now = rustix::thread::sched_getcpu();
+            assert_ne!(now, here, "on another CPU");
+            assert_eq!(mask(), all, "the same mask as before");
+            assert!(!server.peer_shares_cpu(), "no longer on the peer's CPU");
+            // Elsewhere already: nothing to do.
+            assert!(!server.leave_peer_cpu());
+            // Pinned to the peer's CPU by its owner: it stays.
+            set_mask(&[here]);
+            assert!(server.peer_shares_cpu());
+            assert!(!server.leave_peer_cpu(), "a pinned thread stays");
+            assert_eq!(mask(), vec![here]);
+        });
+    });
+}
+
+#[test]
+fn tcp_never_moves_a_thread() {
+    let (client, server) = pair("tcp");
+    let core = core_affinity::get_core_ids().expect("this machine's cores")[0];
+    on_core(core, || client.peer_shares_cpu());
+    assert!(!on_core(core, || server.leave_peer_cpu()));
+}

@@ -221,6 +221,25 @@ impl Qp {
         peer.rq.cpu() == Some(me)
     }
 
+    /// shm: when the peer's poller said it runs on this thread's CPU, moves this thread to
+    /// another CPU it may run on (see `shm::leave_cpu`) and tells the peer where it went; true
+    /// when it moved. tcp: false.
+    pub(crate) fn leave_peer_cpu(&self) -> bool {
+        let (Some(peer), Some(own)) = (&self.engine.direct, &self.engine.own_rq) else {
+            return false;
+        };
+        let Some(me) = crate::shm::current_cpu() else {
+            return false;
+        };
+        if peer.rq.cpu() != Some(me) || !crate::shm::leave_cpu(me) {
+            return false;
+        }
+        if let Some(now) = crate::shm::current_cpu() {
+            own.publish_cpu(now);
+        }
+        true
+    }
+
     pub(crate) fn post_send(&self, descs: &[SendDesc<'_>]) -> Result<(), (usize, Error)> {
         let e = &self.engine;
         let _serial = e.post.lock();
