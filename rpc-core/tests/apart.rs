@@ -7,26 +7,15 @@ use std::net::SocketAddr;
 use rdma_rpc_core::transport::Device;
 use rdma_rpc_core::{Client, Config, RpcError, Server};
 
+#[path = "../../transport/tests/affinity/mod.rs"]
+mod affinity;
+
+use affinity::{mask, set_mask};
+
 /// Puts the server's thread on the client's CPU, every CPU still allowed.
 const JOIN: u32 = 1;
 /// Answers the CPU the server's thread runs on.
 const WHERE: u32 = 2;
-
-/// The calling thread's affinity mask, as CPU numbers.
-fn mask() -> Vec<usize> {
-    let set = rustix::thread::sched_getaffinity(None).expect("this thread's affinity");
-    (0..rustix::thread::CpuSet::MAX_CPU)
-        .filter(|&c| set.is_set(c))
-        .collect()
-}
-
-fn set_mask(cpus: &[usize]) {
-    let mut set = rustix::thread::CpuSet::new();
-    for &c in cpus {
-        set.set(c);
-    }
-    rustix::thread::sched_setaffinity(None, &set).expect("set this thread's affinity");
-}
 
 #[test]
 fn a_server_thread_on_its_clients_cpu_moves_to_another() {

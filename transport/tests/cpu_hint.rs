@@ -1,10 +1,15 @@
 //! `QueuePair::peer_shares_cpu`: on shm each end tells the other which CPU its poller runs on,
-//! so that a poller can stop spinning for a peer it keeps off its own core. Other providers
-//! cannot know and always say no.
+//! so that a poller can stop spinning for a peer it keeps off its own core, or move to another
+//! (`QueuePair::leave_peer_cpu`). Other providers cannot know: they always say no and never
+//! move a thread.
 
 use std::time::Duration;
 
 use rdma_rpc_transport::{connect, Device, Listener, QpOptions, QueuePair};
+
+mod affinity;
+
+use affinity::{mask, set_mask};
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -65,23 +70,6 @@ fn tcp_never_claims_a_shared_core() {
     on_core(core, || server.peer_shares_cpu());
     assert!(!on_core(core, || client.peer_shares_cpu()));
     assert!(!on_core(core, || server.peer_shares_cpu()));
-}
-
-/// The calling thread's affinity mask, as CPU numbers.
-fn mask() -> Vec<usize> {
-    let set = rustix::thread::sched_getaffinity(None).expect("this thread's affinity");
-    (0..rustix::thread::CpuSet::MAX_CPU)
-        .filter(|&c| set.is_set(c))
-        .collect()
-}
-
-/// Sets the calling thread's affinity mask to `cpus`.
-fn set_mask(cpus: &[usize]) {
-    let mut set = rustix::thread::CpuSet::new();
-    for &c in cpus {
-        set.set(c);
-    }
-    rustix::thread::sched_setaffinity(None, &set).expect("set this thread's affinity");
 }
 
 #[test]
