@@ -233,8 +233,11 @@ pub(crate) fn current_cpu() -> Option<u32> {
 /// thread may run on `cpu` alone (pinned there: its owner's choice), may not run there (it
 /// is not there), or the kernel refused.
 pub(crate) fn leave_cpu(cpu: u32) -> bool {
-    use rustix::thread::{sched_getaffinity, sched_setaffinity};
+    use rustix::thread::{sched_getaffinity, sched_setaffinity, CpuSet};
     let cpu = cpu as usize;
+    if cpu >= CpuSet::MAX_CPU {
+        return false; // beyond what a mask can name here
+    }
     let Ok(mask) = sched_getaffinity(None) else {
         return false;
     };
