@@ -213,7 +213,7 @@ const GAUGE_TRIPS: usize = 2000;
 
 /// The two threads' cross-core round trip right now, in ns: the median of `GAUGE_TRIPS` round
 /// trips of [`spin_word`] (under a millisecond on two cores). The harness takes it after each
-/// row: on an AMD EPYC guest the host moved the two vCPUs every minute or so between places
+/// row: on an AMD EPYC guest the host moved the two vCPUs, several times an hour, between places
 /// where this took 90-100 ns and places where it took 380-400 ns, and every shm row moved with
 /// it (the raw 64 B Send from 0.29-0.34 to 0.59 µs each way).
 pub async fn cross_core(srv: &Handle) -> Option<f64> {
