@@ -160,6 +160,10 @@ struct Args {
     /// sweep (as `scripts/vm-bench.sh` does).
     #[arg(long)]
     rows: Option<String>,
+    /// With `--rows`: print the saved run's whole summary of ratios again (its provider named
+    /// by `--provider`, else shm), round-by-round lines included.
+    #[arg(long, requires = "rows")]
+    summary: bool,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -171,9 +175,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("reading the rows in {path}: {e}"))?;
         let rows: Vec<Row> =
             serde_json::from_str(&text).map_err(|e| format!("{path} is not the JSON of a --json run: {e}"))?;
-        report::print_crossover(&rows);
-        report::steal(&rows);
-        report::cross_core(&rows);
+        if args.summary {
+            let provider = args.provider.as_deref().unwrap_or("shm");
+            report::summary(&rows, provider, args.raw_ring);
+        } else {
+            report::print_crossover(&rows);
+            report::steal(&rows);
+            report::cross_core(&rows);
+        }
         if !args.perftest.is_empty() {
             perftest::compare(&rows, &perftest_files(&args.perftest));
         }

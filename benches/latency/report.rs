@@ -328,17 +328,23 @@ fn by_round(rows: &[Row], mode: &str, other: &str, k: f64) -> String {
     if rounds < 2 {
         return String::new();
     }
-    let worst: Vec<String> = (0..rounds)
+    // Each round's worst ratio, with the steal while its two rows were timed in that round
+    // (the larger of the two; `None` for rounds too short for the ticks to say).
+    let worst: Vec<(f64, Option<f64>)> = (0..rounds)
         .filter_map(|i| {
             rows.iter()
                 .filter(|r| r.mode == mode && r.bytes <= 4096)
                 .filter_map(|r| {
                     let o = find(rows, other, r.bytes)?;
-                    Some(r.round_p50.get(i)? / (k * o.round_p50.get(i)?))
+                    let ratio = r.round_p50.get(i)? / (k * o.round_p50.get(i)?);
+                    let steal = [r, o]
+                        .iter()
+                        .filter_map(|x| x.round_steal_pct.get(i).copied().flatten())
+                        .reduce(f64::max);
+                    Some((ratio, steal))
                 })
-                .reduce(f64::max)
+                .reduce(|a, b| if b.0 > a.0 { b } else { a })
         })
-        .map(|w| format!("{w:.2}x"))
         .collect();
     // Each round's cross-core round trip: the median over the rows of both modes it compares.
     let gauge: Vec<String> = (0..rounds)
@@ -352,13 +358,31 @@ fn by_round(rows: &[Row], mode: &str, other: &str, k: f64) -> String {
             ns.get(ns.len() / 2).map(|m| format!("{m:.0}"))
         })
         .collect();
-    let gauge = if gauge.len() == worst.len() {
-        format!(" (cross-core round trip in those rounds: {} ns)", gauge.join(", "))
-    } else {
+    let mut notes = Vec::new();
+    if gauge.len() == worst.len() {
+        notes.push(format!(
+            "cross-core round trip in those rounds: {} ns",
+            gauge.join(", ")
+        ));
+    }
+    if worst.iter().any(|w| w.1.is_some()) {
+        let steal: Vec<String> = worst
+            .iter()
+            .map(|w| w.1.map_or_else(|| "-".to_owned(), |p| format!("{p:.0}%")))
+            .collect();
+        notes.push(format!(
+            "the hypervisor's steal while those rows were timed: {}",
+            steal.join(", ")
+        ));
+    }
+    let notes = if notes.is_empty() {
         String::new()
+    } else {
+        format!(" ({})", notes.join("; "))
     };
+    let worst: Vec<String> = worst.iter().map(|w| format!("{:.2}x", w.0)).collect();
     format!(
-        "; round by round, each on connections of its own: worst {}{gauge}",
+        "; round by round, each on connections of its own: worst {}{notes}",
         worst.join(", ")
     )
 }

@@ -21,8 +21,9 @@ pub struct Samples {
     pub cpu: Duration,
     /// How many of `times` each round took, in order (one entry until rounds are merged).
     pub rounds: Vec<usize>,
-    /// The guest's CPU ticks while `times` were taken (`None` without `/proc/stat`).
-    pub ticks: Option<Ticks>,
+    /// The guest's CPU ticks while each round's `times` were taken, in the order of `rounds`
+    /// (`None` without `/proc/stat`).
+    pub ticks: Vec<Option<Ticks>>,
     /// The two threads' cross-core round trip measured right after each round, in ns (see
     /// `baseline::cross_core`), in the order of `rounds`.
     pub xcore_ns: Vec<f64>,
@@ -34,10 +35,7 @@ impl Samples {
         self.times.extend(other.times);
         self.cpu += other.cpu;
         self.rounds.extend(other.rounds);
-        self.ticks = match (self.ticks, other.ticks) {
-            (Some(a), Some(b)) => Some(a.plus(b)),
-            _ => None,
-        };
+        self.ticks.extend(other.ticks);
         self.xcore_ns.extend(other.xcore_ns);
     }
 }
@@ -85,7 +83,7 @@ pub async fn run(plan: Plan, mut op: impl AsyncFnMut() -> Option<Duration>) -> S
         rounds: vec![times.len()],
         times,
         cpu,
-        ticks,
+        ticks: vec![ticks],
         xcore_ns: Vec::new(),
     }
 }

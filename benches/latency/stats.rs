@@ -5,6 +5,7 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
+use crate::host::Ticks;
 use crate::sampler::Samples;
 
 /// How a row's latency is counted, as perftest does.
@@ -53,6 +54,10 @@ pub struct Row {
     /// ns, in the order of `round_p50`: the host's placement of the two vCPUs at that moment.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub round_xcore_ns: Vec<f64>,
+    /// The hypervisor's steal while each round of the row was timed, in % and in the order of
+    /// `round_p50`; `None` for a round too short for the ticks to say.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub round_steal_pct: Vec<Option<f64>>,
 }
 
 /// Builds a row from per-operation samples (already halved for RTT/2 rows).
@@ -86,8 +91,13 @@ pub fn row(mode: &str, convention: Convention, bytes: usize, moved: usize, s: &S
         },
         cpu_us_per_op: cpu.as_secs_f64() * 1e6 / n,
         round_p50: round_medians(samples, &s.rounds),
-        steal_pct: s.ticks.and_then(|t| t.steal_pct()),
+        steal_pct: s
+            .ticks
+            .iter()
+            .try_fold(Ticks::default(), |all, t| t.map(|t| all.plus(t)))
+            .and_then(Ticks::steal_pct),
         round_xcore_ns: s.xcore_ns.clone(),
+        round_steal_pct: s.ticks.iter().map(|t| t.and_then(Ticks::steal_pct)).collect(),
     }
 }
 
