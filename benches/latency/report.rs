@@ -365,7 +365,8 @@ fn by_round(rows: &[Row], mode: &str, other: &str, k: f64) -> String {
             gauge.join(", ")
         ));
     }
-    if worst.iter().any(|w| w.1.is_some()) {
+    // Only when some round lost 1% or more: calm rounds (the usual case) add nothing to read.
+    if worst.iter().any(|w| w.1.is_some_and(|p| p >= 1.0)) {
         let steal: Vec<String> = worst
             .iter()
             .map(|w| w.1.map_or_else(|| "-".to_owned(), |p| format!("{p:.0}%")))
