@@ -317,14 +317,19 @@ impl Conn {
                         let offer =
                             (len >= IN_SLOT_MIN && self.out + self.held.len() < self.max_held).then_some(c.wr_id);
                         let msg = &bytes[..len];
+                        // The header from the copy that came with the completion where there is
+                        // one (shm): the slot's first line then stays unread for a message
+                        // kept in place.
+                        let head = c.head.bytes();
+                        let first = if head.len() >= HEADER_LEN { head } else { msg };
                         // The clock only for a request with a budget (a syscall on some hosts,
                         // such as VMs whose clocksource is the HPET).
-                        let now = if Session::needs_now(msg) {
+                        let now = if Session::needs_now(first) {
                             Instant::now()
                         } else {
                             self.epoch
                         };
-                        self.session.handle_message_in(msg, offer, now)
+                        self.session.handle_message_with_head(head, msg, offer, now)
                     }
                 };
                 if self.lost.is_none() {

@@ -798,6 +798,39 @@ fn duplicate_and_unknown_call_ids_are_errors() {
     assert_eq!(a.s.handle_write_imm(77, 8), Err(ProtoError::UnknownCall(77)));
 }
 
+#[test]
+fn a_header_that_came_with_the_completion_is_read_instead_of_the_slot() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    a.call(4, None, None, now);
+    pump(&mut a, &mut b);
+    let Some(Wire::Send(m)) = b.inbox.pop_front() else {
+        panic!("a request")
+    };
+    let m = m.to_vec();
+    // The slot's first bytes spoiled: only the copy that came with the completion is whole.
+    let mut spoiled = m.clone();
+    spoiled[..HEADER_LEN].fill(0xee);
+    let head = &m[..HEADER_LEN + 4];
+    assert_eq!(
+        b.s.handle_message_with_head(&head[..HEADER_LEN - 1], &spoiled, None, now),
+        Err(ProtoError::BadVersion(0xee)),
+        "a head shorter than a header is not used"
+    );
+    assert_eq!(b.s.handle_message_with_head(head, &spoiled, None, now), Ok(false));
+    // The body is the slot's: its length is checked against the slot's message.
+    let h = Header::decode(&m).expect("a request").0;
+    let mut longer = m.clone();
+    longer.push(0);
+    assert_eq!(
+        b.s.handle_message_with_head(head, &longer, None, now),
+        Err(ProtoError::BodyLength {
+            announced: h.body_len,
+            actual: h.body_len as usize + 1
+        })
+    );
+}
+
 /// The Sends a fresh session emits for one call with a `len`-byte eager request.
 fn request_sends(len: usize, call_seed: u8) -> Vec<Vec<u8>> {
     let mut s = Session::new(cfg());

@@ -30,6 +30,9 @@ pub struct Completion {
     pub vendor_err: u32,
     /// The buffer the request named, handed back: the request can no longer touch it.
     pub buf: Option<MemoryRegion>,
+    /// Receives: a copy of the message's first bytes, where the provider delivers one with
+    /// the completion (see [`Head`](crate::Head)); empty otherwise.
+    pub head: crate::Head,
 }
 
 impl Completion {
@@ -67,6 +70,7 @@ pub(crate) struct RawWc {
     pub(crate) byte_len: u32,
     pub(crate) imm: Option<u32>,
     pub(crate) vendor_err: u32,
+    pub(crate) head: crate::Head,
 }
 
 struct Reaping {

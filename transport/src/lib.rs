@@ -56,6 +56,7 @@ mod cm;
 mod cq;
 mod device;
 mod error;
+mod head;
 mod mr;
 mod pd;
 mod pool;
@@ -72,6 +73,7 @@ pub use cm::{connect, connect_with_recvs, ConnectRequest, Listener, MAX_PRIVATE_
 pub use cq::{Completion, CompletionError, CompletionQueue};
 pub use device::{Device, DeviceCaps, ProviderSpec, PROVIDER_ENV};
 pub use error::{Error, Result};
+pub use head::{Head, HEAD_MAX};
 pub use mr::{BufMut, BufRef, MemoryRegion, RemoteAddr, RemoteRegion};
 pub use pd::ProtectionDomain;
 pub use pool::BufferPool;

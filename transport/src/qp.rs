@@ -251,6 +251,7 @@ impl QpShared {
             qp_num: raw.qp_num,
             vendor_err: raw.vendor_err,
             buf,
+            head: raw.head,
         }
     }
 
@@ -264,6 +265,7 @@ impl QpShared {
             qp_num: raw.qp_num,
             vendor_err: raw.vendor_err,
             buf: None,
+            head: raw.head,
         }
     }
 }

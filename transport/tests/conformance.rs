@@ -152,6 +152,31 @@ async fn send_recv_delivers_bytes() {
     assert_eq!(&rc.buf.expect("recv buffer").bytes()[..14], b"ping over rdma");
 }
 
+/// The copy of a message's first bytes a completion may carry (`Completion::head`) is exactly
+/// those bytes: shm gives it for every Send, the other providers give none.
+#[tokio::test]
+async fn a_receive_head_is_the_start_of_its_message() {
+    let shm = device().provider() == "shm";
+    let (c, s) = pair();
+    let msgs = [b"ping".to_vec(), pattern(HEAD_MAX, 4), pattern(4096, 5)];
+    for (i, m) in msgs.iter().enumerate() {
+        s.recv(i as u64, 4096);
+        c.post(SendWr::send(10 + i as u64, c.filled(m, AccessFlags::NONE)));
+    }
+    s.qp.post_recv(RecvWr::empty(3))
+        .map_err(|e| e.error)
+        .expect("empty recv");
+    c.post(SendWr::new(13, SendOp::Send { imm: Some(1) }));
+    c.take(4).await.iter().for_each(ok);
+    let r = s.take(4).await;
+    for (rc, m) in r.iter().zip(&msgs) {
+        ok(rc);
+        let want = if shm { &m[..m.len().min(HEAD_MAX)] } else { &[][..] };
+        assert_eq!(rc.head.bytes(), want, "receive {}", rc.wr_id);
+    }
+    assert!(r[3].head.bytes().is_empty(), "no bytes, no head");
+}
+
 #[tokio::test]
 async fn send_with_immediate_and_zero_bytes() {
     let (c, s) = pair();

@@ -140,6 +140,23 @@ impl Header {
     /// does not match. Never panics, whatever the bytes.
     pub fn decode(msg: &[u8]) -> Result<(Header, &[u8]), ProtoError> {
         let (h, body) = msg.split_first_chunk::<HEADER_LEN>().ok_or(ProtoError::Truncated)?;
+        Self::from_parts(h, body)
+    }
+
+    /// As [`Header::decode`], the header read from `head`, a copy of the message's first
+    /// bytes that came with its completion (a transport `Head`), when it holds a whole header;
+    /// from `msg` itself otherwise. The body is `msg`'s.
+    ///
+    /// # Errors
+    /// As [`Header::decode`].
+    pub fn decode_with_head<'m>(head: &[u8], msg: &'m [u8]) -> Result<(Header, &'m [u8]), ProtoError> {
+        match head.first_chunk::<HEADER_LEN>() {
+            Some(h) => Self::from_parts(h, msg.get(HEADER_LEN..).ok_or(ProtoError::Truncated)?),
+            None => Self::decode(msg),
+        }
+    }
+
+    fn from_parts<'m>(h: &[u8; HEADER_LEN], body: &'m [u8]) -> Result<(Header, &'m [u8]), ProtoError> {
         if h[0] != VERSION {
             return Err(ProtoError::BadVersion(h[0]));
         }

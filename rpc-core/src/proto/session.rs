@@ -1205,14 +1205,30 @@ impl Session {
     /// # Errors
     /// As [`Session::handle_message`] (the slot is not kept then).
     pub fn handle_message_in(&mut self, msg: &[u8], slot: Option<u64>, now: Instant) -> Result<bool, ProtoError> {
+        self.handle_message_with_head(&[], msg, slot, now)
+    }
+
+    /// As [`Session::handle_message_in`], the header read from `head` when it holds one: a
+    /// copy of the message's first bytes that came with its completion (the transport's
+    /// `Completion::head`), which spares a read of the receive slot's first line.
+    ///
+    /// # Errors
+    /// As [`Session::handle_message`].
+    pub fn handle_message_with_head(
+        &mut self,
+        head: &[u8],
+        msg: &[u8],
+        slot: Option<u64>,
+        now: Instant,
+    ) -> Result<bool, ProtoError> {
         self.offer = slot;
-        let r = self.handle_decoded(msg, now);
+        let r = self.handle_decoded(head, msg, now);
         let offered = std::mem::take(&mut self.offer).is_some();
         r.map(|()| slot.is_some() && !offered)
     }
 
-    fn handle_decoded(&mut self, msg: &[u8], now: Instant) -> Result<(), ProtoError> {
-        let (h, body) = Header::decode(msg)?;
+    fn handle_decoded(&mut self, head: &[u8], msg: &[u8], now: Instant) -> Result<(), ProtoError> {
+        let (h, body) = Header::decode_with_head(head, msg)?;
         self.credits.returned(h.credits).map_err(|()| ProtoError::Overrun)?;
         if h.flags & FLAG_FRAGMENT != 0 {
             // Joined into a vector of its own (`Cow::Owned`): never kept in a slot.

@@ -12,10 +12,12 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::sys::{self, Mapping};
-use crate::{Error, Result, WcStatus};
+use crate::{Error, Head, Result, WcStatus, HEAD_MAX};
 
 const HEADER: usize = 4096;
 const ENTRY: usize = 64;
+/// Words of a message's head an entry carries ([`HEAD_MAX`] bytes).
+const HEAD_WORDS: usize = HEAD_MAX / 4;
 
 /// Entry states.
 const POSTED: u32 = 0;
@@ -46,18 +48,25 @@ struct Header {
     _p3: [u8; 60],
 }
 
+/// A posted receive, in one cache line: what the owner wrote when posting it, then what the
+/// peer writes when completing it, beside the message's first bytes. The owner polls `state`;
+/// a protocol that reads its header from the head fetches one line from the peer's core for a
+/// message, not two in a row (this one, then the buffer's first).
 #[repr(C, align(64))]
 struct Entry {
-    state: AtomicU32,
-    /// 0 for success, else a `WcStatus` code for the receive.
-    status: AtomicU32,
-    lkey: AtomicU32,
-    flags: AtomicU32,
-    seq: AtomicU64,
     addr: AtomicU64,
-    len: AtomicU64,
-    byte_len: AtomicU64,
+    /// The buffer's length (at most `u32::MAX`: far above the largest message).
+    len: AtomicU32,
+    lkey: AtomicU32,
+    /// The low bits of the common layer's sequence number, a check of the order.
+    seq: AtomicU32,
+    state: AtomicU32,
+    /// The receive's status (0 for success, else a `WcStatus` code), its flags and the bytes
+    /// of `head` in use, a byte each.
+    info: AtomicU32,
     imm: AtomicU32,
+    byte_len: AtomicU32,
+    head: [AtomicU32; HEAD_WORDS],
 }
 
 const _: () = assert!(std::mem::size_of::<Entry>() == ENTRY && std::mem::size_of::<Header>() <= HEADER);
@@ -113,11 +122,14 @@ pub(crate) struct OwnRq {
 
 /// One completed receive, as drained.
 pub(crate) struct Done {
-    pub(crate) seq: u64,
+    /// The low 32 bits of the receive's sequence number.
+    pub(crate) seq: u32,
     pub(crate) status: WcStatus,
     pub(crate) flags: u32,
     pub(crate) byte_len: u32,
     pub(crate) imm: u32,
+    /// A copy of the message's first bytes.
+    pub(crate) head: Head,
 }
 
 impl OwnRq {
@@ -142,12 +154,11 @@ impl OwnRq {
         let h = self.seg.header();
         let tail = h.tail.load(Ordering::Relaxed);
         let e = self.seg.entry(tail);
-        e.seq.store(seq, Ordering::Relaxed);
+        e.seq.store(seq as u32, Ordering::Relaxed);
         e.addr.store(addr, Ordering::Relaxed);
-        e.len.store(len, Ordering::Relaxed);
+        e.len.store(len.min(u64::from(u32::MAX)) as u32, Ordering::Relaxed);
         e.lkey.store(lkey, Ordering::Relaxed);
-        e.status.store(0, Ordering::Relaxed);
-        e.flags.store(0, Ordering::Relaxed);
+        e.info.store(0, Ordering::Relaxed);
         e.byte_len.store(0, Ordering::Relaxed);
         e.state.store(POSTED, Ordering::Relaxed);
         h.tail.store(tail.wrapping_add(1), Ordering::Release);
@@ -194,16 +205,18 @@ impl OwnRq {
     /// so a caller may drain again while handling an entry.
     pub(crate) fn next_done(&self) -> Option<Done> {
         let (d, e) = self.oldest_done()?;
-        let status = match e.status.load(Ordering::Relaxed) {
+        let info = e.info.load(Ordering::Relaxed);
+        let status = match info & 0xff {
             0 => WcStatus::Success,
             code => WcStatus::from_raw(code),
         };
         let done = Done {
             seq: e.seq.load(Ordering::Relaxed),
             status,
-            flags: e.flags.load(Ordering::Relaxed),
-            byte_len: e.byte_len.load(Ordering::Relaxed).min(u64::from(u32::MAX)) as u32,
+            flags: (info >> 8) & 0xff,
+            byte_len: e.byte_len.load(Ordering::Relaxed),
             imm: e.imm.load(Ordering::Relaxed),
+            head: e.head((info >> 16) as usize & 0xff),
         };
         e.state.store(POSTED, Ordering::Relaxed);
         self.drained.store(d.wrapping_add(1), Ordering::Relaxed);
@@ -241,6 +254,8 @@ pub(crate) struct PeerRq {
 /// A receive the peer posted, taken.
 pub(crate) struct Taken<'a> {
     entry: &'a Entry,
+    /// The message's first bytes, for the completion (`with_head`).
+    msg_head: &'a [u8],
     head: u64,
     rq: &'a PeerRq,
     pub(crate) addr: u64,
@@ -288,10 +303,11 @@ impl PeerRq {
         let entry = self.seg.entry(head);
         Ok(Some(Taken {
             entry,
+            msg_head: &[],
             head,
             rq: self,
             addr: entry.addr.load(Ordering::Relaxed),
-            len: entry.len.load(Ordering::Relaxed),
+            len: u64::from(entry.len.load(Ordering::Relaxed)),
             lkey: entry.lkey.load(Ordering::Relaxed),
         }))
     }
@@ -320,16 +336,46 @@ impl PeerRq {
     }
 }
 
-impl Taken<'_> {
+impl Entry {
+    /// The head the peer wrote, `n` bytes (checked: a peer writing garbage gets at most
+    /// `HEAD_MAX` bytes of garbage).
+    fn head(&self, n: usize) -> Head {
+        let n = n.min(HEAD_MAX);
+        let mut bytes = [0u8; HEAD_MAX];
+        for (i, w) in self.head.iter().enumerate().take(n.div_ceil(4)) {
+            bytes[i * 4..i * 4 + 4].copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+        }
+        Head::copy_of(&bytes[..n])
+    }
+
+    /// Stores the first bytes of `msg`; returns how many.
+    fn set_head(&self, msg: &[u8]) -> u32 {
+        let n = msg.len().min(HEAD_MAX);
+        for (w, chunk) in self.head.iter().zip(msg[..n].chunks(4)) {
+            let mut word = [0u8; 4];
+            word[..chunk.len()].copy_from_slice(chunk);
+            w.store(u32::from_le_bytes(word), Ordering::Relaxed);
+        }
+        n as u32
+    }
+}
+
+impl<'a> Taken<'a> {
+    /// A copy of the message's first bytes goes with the completion (see [`Head`]).
+    pub(crate) fn with_head(self, msg: &'a [u8]) -> Self {
+        Taken { msg_head: msg, ..self }
+    }
+
     /// Writes the receive's completion and hands the entry to the owner; true when the owner
     /// waits for it (armed), so the caller must ring its doorbell.
     #[must_use]
     pub(crate) fn complete(self, status: WcStatus, flags: u32, byte_len: u64, imm: u32) -> bool {
         let e = self.entry;
-        let code = if status.is_success() { 0 } else { status as u32 };
-        e.status.store(code, Ordering::Relaxed);
-        e.flags.store(flags, Ordering::Relaxed);
-        e.byte_len.store(byte_len, Ordering::Relaxed);
+        let code = if status.is_success() { 0 } else { status as u32 & 0xff };
+        let n = e.set_head(if status.is_success() { self.msg_head } else { &[] });
+        e.info.store(code | (flags & 0xff) << 8 | n << 16, Ordering::Relaxed);
+        e.byte_len
+            .store(byte_len.min(u64::from(u32::MAX)) as u32, Ordering::Relaxed);
         e.imm.store(imm, Ordering::Relaxed);
         e.state.store(DONE, Ordering::Release);
         // The owner's CQ drain reads this entry next: from the shared cache, not this core's.
@@ -395,6 +441,19 @@ mod tests {
                 .collect::<Vec<_>>(),
             [10, 11, 12, 13]
         );
+        // A copy of the message's first bytes goes with its completion; a peer's head length
+        // past the entry's room reads as the room.
+        own.post(16, 0x1000 * 16, 64, 1);
+        own.post(17, 0x1000 * 17, 64, 1);
+        let msg: Vec<u8> = (0..40).collect();
+        let t = peer.take().expect("counters").expect("posted");
+        assert!(!t.with_head(&msg).complete(WcStatus::Success, 0, 40, 0));
+        let t = peer.take().expect("counters").expect("posted");
+        let e = t.entry;
+        assert!(!t.with_head(&msg).complete(WcStatus::Success, 0, 40, 0));
+        e.info.store(255 << 16, Ordering::Relaxed);
+        assert_eq!(own.next_done().map(|d| d.head), Some(Head::copy_of(&msg[..HEAD_MAX])));
+        assert_eq!(own.next_done().map(|d| d.head.bytes().len()), Some(HEAD_MAX));
         // A frame takes an entry the peer never saw posted: `head` passes what the peer saw,
         // and the peer must not take the entry after it, which nobody posted.
         own.post(14, 0x1000 * 14, 64, 1);

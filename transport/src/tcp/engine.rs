@@ -25,7 +25,7 @@ use crate::cq::RawWc;
 use crate::mr::{Region, Rmw};
 use crate::pd::PdShared;
 use crate::qp::{RecvDesc, SendDesc, FLUSH};
-use crate::{AccessFlags, Error, SendOp, WcOpcode, WcStatus};
+use crate::{AccessFlags, Error, Head, SendOp, WcOpcode, WcStatus};
 
 /// How long a Send waits at the target for a receive before the initiator gets
 /// RNR_RETRY_EXC_ERR: seven retries of a 10 ms RNR timer.
@@ -407,6 +407,9 @@ fn direct(peer: &crate::shm::Peer, d: &SendDesc<'_>, local: Option<&View>) -> Op
                 match arena.write_local(taken.addr, taken.lkey, bytes) {
                     Ok(()) => {
                         let n = bytes.len() as u64;
+                        // A copy of its first bytes beside the completion, which a protocol
+                        // reads its header from (see `Head`).
+                        let taken = taken.with_head(bytes);
                         (taken.complete(WcStatus::Success, flags, n, imm.unwrap_or(0)), Ok(0))
                     }
                     Err(_) => (taken.complete(WcStatus::LocProtErr, 0, 0, 0), Err(WcStatus::RemOpErr)),
@@ -592,11 +595,25 @@ impl Engine {
             byte_len,
             imm: None,
             vendor_err: 0,
+            head: Head::default(),
         });
     }
 
     /// Completes receive `r`, its view of the buffer dropped first (as in `push_send`).
     fn push_recv(&self, r: PostedRecv, status: WcStatus, opcode: WcOpcode, byte_len: u32, imm: Option<u32>) {
+        self.push_recv_head(r, status, opcode, byte_len, imm, Head::default());
+    }
+
+    /// As `push_recv`, with a copy of the message's first bytes (shm's completed entries).
+    fn push_recv_head(
+        &self,
+        r: PostedRecv,
+        status: WcStatus,
+        opcode: WcOpcode,
+        byte_len: u32,
+        imm: Option<u32>,
+        head: Head,
+    ) {
         let PostedRecv { seq, local } = r;
         drop(local);
         if self.destroyed.load(Ordering::Acquire) {
@@ -611,6 +628,7 @@ impl Engine {
             byte_len,
             imm,
             vendor_err: 0,
+            head,
         });
     }
 
@@ -702,7 +720,7 @@ impl Engine {
                 tracing::warn!(qp = self.qp_num, "the peer completed a receive we never posted");
                 continue;
             };
-            if r.seq != d.seq {
+            if r.seq as u32 != d.seq {
                 tracing::warn!(qp = self.qp_num, "the peer completed receives out of order");
             }
             let opcode = if d.flags & crate::shm::rq::WRITE_IMM != 0 {
@@ -715,7 +733,7 @@ impl Engine {
                 if let Some(v) = &r.local {
                     v.region.prefetch(v.off, (d.byte_len as usize).min(v.len));
                 }
-                self.push_recv(r, WcStatus::Success, opcode, d.byte_len, imm);
+                self.push_recv_head(r, WcStatus::Success, opcode, d.byte_len, imm, d.head);
             } else {
                 self.error.store(true, Ordering::Release);
                 self.push_recv(r, d.status, opcode, 0, None);

@@ -147,6 +147,7 @@ impl Cq {
             byte_len: wc.byte_len,
             imm: if status.is_success() { imm } else { None },
             vendor_err: wc.vendor_err,
+            head: crate::Head::default(),
         }
     }
 
