@@ -771,15 +771,22 @@ fn peer_crash_fails_every_pending_call_at_once() {
     drop(b);
 }
 
-#[test]
-fn duplicate_and_unknown_call_ids_are_errors() {
-    let now = Instant::now();
+/// A client and a server side, and the Send of the client's first call (4 bytes), not yet
+/// handled by the server.
+fn one_request(now: Instant) -> (Side, Side, Vec<u8>) {
     let (mut a, mut b) = (Side::new(1000), Side::new(2000));
     a.call(4, None, None, now);
     pump(&mut a, &mut b);
     let Some(Wire::Send(m)) = b.inbox.pop_front() else {
         panic!("a request")
     };
+    (a, b, m)
+}
+
+#[test]
+fn duplicate_and_unknown_call_ids_are_errors() {
+    let now = Instant::now();
+    let (mut a, mut b, m) = one_request(now);
     b.s.handle_message(&m, now).expect("first");
     assert_eq!(b.s.handle_message(&m, now), Err(ProtoError::DuplicateCall(1)));
     let mut resp = Vec::new();
@@ -801,13 +808,7 @@ fn duplicate_and_unknown_call_ids_are_errors() {
 #[test]
 fn a_header_that_came_with_the_completion_is_read_instead_of_the_slot() {
     let now = Instant::now();
-    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
-    a.call(4, None, None, now);
-    pump(&mut a, &mut b);
-    let Some(Wire::Send(m)) = b.inbox.pop_front() else {
-        panic!("a request")
-    };
-    let m = m.to_vec();
+    let (_a, mut b, m) = one_request(now);
     // The slot's first bytes spoiled: only the copy that came with the completion is whole.
     let mut spoiled = m.clone();
     spoiled[..HEADER_LEN].fill(0xee);

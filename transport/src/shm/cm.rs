@@ -23,7 +23,8 @@ use crate::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"RDRPCSHM";
 /// 2: a fourth descriptor, the receive CQ's doorbell; the receive queue's `armed` word.
-const VERSION: u16 = 2;
+/// 3: receive entries carry the head of each message (`Completion::head`), fields narrowed.
+const VERSION: u16 = 3;
 const HANDSHAKE: Duration = Duration::from_secs(10);
 
 fn name(addr: SocketAddr) -> Result<UnixAddr> {
@@ -269,5 +270,23 @@ pub(crate) fn connect(
         }
         Some((0, _)) => Err(Error::Rejected),
         _ => Err(Error::Protocol("malformed connection reply".into())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_of_another_layout_version_is_refused_by_name() {
+        assert_eq!(parse_hello(&hello(b"data")).expect("our own hello"), b"data");
+        let mut old = hello(b"");
+        old[8..10].copy_from_slice(&(VERSION - 1).to_le_bytes());
+        let e = parse_hello(&old).expect_err("another version");
+        assert!(
+            e.to_string().contains(&format!("peer speaks shm version {}, we speak {VERSION}", VERSION - 1)),
+            "{e}"
+        );
+        assert!(parse_hello(b"RDRPC").is_err(), "too short");
     }
 }
