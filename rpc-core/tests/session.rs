@@ -1109,6 +1109,23 @@ proptest! {
         while s.poll_event().is_some() {}
     }
 
+    /// A header read from a copy of the message's start (a transport `Head`, at most 28 bytes)
+    /// decodes as the message itself does, whatever the bytes; a copy shorter than a header
+    /// leaves the message to be read.
+    #[test]
+    fn a_head_copy_decodes_as_the_message(mut msg in proptest::collection::vec(any::<u8>(), 0..80),
+                                          cut in 0usize..29, kind in 1u8..8, whole in any::<bool>()) {
+        // Half of them a well-formed header over the rest of the bytes.
+        if whole && msg.len() >= HEADER_LEN {
+            msg[0] = VERSION;
+            msg[1] = kind;
+            let body = (msg.len() - HEADER_LEN) as u32;
+            msg[16..20].copy_from_slice(&body.to_le_bytes());
+        }
+        let head = &msg[..cut.min(msg.len())];
+        prop_assert_eq!(Header::decode_with_head(head, &msg), Header::decode(&msg));
+    }
+
     /// Random call mixes, sizes across the threshold, cancellations, deadlines and interleavings:
     /// never RNR, credits within the ring, every live call answered once and correctly, and no
     /// buffer reached after its release.

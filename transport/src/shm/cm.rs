@@ -284,7 +284,8 @@ mod tests {
         old[8..10].copy_from_slice(&(VERSION - 1).to_le_bytes());
         let e = parse_hello(&old).expect_err("another version");
         assert!(
-            e.to_string().contains(&format!("peer speaks shm version {}, we speak {VERSION}", VERSION - 1)),
+            e.to_string()
+                .contains(&format!("peer speaks shm version {}, we speak {VERSION}", VERSION - 1)),
             "{e}"
         );
         assert!(parse_hello(b"RDRPC").is_err(), "too short");
