@@ -18,7 +18,7 @@ pub const HEAD_MAX: usize = 28;
 /// assert_eq!(h.bytes(), b"a header, then a body");
 /// assert!(Head::default().bytes().is_empty());
 /// ```
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy)]
 pub struct Head {
     len: u8,
     bytes: [u8; HEAD_MAX],
@@ -33,11 +33,29 @@ impl Head {
         Head { len: n as u8, bytes }
     }
 
+    /// The first `len` of `bytes` (at most [`HEAD_MAX`]), taken as they are: no second copy
+    /// for a provider that assembled them in place.
+    pub(crate) fn from_array(bytes: [u8; HEAD_MAX], len: usize) -> Head {
+        Head {
+            len: len.min(HEAD_MAX) as u8,
+            bytes,
+        }
+    }
+
     /// The copied bytes: the message's first `bytes().len()` bytes, or none.
     pub fn bytes(&self) -> &[u8] {
         &self.bytes[..usize::from(self.len).min(HEAD_MAX)]
     }
 }
+
+/// Heads are equal when their bytes are: what lies past `len` is not part of either.
+impl PartialEq for Head {
+    fn eq(&self, other: &Head) -> bool {
+        self.bytes() == other.bytes()
+    }
+}
+
+impl Eq for Head {}
 
 impl Default for Head {
     /// An empty head.

@@ -340,12 +340,11 @@ impl Entry {
     /// The head the peer wrote, `n` bytes (checked: a peer writing garbage gets at most
     /// `HEAD_MAX` bytes of garbage).
     fn head(&self, n: usize) -> Head {
-        let n = n.min(HEAD_MAX);
         let mut bytes = [0u8; HEAD_MAX];
         for (i, w) in self.head.iter().enumerate().take(n.div_ceil(4)) {
             bytes[i * 4..i * 4 + 4].copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
         }
-        Head::copy_of(&bytes[..n])
+        Head::from_array(bytes, n)
     }
 
     /// Stores the first bytes of `msg`; returns how many.
