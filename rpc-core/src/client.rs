@@ -126,6 +126,10 @@ impl Client {
         if theirs.max_requests > 0 {
             session.limit_calls(theirs.max_requests as usize);
         }
+        if theirs.max_request_bytes > 0 {
+            session.limit_call_bytes(theirs.max_request_bytes);
+        }
+        session.interleave(theirs.flags & Hello::TAKES_INTERLEAVED != 0);
         let conn = Conn::new(session, &pd, qp, cq, (slot, config.ring), config.isolation)?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {

@@ -100,7 +100,7 @@ pub struct Config {
     /// threshold); larger ones by rendezvous (RDMA Read of a lent buffer, or
     /// Write-with-immediate into a landing buffer). `None`, the default, takes the provider's
     /// measured switch point, [`DeviceCaps::eager_hint`](rdma_rpc_transport::DeviceCaps):
-    /// 16 KiB on verbs, 1 MiB on shm, 128 KiB on tcp. Registered buffers
+    /// 16 KiB on verbs, 128 MiB on shm, 128 KiB on tcp. Registered buffers
     /// ([`Client::call_buf`](crate::Client::call_buf)) longer than one piece are lent whatever
     /// the threshold: lending them costs no copy.
     pub eager_threshold: Option<usize>,
@@ -146,11 +146,13 @@ pub struct Config {
     /// # }
     /// ```
     pub max_concurrent_requests: u32,
-    /// Server side: bytes of rendezvous request bodies one connection may have the server read
-    /// and hold at once, at least 1. A request whose body would go beyond waits, unread (its
+    /// Server side: bytes of request bodies one connection may have the server read and hold
+    /// at once, at least 1. A rendezvous request whose body would go beyond waits, unread (its
     /// bytes stay in the caller's memory, and its deadline runs), until earlier ones are
-    /// answered; one alone is always read, so a request up to
-    /// [`max_payload`](Config::max_payload) is served whatever this limit.
+    /// answered. The server tells its clients when they connect, and a
+    /// [`Client`](crate::Client) holds an eager request that would go beyond back, unsent,
+    /// likewise (the server cannot leave a Send's bytes unread). One alone always goes, so a
+    /// request up to [`max_payload`](Config::max_payload) is served whatever this limit.
     pub max_request_bytes_in_flight: u64,
     /// Server side: connections served at once, at least 1. Each holds its receive ring, send
     /// buffers and rendezvous pools (a few MiB with the default ring); a connection request
@@ -265,7 +267,8 @@ pub struct CallOptions {
 
 /// The handshake: what each side tells the other in the connection's private data
 /// (`"RRPC" | version | ring: u32 | eager threshold: u32 | max payload: u64 | max concurrent
-/// requests: u32`, little endian).
+/// requests: u32 | flags: u32 | max request bytes: u64`, little endian; the last three came
+/// later, and a peer that leaves them out says 0 for each).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hello {
     /// Receive ring depth of the sender (2..=4096).
@@ -277,9 +280,21 @@ pub struct Hello {
     /// Requests of the connection the sender serves at once
     /// ([`Config::max_concurrent_requests`]); 0 when it did not say (no limit).
     pub max_requests: u32,
+    /// What the sender's protocol takes beyond version 3's first form
+    /// ([`Hello::TAKES_INTERLEAVED`]); 0 from a peer built before the field.
+    pub flags: u32,
+    /// Bytes of request bodies the sender serves at once
+    /// ([`Config::max_request_bytes_in_flight`]); 0 when it did not say (no limit).
+    pub max_request_bytes: u64,
 }
 
 const MAGIC: &[u8; 4] = b"RRPC";
+
+impl Hello {
+    /// In [`Hello::flags`]: the sender takes whole requests and responses between the pieces
+    /// of a longer message ([`Session::interleave`](crate::proto::Session::interleave)).
+    pub const TAKES_INTERLEAVED: u32 = 1;
+}
 
 impl Hello {
     /// What a side with `c` says.
@@ -289,6 +304,8 @@ impl Hello {
             eager_threshold: c.eager().min(u32::MAX as usize) as u32,
             max_payload: c.max_payload,
             max_requests: c.max_concurrent_requests,
+            flags: Self::TAKES_INTERLEAVED,
+            max_request_bytes: c.max_request_bytes_in_flight,
         }
     }
 
@@ -300,12 +317,15 @@ impl Hello {
         v.extend_from_slice(&self.eager_threshold.to_le_bytes());
         v.extend_from_slice(&self.max_payload.to_le_bytes());
         v.extend_from_slice(&self.max_requests.to_le_bytes());
+        v.extend_from_slice(&self.flags.to_le_bytes());
+        v.extend_from_slice(&self.max_request_bytes.to_le_bytes());
         v
     }
 
     /// Parses a peer's private data: `None` for anything that is not a handshake of this
-    /// version with a ring of 2..=4096. The request limit may be missing (a peer that sends
-    /// 21 bytes states no limit); extra bytes after the 25 are ignored.
+    /// version with a ring of 2..=4096. The fields after the largest payload may be missing,
+    /// each as a whole (a peer built before them): 0 then, which says no limit and no flags.
+    /// Extra bytes after the 37 are ignored.
     ///
     /// # Examples
     /// ```
@@ -313,6 +333,10 @@ impl Hello {
     /// let hello = Hello::from_config(&Config { max_concurrent_requests: 8, ..Config::default() });
     /// let bytes = hello.encode();
     /// assert_eq!(Hello::decode(&bytes), Some(hello));
+    /// assert_eq!(hello.flags & Hello::TAKES_INTERLEAVED, Hello::TAKES_INTERLEAVED);
+    /// // A peer of an earlier build: a request limit, then nothing.
+    /// let old = Hello::decode(&bytes[..25]).expect("an earlier hello");
+    /// assert_eq!((old.max_requests, old.flags, old.max_request_bytes), (8, 0, 0));
     /// assert_eq!(Hello::decode(&bytes[..21]).map(|h| h.max_requests), Some(0));
     /// assert_eq!(Hello::decode(&bytes[..20]), None);
     /// ```
@@ -328,6 +352,11 @@ impl Hello {
             eager_threshold: u32_at(9),
             max_payload: u64::from_le_bytes(mp),
             max_requests: if b.len() >= 25 { u32_at(21) } else { 0 },
+            flags: if b.len() >= 29 { u32_at(25) } else { 0 },
+            max_request_bytes: b
+                .get(29..37)
+                .and_then(|w| <[u8; 8]>::try_from(w).ok())
+                .map_or(0, u64::from_le_bytes),
         };
         (h.ring >= 2 && h.ring <= 4096).then_some(h)
     }

@@ -212,6 +212,39 @@ async fn eager_messages_longer_than_a_slot_travel_in_pieces() {
     }
 }
 
+/// A short call made while a long eager one is on its way goes between the long one's pieces,
+/// both ways: its answer comes first, instead of after 4 MiB each way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_call_is_answered_while_a_long_eager_one_is_in_pieces() {
+    let cfg = Config {
+        eager_threshold: Some(16 << 20),
+        ..Config::default()
+    };
+    let (client, _) = start(cfg).await;
+    for round in 0..2u64 {
+        let big = pattern(4 << 20, round);
+        let long = client.call(ECHO, big.clone());
+        let short = client.call(ECHO, tagged(64, round));
+        tokio::pin!(long, short);
+        // The long call starts first (its first poll posts its first pieces), then the short one.
+        let first = bounded(async {
+            tokio::select! {
+                biased;
+                r = &mut long => ("long", r),
+                r = &mut short => ("short", r),
+            }
+        })
+        .await;
+        assert_eq!(
+            first.0, "short",
+            "round {round}: the short call waited for the long one"
+        );
+        assert_eq!(first.1.expect("short echo"), tagged(64, round));
+        let got = bounded(long).await.expect("long echo");
+        assert!(got == big, "round {round}: the long echo differs");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_callers_a_thousand_calls_each() {
     let (client, _) = start(config()).await;

@@ -1671,3 +1671,118 @@ fn calls_held_back_when_the_connection_is_lost_say_they_never_ran() {
     }
     assert!(a.lent.is_empty() && a.sending.is_empty(), "every buffer back");
 }
+
+/// (call, whether it is a piece) of each message waiting in `side`'s inbox, in order.
+fn inbox_order(side: &Side) -> Vec<(u32, bool)> {
+    side.inbox
+        .iter()
+        .map(|w| match w {
+            Wire::Send(m) => {
+                let (h, _) = Header::decode(m).expect("a message");
+                (h.call_id, h.flags & FLAG_FRAGMENT != 0)
+            }
+            Wire::WriteImm { .. } => panic!("a Write-with-immediate"),
+        })
+        .collect()
+}
+
+#[test]
+fn short_messages_go_between_the_pieces_of_a_long_one_when_the_peer_takes_them() {
+    let now = Instant::now();
+    for interleave in [false, true] {
+        let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+        a.s.interleave(interleave);
+        b.s.interleave(interleave);
+        let long = a.call(61, None, None, now); // 61 bytes of body: 3 pieces of at most 24
+        let Some(Transmit::Send(m)) = a.s.poll_transmit() else {
+            panic!("the first piece")
+        };
+        b.inbox.push_back(Wire::Send(m.to_vec()));
+        let short = a.call(10, None, None, now);
+        let short2 = a.call(11, None, None, now);
+        pump(&mut a, &mut b);
+        let expected = if interleave {
+            // One short call after each piece: the long one keeps every other turn.
+            vec![
+                (long, true),
+                (short, false),
+                (long, true),
+                (short2, false),
+                (long, true),
+            ]
+        } else {
+            vec![
+                (long, true),
+                (long, true),
+                (long, true),
+                (short, false),
+                (short2, false),
+            ]
+        };
+        assert_eq!(inbox_order(&b), expected, "interleave {interleave}");
+        // The server takes them in that order: the short calls while it joins the long one.
+        settle(&mut a, &mut b, now, |n| n);
+        for (id, len) in [(long, 61), (short, 10), (short2, 11)] {
+            let r = a.done.remove(&id).expect("answered").expect("ok");
+            assert_eq!(reply_bytes(&a, &r), expected_response(len, len), "call of {len} bytes");
+        }
+    }
+}
+
+#[test]
+fn between_pieces_only_credits_and_whole_messages_of_other_calls_are_taken() {
+    let now = Instant::now();
+    let pieces = request_sends(60, 3);
+    let with = |between: &[u8]| {
+        let mut b = Session::new(cfg());
+        b.handle_message(&pieces[0], now).expect("first piece");
+        b.handle_message(between, now)?;
+        b.handle_message(&pieces[1], now)?;
+        b.handle_message(&pieces[2], now)?;
+        Ok::<_, ProtoError>(std::iter::from_fn(|| b.poll_event()).count())
+    };
+    // A whole request of another call: both requests come out.
+    let mut other = request_sends(8, 4).remove(0);
+    other[4..8].copy_from_slice(&9u32.to_le_bytes());
+    assert_eq!(with(&other), Ok(2));
+    // One of the call being joined, or a cancel, a shutdown: out of place.
+    let same = request_sends(8, 4).remove(0);
+    assert!(matches!(with(&same), Err(ProtoError::BadFragment(_))));
+    for kind in [Kind::Cancel, Kind::GoAway, Kind::Close] {
+        let mut m = Vec::new();
+        Header::control(kind).encode(&mut m);
+        m[4..8].copy_from_slice(&9u32.to_le_bytes());
+        assert!(matches!(with(&m), Err(ProtoError::BadFragment(_))), "{kind:?}");
+    }
+}
+
+#[test]
+fn a_client_holds_eager_calls_beyond_the_servers_byte_limit_back() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    b.s.limit_serving(usize::MAX, 100);
+    a.s.limit_call_bytes(100);
+    let ids = [
+        a.call(60, None, None, now),
+        a.call(30, None, None, now),
+        a.call(40, None, None, now),
+        a.call(5, None, None, now),
+    ];
+    exchange(&mut a, &mut b, now);
+    // 60 + 30 fit; 40 waits, unsent, and the call behind it too (calls go in order).
+    assert_eq!(b.requests.len(), 2);
+    assert_eq!(a.s.held_back_calls(), 2);
+    serve(&mut b, |n| n);
+    exchange(&mut a, &mut b, now);
+    assert_eq!(b.requests.len(), 2, "sent once the others were answered");
+    assert_eq!(a.s.held_back_calls(), 0);
+    // One call above the limit goes when it is alone.
+    a.s.limit_call_bytes(50);
+    let big = a.call(60, None, None, now);
+    settle(&mut a, &mut b, now, |n| n);
+    for (id, len) in [(ids[0], 60), (ids[1], 30), (ids[2], 40), (ids[3], 5), (big, 60)] {
+        let r = a.done.remove(&id).expect("answered").expect("ok");
+        assert_eq!(reply_bytes(&a, &r), expected_response(len, len));
+    }
+    assert_eq!((a.s.pending_calls(), a.s.held_back_calls()), (0, 0));
+}

@@ -79,9 +79,9 @@ pub struct DeviceCaps {
     /// Payloads up to this size are cheaper to copy through Sends than to copy into a buffer
     /// the peer moves one-sided (an RDMA Read) on this provider, as the benchmark harness
     /// measures it (`recommended eager_threshold`); RPC layers take it as their default switch
-    /// point. 16 KiB on verbs, where a NIC's Read spares the CPUs the copies; 1 MiB on shm, where
-    /// both are CPU copies and the Read adds round trips (eager won at every size up to 8 MiB
-    /// in our runs; the cap keeps one message from holding the send queue for long); 128 KiB
+    /// point. 16 KiB on verbs, where a NIC's Read spares the CPUs the copies; 128 MiB on shm,
+    /// where both are CPU copies and the Read adds round trips and a copy of the whole payload
+    /// (eager won at every size from 1 to 128 MiB in our runs, the largest measured); 128 KiB
     /// on tcp, where a rendezvous lends and reads into the application's vectors as they are
     /// ([`DeviceCaps::cheap_registration`]) and so copies nothing in user space, where eager
     /// copies into and out of its pieces.

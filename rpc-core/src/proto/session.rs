@@ -313,6 +313,10 @@ struct ClientCall {
     /// False once the caller has its result (deadline) or gave up (cancel): the entry only
     /// waits for the server's last word so the buffers can be released.
     live: bool,
+    /// Bytes of the request's body that travel inside Sends (0 for a rendezvous request), and
+    /// whether they count against [`Session::limit_call_bytes`] (the request is sent).
+    bytes: u64,
+    counted: bool,
 }
 
 enum Serving {
@@ -363,6 +367,17 @@ enum Out {
 }
 
 impl Out {
+    /// Whether this may go between the pieces of a longer message ([`Session::interleave`]): a
+    /// whole request or response (of another call, since a call has one of each). Cancels,
+    /// shutdown messages and Writes-with-immediate keep their place.
+    fn overtakes(&self, piece: usize) -> bool {
+        match self {
+            Out::Msg { header, body } => body.len() <= piece && matches!(header.kind, Kind::Request | Kind::Response),
+            Out::Placed { header, .. } => matches!(header.kind, Kind::Request | Kind::Response),
+            Out::Pieces { .. } | Out::WriteImm { .. } => false,
+        }
+    }
+
     /// The call a request waiting to be sent belongs to ([`Session::limit_calls`]).
     fn call(&self) -> Option<u32> {
         match self {
@@ -387,8 +402,15 @@ pub struct Session {
     ready: Option<Transmit>,
     actions: VecDeque<Transmit>,
     events: VecDeque<Event>,
-    /// The message whose pieces are arriving (at most one: pieces travel back to back).
+    /// The message whose pieces are arriving (at most one: the pieces of two messages never
+    /// interleave, though whole requests and responses may come between them).
     joining: Option<Joining>,
+    /// The peer takes whole requests and responses between the pieces of a longer message
+    /// ([`Session::interleave`]).
+    interleave: bool,
+    /// The last message sent went between the pieces of the message at the queue's front: the
+    /// next turn is that message's.
+    overtook: bool,
     lost: Option<String>,
     /// Methods whose eager requests stay in their receive slot.
     in_slot_methods: HashSet<u32>,
@@ -415,6 +437,10 @@ pub struct Session {
     /// here, unsent, in the order they were made.
     call_limit: usize,
     held_back: VecDeque<Out>,
+    /// Bytes of eager request bodies the peer holds at once ([`Session::limit_call_bytes`]),
+    /// and those of our calls sent and not finished.
+    call_bytes_limit: u64,
+    call_bytes: u64,
 }
 
 /// How far one side's shutdown went ([`Session::go_away`]).
@@ -455,6 +481,8 @@ impl Session {
             actions: VecDeque::new(),
             events: VecDeque::new(),
             joining: None,
+            interleave: false,
+            overtook: false,
             lost: None,
             in_slot_methods: HashSet::default(),
             offer: None,
@@ -468,6 +496,8 @@ impl Session {
             deferred: VecDeque::new(),
             call_limit: usize::MAX,
             held_back: VecDeque::new(),
+            call_bytes_limit: u64::MAX,
+            call_bytes: 0,
         }
     }
 
@@ -477,6 +507,8 @@ impl Session {
     /// - `bytes`: bodies of rendezvous requests being read or run. A request whose body would
     ///   go beyond waits, unread (its bytes stay in the caller's memory), until enough of the
     ///   earlier ones are answered; one alone is always read (up to the largest payload).
+    ///   Eager bodies arrive whether or not there is room: a caller that learned the limit
+    ///   holds them back instead ([`Session::limit_call_bytes`]).
     pub fn limit_serving(&mut self, requests: usize, bytes: u64) {
         self.serve_limit = requests;
         self.byte_limit = bytes;
@@ -488,6 +520,30 @@ impl Session {
     /// were made as earlier ones finish; a waiting call can still be cancelled or time out.
     pub fn limit_calls(&mut self, n: usize) {
         self.call_limit = n.max(1);
+    }
+
+    /// Bounds the bytes of request bodies that travel inside Sends (eager requests) of our
+    /// calls sent and not answered at once: the peer's `bytes` of [`Session::limit_serving`],
+    /// which it cannot hold back itself once they are sent (it reads a rendezvous body only
+    /// when it has room). A call beyond waits, unsent, as for [`Session::limit_calls`]; one
+    /// alone always goes.
+    pub fn limit_call_bytes(&mut self, bytes: u64) {
+        self.call_bytes_limit = bytes.max(1);
+    }
+
+    /// Whether a call whose eager body is `n` bytes may be sent now
+    /// ([`Session::limit_call_bytes`]).
+    fn call_bytes_fit(&self, n: u64) -> bool {
+        n == 0 || self.call_bytes == 0 || self.call_bytes.saturating_add(n) <= self.call_bytes_limit
+    }
+
+    /// Whether the peer takes whole requests and responses between the pieces of a longer
+    /// message (it says so in its [`Hello`](crate::proto::Hello); every session takes them).
+    /// When it does, a message that goes out in pieces no longer holds up the calls queued
+    /// behind it: each piece may be followed by one such message, so short calls get through
+    /// while a long one is on its way, and the long one still gets every other turn.
+    pub fn interleave(&mut self, yes: bool) {
+        self.interleave = yes;
     }
 
     /// Served requests not answered yet: being read, waiting for bytes, or run
@@ -606,10 +662,10 @@ impl Session {
         if let Some(why) = &self.lost {
             return Err(RpcError::ConnectionLost(why.clone()));
         }
-        let len = match &payload {
-            Payload::Eager(b) => b.len() as u64,
-            Payload::Lent { desc, .. } => desc.len,
-            Payload::Placed { len, .. } => *len as u64,
+        let (len, eager) = match &payload {
+            Payload::Eager(b) => (b.len() as u64, b.len() as u64),
+            Payload::Lent { desc, .. } => (desc.len, 0),
+            Payload::Placed { len, .. } => (*len as u64, *len as u64),
         };
         if len > self.cfg.max_payload {
             return Err(RpcError::PayloadTooLarge {
@@ -676,7 +732,9 @@ impl Session {
             Payload::Lent { .. } => Out::Msg { header, body },
         };
         // Beyond what the peer serves at once, or behind calls that wait: the call waits too.
-        if self.held_back.is_empty() && self.calls.len() < self.call_limit {
+        let sent = self.held_back.is_empty() && self.calls.len() < self.call_limit && self.call_bytes_fit(eager);
+        if sent {
+            self.call_bytes += eager;
             self.push_out(out);
         } else {
             self.held_back.push_back(out);
@@ -695,6 +753,8 @@ impl Session {
                 landing: landing.map(|(_, b)| b),
                 in_slot: false,
                 live: true,
+                bytes: eager,
+                counted: sent,
             },
         );
         Ok(call)
@@ -785,6 +845,9 @@ impl Session {
 
     fn finish_call(&mut self, call: u32, result: Result<Reply, RpcError>) {
         let Some(c) = self.calls.remove(call) else { return };
+        if c.counted {
+            self.call_bytes -= c.bytes;
+        }
         if !self.held_back.is_empty() {
             self.send_held_back();
         }
@@ -808,9 +871,20 @@ impl Session {
             return;
         }
         while self.calls.len() - self.held_back.len() < self.call_limit {
+            let Some(front) = self.held_back.front() else {
+                break;
+            };
+            let n = front.call().and_then(|id| self.calls.get(id)).map_or(0, |c| c.bytes);
+            if !self.call_bytes_fit(n) {
+                break;
+            }
             let Some(out) = self.held_back.pop_front() else {
                 break;
             };
+            if let Some(c) = out.call().and_then(|id| self.calls.get_mut(id)) {
+                c.counted = true;
+                self.call_bytes += n;
+            }
             self.queue.push_back(out);
         }
     }
@@ -1237,8 +1311,14 @@ impl Session {
                 None => Ok(()),
             };
         }
-        if self.joining.is_some() && h.kind != Kind::Credit {
-            return Err(ProtoError::BadFragment("a message between the pieces of another"));
+        if let Some(j) = &self.joining {
+            // Between the pieces of a message: credits, and whole requests and responses of
+            // other calls ([`Session::interleave`]).
+            let other = matches!(h.kind, Kind::Request | Kind::Response)
+                && (h.kind, h.call_id) != (j.header.kind, j.header.call_id);
+            if h.kind != Kind::Credit && !other {
+                return Err(ProtoError::BadFragment("a message between the pieces of another"));
+            }
         }
         self.dispatch(&h, Cow::Borrowed(body), now)
     }
@@ -1642,6 +1722,18 @@ impl Session {
                     self.queue[0] = Out::Pieces { header, body, sent: 0 };
                 }
             }
+            // Between two pieces, the first whole request or response queued behind them
+            // (`interleave`), then a piece again.
+            if self.interleave
+                && matches!(self.queue.front(), Some(Out::Pieces { .. }))
+                && !std::mem::take(&mut self.overtook)
+            {
+                let behind = self.queue.iter().skip(1).position(|o| o.overtakes(piece));
+                if let Some(out) = behind.and_then(|i| self.queue.remove(i + 1)) {
+                    self.overtook = true;
+                    return self.whole(out);
+                }
+            }
             if let Some(Out::Pieces { header, body, sent }) = self.queue.front_mut() {
                 let credits = self.credits.spend()?;
                 let (off, n) = (*sent, (body.len() - *sent).min(piece));
@@ -1652,26 +1744,8 @@ impl Session {
                 }
                 return Some(Transmit::Send(m));
             }
-            return match self.queue.pop_front()? {
-                Out::Msg { header, body } => {
-                    let credits = self.credits.spend()?;
-                    Some(Transmit::Send(encode(header, credits, body)))
-                }
-                Out::Pieces { .. } => None,
-                Out::WriteImm { buf, len, remote, imm } => {
-                    self.credits.spend_silent()?;
-                    Some(Transmit::WriteImm { buf, len, remote, imm })
-                }
-                Out::Placed { mut header, buf, len } => {
-                    header.credits = self.credits.spend()?;
-                    header.body_len = len as u32;
-                    Some(Transmit::SendPlaced {
-                        head: header.to_bytes(),
-                        buf,
-                        len,
-                    })
-                }
-            };
+            let out = self.queue.pop_front()?;
+            return self.whole(out);
         }
         if self.credits.credit_message_due() {
             let credits = self.credits.spend()?;
@@ -1682,6 +1756,31 @@ impl Session {
             )));
         }
         None
+    }
+
+    /// `out`, taken from the queue, as what the driver posts (one piece: `poll_transmit` cut
+    /// longer messages into pieces first), with its credit spent.
+    fn whole(&mut self, out: Out) -> Option<Transmit> {
+        match out {
+            Out::Msg { header, body } => {
+                let credits = self.credits.spend()?;
+                Some(Transmit::Send(encode(header, credits, body)))
+            }
+            Out::Pieces { .. } => None,
+            Out::WriteImm { buf, len, remote, imm } => {
+                self.credits.spend_silent()?;
+                Some(Transmit::WriteImm { buf, len, remote, imm })
+            }
+            Out::Placed { mut header, buf, len } => {
+                header.credits = self.credits.spend()?;
+                header.body_len = len as u32;
+                Some(Transmit::SendPlaced {
+                    head: header.to_bytes(),
+                    buf,
+                    len,
+                })
+            }
+        }
     }
 
     /// The next event for the application.
