@@ -946,11 +946,37 @@ pub(crate) fn qp_caps(device: &Device, c: &Config) -> QpCaps {
 /// different depths a side whose window is the other's (shallower) ring would wait for a
 /// Credit message the other owes only at half of the deeper one (a 2-slot client of a 64-slot
 /// server stalled on its second call). A deeper side just keeps some slots posted unused.
+/// The eager threshold is at most the largest payload: a message joined from pieces is never
+/// longer than what either side accepts.
 pub(crate) fn agree(mine: &Hello, theirs: &Hello) -> SessionConfig {
+    let max_payload = mine.max_payload.min(theirs.max_payload);
+    let eager = u64::from(mine.eager_threshold.min(theirs.eager_threshold)).min(max_payload);
     SessionConfig {
         ring: mine.ring.min(theirs.ring),
-        eager_max: mine.eager_threshold.min(theirs.eager_threshold) as usize,
+        eager_max: usize::try_from(eager).unwrap_or(usize::MAX),
         fragment: FRAGMENT,
-        max_payload: mine.max_payload.min(theirs.max_payload),
+        max_payload,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_agreed_threshold_is_within_the_largest_payload() {
+        let big = Hello::from_config(&Config {
+            eager_threshold: Some(128 << 20),
+            ..Config::default()
+        });
+        let small = Hello::from_config(&Config {
+            max_payload: 4096,
+            ..Config::default()
+        });
+        for (a, b) in [(&big, &small), (&small, &big)] {
+            let s = agree(a, b);
+            assert_eq!((s.eager_max, s.max_payload), (4096, 4096));
+        }
+        assert_eq!(agree(&big, &big).eager_max, 128 << 20);
     }
 }

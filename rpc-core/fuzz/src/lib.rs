@@ -29,17 +29,30 @@ pub fn frame(msg: &[u8]) {
     }
 }
 
-/// The connection handshake (private data): what decodes re-encodes to its prefix (a hello
-/// of 21 to 24 bytes, without a whole request limit, as one whose limit is 0).
+/// The connection handshake (private data): what decodes re-encodes to its prefix, up to the
+/// last whole field (a field after the largest payload that is cut short decodes as 0, as
+/// from a peer built before it).
 pub fn hello(data: &[u8]) {
     if let Some(h) = Hello::decode(data) {
         assert!((2..=4096).contains(&h.ring));
         let enc = h.encode();
-        // The limit is read only when all four of its bytes are there.
-        let n = if data.len() >= enc.len() { enc.len() } else { 21 };
+        // The optional fields end at 25, 29 and 37 bytes; each is read only when whole.
+        let n = [37, 29, 25, 21]
+            .into_iter()
+            .find(|&end| data.len() >= end)
+            .unwrap_or(21);
         assert_eq!(&enc[..n], &data[..n]);
-        if data.len() < enc.len() {
+        if n < 25 {
             assert_eq!(h.max_requests, 0, "a limit decoded from a hello that has none");
+        }
+        if n < 29 {
+            assert_eq!(h.flags, 0, "flags decoded from a hello that has none");
+        }
+        if n < 37 {
+            assert_eq!(
+                h.max_request_bytes, 0,
+                "a byte limit decoded from a hello that has none"
+            );
         }
     }
 }
