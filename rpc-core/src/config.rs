@@ -294,9 +294,7 @@ impl Hello {
     /// In [`Hello::flags`]: the sender takes whole requests and responses between the pieces
     /// of a longer message ([`Session::interleave`](crate::proto::Session::interleave)).
     pub const TAKES_INTERLEAVED: u32 = 1;
-}
 
-impl Hello {
     /// What a side with `c` says.
     pub fn from_config(c: &Config) -> Self {
         Self {

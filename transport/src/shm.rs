@@ -109,7 +109,7 @@ pub(crate) fn caps() -> DeviceCaps {
         max_cqe: 1 << 20,
         max_mr_size: arena::MAX_MR,
         // Measured (bench, provider shm): eager (in pieces, through warm receive slots) beats
-        // rendezvous of a copied Vec at every size from 1 to 128 MiB, by 1.5-2x to 32 MiB.
+        // rendezvous of a copied Vec at every size from 1 to 128 MiB, by 1.5-2x from 1 to 16 MiB.
         // Short calls go between the pieces of a long message, so it holds nobody up.
         eager_hint: 128 << 20,
         progress_threads: false,
