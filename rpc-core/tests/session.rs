@@ -1136,7 +1136,7 @@ proptest! {
     /// it allows (one request alone excepted); a client that keeps the limit never sees
     /// `Overloaded`, and a call refused so never ran.
     #[test]
-    fn random_mixes_keep_every_promise(ops in proptest::collection::vec((0u8..8, 0usize..400, 0usize..400), 1..120), held in any::<bool>(), deferred in any::<bool>(), in_slot in any::<bool>(), placed in any::<bool>(), limits in (0u8..3, 1usize..4, 1u64..800)) {
+    fn random_mixes_keep_every_promise(ops in proptest::collection::vec((0u8..8, 0usize..400, 0usize..400), 1..120), held in any::<bool>(), deferred in any::<bool>(), in_slot in any::<bool>(), placed in any::<bool>(), limits in (0u8..3, 1usize..4, 1u64..800), interleave in any::<bool>()) {
         let t0 = Instant::now();
         let server = if held { Side::new(2000).holding_reads() } else { Side::new(2000) };
         let client = Side::new(1000);
@@ -1153,7 +1153,11 @@ proptest! {
         }
         if limited == 1 {
             a.s.limit_calls(max_requests);
+            a.s.limit_call_bytes(max_bytes);
         }
+        // Short messages between the pieces of longer ones, both ways (as two current peers).
+        a.s.interleave(interleave);
+        b.s.interleave(interleave);
         let mut started: HashMap<u32, (usize, usize)> = HashMap::new();
         let mut cancelled = HashSet::new();
         let mut now = t0;
@@ -1435,7 +1439,7 @@ proptest! {
     /// `ShuttingDown` and never reached a handler (or was cancelled or timed out); the server
     /// ends with Close, the client's session with it, with no RNR and no buffer left lent.
     #[test]
-    fn random_mixes_with_a_shutdown_run_each_call_once_or_not_at_all(ops in proptest::collection::vec((0u8..9, 0usize..400, 0usize..400), 1..120), stop_at in 0usize..120, held in any::<bool>(), placed in any::<bool>(), limits in proptest::option::of((1usize..4, 1u64..800))) {
+    fn random_mixes_with_a_shutdown_run_each_call_once_or_not_at_all(ops in proptest::collection::vec((0u8..9, 0usize..400, 0usize..400), 1..120), stop_at in 0usize..120, held in any::<bool>(), placed in any::<bool>(), limits in proptest::option::of((1usize..4, 1u64..800)), interleave in any::<bool>()) {
         let mut now = Instant::now();
         let server = if held { Side::new(2000).holding_reads() } else { Side::new(2000) };
         let (mut a, mut b) = if placed { (Side::new(1000).placing(), server.placing()) } else { (Side::new(1000), server) };
@@ -1443,7 +1447,10 @@ proptest! {
         if let Some((requests, bytes)) = limits {
             b.s.limit_serving(requests, bytes);
             a.s.limit_calls(requests);
+            a.s.limit_call_bytes(bytes);
         }
+        a.s.interleave(interleave);
+        b.s.interleave(interleave);
         let resp_for = |req: usize| (req * 7 + 3) % 400;
         let mut started: HashMap<u32, (usize, usize)> = HashMap::new();
         for (i, (op, x, y)) in ops.into_iter().enumerate() {
@@ -1785,4 +1792,44 @@ fn a_client_holds_eager_calls_beyond_the_servers_byte_limit_back() {
         assert_eq!(reply_bytes(&a, &r), expected_response(len, len));
     }
     assert_eq!((a.s.pending_calls(), a.s.held_back_calls()), (0, 0));
+}
+
+proptest! {
+    /// Eager calls only (1 to 64 bytes, longer than 24 in pieces), made, sent, delivered and
+    /// answered in random order, with short messages between the pieces or not: a client that
+    /// keeps the server's byte limit never has more eager request bytes waiting at the server
+    /// than the limit (one request alone excepted), and every call gets its own answer once.
+    #[test]
+    fn eager_request_bytes_at_the_server_stay_within_the_limit(ops in proptest::collection::vec((0u8..5, 1usize..=64), 1..150), limit in 1u64..200, interleave in any::<bool>()) {
+        let now = Instant::now();
+        let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+        b.s.limit_serving(usize::MAX, limit);
+        a.s.limit_call_bytes(limit);
+        a.s.interleave(interleave);
+        b.s.interleave(interleave);
+        let mut started = HashMap::new();
+        for (op, len) in ops {
+            match op {
+                0 | 1 => { started.insert(a.call(len, None, None, now), len); }
+                2 => { pump(&mut a, &mut b); pump(&mut b, &mut a); }
+                3 => {
+                    deliver(&mut b, now).expect("server");
+                    b.drain_events();
+                    deliver(&mut a, now).expect("client");
+                    a.drain_events();
+                }
+                _ => serve(&mut b, |n| n),
+            }
+            let waiting: Vec<usize> = b.requests.iter().map(|(_, r, _)| r.len()).collect();
+            prop_assert!(waiting.iter().sum::<usize>() as u64 <= limit || waiting.len() == 1,
+                "eager request bytes waiting at the server: {:?}, limit {}", waiting, limit);
+        }
+        settle(&mut a, &mut b, now, |n| n);
+        prop_assert_eq!(a.done.len(), started.len());
+        for (id, len) in started {
+            let r = a.done.remove(&id).expect("answered").expect("ok");
+            prop_assert_eq!(reply_bytes(&a, &r), expected_response(len, len));
+        }
+        prop_assert_eq!((a.s.pending_calls(), a.s.held_back_calls(), a.rnr, b.rnr), (0, 0, 0, 0));
+    }
 }
