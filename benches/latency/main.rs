@@ -36,6 +36,8 @@ const ALL_MODES: &[&str] = &[
     "rpc-event",
     "rpc-upload",
     "rpc-upload-vec",
+    "rpc-behind",
+    "rpc-behind-fifo",
     "service",
     "memcpy",
     "send",
@@ -346,6 +348,12 @@ async fn measure(
             let s = rpc::in_place(&client, size, plan).await;
             serving.abort();
             (Convention::Rtt, 2 * size, s)
+        }
+        "rpc-behind" | "rpc-behind-fifo" => {
+            let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion, raw_ring)).await;
+            let s = rpc::behind(&client, size, plan).await;
+            serving.abort();
+            (Convention::Rtt, 2 * rpc::SHORT, s)
         }
         "rpc-upload" | "rpc-upload-vec" => {
             let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion, raw_ring)).await;

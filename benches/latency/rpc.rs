@@ -47,6 +47,16 @@ pub fn config(mode: &str, size: usize, completion: CompletionMode, raw_ring: u32
             ..base
         },
         "rpc-body" => Config { ring: raw_ring, ..base },
+        // The long calls eager (the short ones too, whatever the size).
+        "rpc-behind" => Config {
+            eager_threshold: Some(size.max(SHORT)),
+            ..base
+        },
+        "rpc-behind-fifo" => Config {
+            eager_threshold: Some(size.max(SHORT)),
+            interleave: false,
+            ..base
+        },
         _ => base,
     }
 }
@@ -87,6 +97,38 @@ pub async fn measure(client: &Client, size: usize, plan: Plan) -> Samples {
         None
     })
     .await
+}
+
+/// The short call of `rpc-behind`: its payload each way.
+pub const SHORT: usize = 64;
+
+/// A `SHORT`-byte echo call timed while echo calls of `size` bytes run back to back on the same
+/// connection, one always in flight (eager, as `config` makes them; each long call's answer is
+/// the next one's payload, so the harness copies nothing between them). Both loops run in this
+/// task and start their next call as soon as the last one is done: a short call starts at any
+/// point of a long one's way there and back, and waits behind whatever of it the connection
+/// sends first.
+pub async fn behind(client: &Client, size: usize, plan: Plan) -> Samples {
+    let stop = std::cell::Cell::new(false);
+    let streaming = async {
+        let mut long = vec![0x5au8; size];
+        while !stop.get() {
+            long = client.call(ECHO, long).await.expect("long echo call");
+        }
+    };
+    let short = vec![0xa5u8; SHORT];
+    let timed = async {
+        let s = sampler::run(plan, async || {
+            let r = client.call(ECHO, short.clone()).await.expect("short echo call");
+            assert_eq!(r.len(), SHORT);
+            None
+        })
+        .await;
+        stop.set(true);
+        s
+    };
+    let ((), samples) = tokio::join!(streaming, timed);
+    samples
 }
 
 /// `size` bytes each way which neither the handler nor the caller reads, as in the raw Send

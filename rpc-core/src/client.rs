@@ -129,7 +129,7 @@ impl Client {
         if theirs.max_request_bytes > 0 {
             session.limit_call_bytes(theirs.max_request_bytes);
         }
-        session.interleave(theirs.flags & Hello::TAKES_INTERLEAVED != 0);
+        session.interleave(config.interleave && theirs.flags & Hello::TAKES_INTERLEAVED != 0);
         let conn = Conn::new(session, &pd, qp, cq, (slot, config.ring), config.isolation)?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {

@@ -158,6 +158,15 @@ pub struct Config {
     /// buffers and rendezvous pools (a few MiB with the default ring); a connection request
     /// beyond is refused, and the client gets [`RpcError::ConnectionRefused`](crate::RpcError).
     pub max_connections: u32,
+    /// Whether a message that goes out in pieces (an eager payload longer than one
+    /// [`FRAGMENT`](crate::proto::FRAGMENT)) lets the short requests and responses queued
+    /// behind it go between its pieces, one after each piece (on by default). Off, this side
+    /// sends in strict order and tells its peer to do the same towards it: a short call made
+    /// while a long eager one is on its way then waits for all of the long one's pieces (on
+    /// `shm`, whose threshold is 128 MiB, milliseconds; the latency benchmark's `rpc-behind`
+    /// and `rpc-behind-fifo` modes measure the difference). Peers built before this existed
+    /// never interleave towards anyone.
+    pub interleave: bool,
 }
 
 /// The switch point verbs suggests, and the one a configuration falls back to where no device
@@ -177,6 +186,7 @@ impl Default for Config {
             max_concurrent_requests: 1024,
             max_request_bytes_in_flight: 1 << 30,
             max_connections: 1024,
+            interleave: true,
         }
     }
 }
@@ -292,7 +302,9 @@ const MAGIC: &[u8; 4] = b"RRPC";
 
 impl Hello {
     /// In [`Hello::flags`]: the sender takes whole requests and responses between the pieces
-    /// of a longer message ([`Session::interleave`](crate::proto::Session::interleave)).
+    /// of a longer message and wants them so
+    /// ([`Session::interleave`](crate::proto::Session::interleave)); without it (an earlier
+    /// peer, or [`Config::interleave`] off) its peer sends pieces back to back.
     pub const TAKES_INTERLEAVED: u32 = 1;
 
     /// What a side with `c` says.
@@ -302,7 +314,7 @@ impl Hello {
             eager_threshold: c.eager().min(u32::MAX as usize) as u32,
             max_payload: c.max_payload,
             max_requests: c.max_concurrent_requests,
-            flags: Self::TAKES_INTERLEAVED,
+            flags: if c.interleave { Self::TAKES_INTERLEAVED } else { 0 },
             max_request_bytes: c.max_request_bytes_in_flight,
         }
     }
@@ -332,6 +344,8 @@ impl Hello {
     /// let bytes = hello.encode();
     /// assert_eq!(Hello::decode(&bytes), Some(hello));
     /// assert_eq!(hello.flags & Hello::TAKES_INTERLEAVED, Hello::TAKES_INTERLEAVED);
+    /// let in_order = Hello::from_config(&Config { interleave: false, ..Config::default() });
+    /// assert_eq!(in_order.flags & Hello::TAKES_INTERLEAVED, 0);
     /// // A peer of an earlier build: a request limit, then nothing.
     /// let old = Hello::decode(&bytes[..25]).expect("an earlier hello");
     /// assert_eq!((old.max_requests, old.flags, old.max_request_bytes), (8, 0, 0));

@@ -327,7 +327,7 @@ async fn serve_connection(
         .map_err(tr)?;
     let mut session = Session::new(agree(&mine, &theirs));
     session.serve_in_slot(in_slot.iter().copied());
-    session.interleave(theirs.flags & Hello::TAKES_INTERLEAVED != 0);
+    session.interleave(config.interleave && theirs.flags & Hello::TAKES_INTERLEAVED != 0);
     session.limit_serving(
         config.max_concurrent_requests as usize,
         config.max_request_bytes_in_flight,

@@ -223,45 +223,57 @@ async fn eager_messages_longer_than_a_slot_travel_in_pieces() {
 /// mostly only starts it (posts the pieces its credits allow). Mostly: credits that come back
 /// within that poll let it send more, and now and then all of it (on tcp about one round in
 /// sixteen here), so the test asks for the short call first in at least one of six rounds.
-/// Without the interleaving it never comes first: the pieces leave back to back.
+/// Without the interleaving (`Config::interleave` off on both sides) it never comes first: the
+/// pieces leave back to back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_short_call_goes_between_the_pieces_of_a_long_eager_one() {
     const LONG: u32 = 1;
     const PROBE: u32 = 2;
-    let cfg = Config {
-        eager_threshold: Some(16 << 20),
-        mode: CompletionMode::Event,
-        ..Config::default()
-    };
-    let longs = Arc::new(AtomicUsize::new(0));
-    let (l1, l2) = (longs.clone(), longs.clone());
-    let builder = Server::builder(cfg.clone())
-        .handler(LONG, move |req| {
-            l1.fetch_add(1, Ordering::SeqCst);
-            async move { Ok(req) }
-        })
-        .handler(PROBE, move |_req| {
-            let seen = l2.load(Ordering::SeqCst) as u64;
-            async move { Ok(seen.to_le_bytes().to_vec()) }
-        });
-    let (client, _) = serve_and_connect(builder, cfg).await;
-    let mut first = 0;
-    for round in 0..6u64 {
-        let big = pattern(4 << 20, round);
-        let mut long = std::pin::pin!(client.call(LONG, big.clone()));
-        let started = std::future::poll_fn(|cx| Poll::Ready(long.as_mut().poll(cx).is_pending())).await;
-        let (seen, got) = bounded(async { tokio::join!(client.call(PROBE, Vec::new()), long) }).await;
-        let seen = u64::from_le_bytes(seen.expect("probe").try_into().expect("8 bytes"));
-        assert!(got.expect("long echo") == big, "round {round}: the long echo differs");
-        if started && seen == round {
-            first += 1;
+    for interleave in [true, false] {
+        let cfg = Config {
+            eager_threshold: Some(16 << 20),
+            mode: CompletionMode::Event,
+            interleave,
+            ..Config::default()
+        };
+        let longs = Arc::new(AtomicUsize::new(0));
+        let (l1, l2) = (longs.clone(), longs.clone());
+        let builder = Server::builder(cfg.clone())
+            .handler(LONG, move |req| {
+                l1.fetch_add(1, Ordering::SeqCst);
+                async move { Ok(req) }
+            })
+            .handler(PROBE, move |_req| {
+                let seen = l2.load(Ordering::SeqCst) as u64;
+                async move { Ok(seen.to_le_bytes().to_vec()) }
+            });
+        let (client, _) = serve_and_connect(builder, cfg).await;
+        let mut first = 0;
+        for round in 0..6u64 {
+            let big = pattern(4 << 20, round);
+            let mut long = std::pin::pin!(client.call(LONG, big.clone()));
+            let started = std::future::poll_fn(|cx| Poll::Ready(long.as_mut().poll(cx).is_pending())).await;
+            let (seen, got) = bounded(async { tokio::join!(client.call(PROBE, Vec::new()), long) }).await;
+            let seen = u64::from_le_bytes(seen.expect("probe").try_into().expect("8 bytes"));
+            assert!(got.expect("long echo") == big, "round {round}: the long echo differs");
+            if started && seen == round {
+                first += 1;
+            }
+        }
+        println!("interleave {interleave}: the short call ran first in {first} rounds of 6");
+        if interleave {
+            assert!(
+                first > 0,
+                "the short call ran after the long request had arrived whole every time"
+            );
+        } else {
+            // In send order the short request leaves after the long one's last piece.
+            assert_eq!(
+                first, 0,
+                "Config::interleave off, yet the short call went between pieces"
+            );
         }
     }
-    println!("the short call ran first in {first} rounds of 6");
-    assert!(
-        first > 0,
-        "the short call ran after the long request had arrived whole every time"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
