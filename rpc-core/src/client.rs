@@ -610,6 +610,12 @@ impl State {
     fn needs_watch(&self) -> bool {
         self.conn.lost().is_none() && self.conn.has_work() && self.calls.len() <= self.sleeping
     }
+
+    /// True when what a flush left ([`Conn::more_to_post`]) is the driver's to post: no call
+    /// spins, which would post it itself.
+    fn driver_must_post(&self) -> bool {
+        self.calls.len() <= self.sleeping && self.conn.more_to_post()
+    }
 }
 
 /// Waits until the application's buffer `id` is back from the Send it went out in (its
@@ -777,6 +783,9 @@ impl<T> Call<'_, T> {
                 if st.conn.poll_cq() {
                     st.settle();
                     self.reclaim_early(&mut st);
+                } else if st.conn.more_to_post() {
+                    // The next piece of a long message (a flush posts one at a time).
+                    st.conn.send_pending();
                 }
                 // A caller on another thread waiting to start a call gets the lock now (one
                 // atomic load when nobody waits).
@@ -810,7 +819,7 @@ impl<T> Call<'_, T> {
                 }
             };
             // The last spinning call leaving: whoever sleeps now needs the driver on the CQ.
-            let kick = !st.driver_on_cq && st.needs_watch();
+            let kick = (!st.driver_on_cq && st.needs_watch()) || st.driver_must_post();
             drop(st);
             if kick {
                 shared.kick.notify_one();
@@ -842,7 +851,7 @@ impl<T> Call<'_, T> {
             .session
             .poll_timeout()
             .is_some_and(|d| st.driver_until.is_none_or(|u| d < u));
-        let kick = !st.driver_on_cq || earlier;
+        let kick = !st.driver_on_cq || earlier || st.conn.more_to_post();
         drop(st);
         if kick {
             shared.kick.notify_one();
@@ -890,18 +899,28 @@ impl<T> Drop for Call<'_, T> {
 async fn drive(shared: Arc<Shared>) {
     let cq = shared.state.lock().conn.cq().clone();
     loop {
-        let (watch, deadline) = {
+        let next = {
             let mut st = shared.state.lock();
             st.progress();
             let lost = st.conn.lost().is_some();
             if st.closed && (lost || !st.conn.has_work()) {
                 return;
             }
-            let watch = st.needs_watch();
-            let deadline = if lost { None } else { st.conn.session.poll_timeout() };
-            st.driver_on_cq = watch;
-            st.driver_until = deadline;
-            (watch, deadline)
+            // What the flush left (a long message's further pieces) goes before any sleep,
+            // unless a spinning call posts it.
+            if st.driver_must_post() {
+                None
+            } else {
+                let watch = st.needs_watch();
+                let deadline = if lost { None } else { st.conn.session.poll_timeout() };
+                st.driver_on_cq = watch;
+                st.driver_until = deadline;
+                Some((watch, deadline))
+            }
+        };
+        let Some((watch, deadline)) = next else {
+            crate::driver::reschedule().await;
+            continue;
         };
         let sleep = async move {
             match deadline {
