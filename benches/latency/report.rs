@@ -189,8 +189,34 @@ pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
         );
     }
     shm_targets(rows);
+    behind(rows);
     steal(rows);
     cross_core(rows);
+}
+
+/// A short call behind long ones (`rpc-behind`, `rpc-behind-fifo`), at the largest size
+/// measured, beside the short call alone (`rpc` at its size).
+fn behind(rows: &[Row]) {
+    let Some(big) = rows.iter().filter(|r| r.mode == "rpc-behind").map(|r| r.bytes).max() else {
+        return;
+    };
+    let Some(b) = find(rows, "rpc-behind", big) else { return };
+    let short = crate::rpc::SHORT;
+    let fifo = find(rows, "rpc-behind-fifo", big)
+        .map(|f| {
+            format!(
+                "; in send order (rpc-behind-fifo, Config::interleave off) {:.2} us",
+                f.t_typical
+            )
+        })
+        .unwrap_or_default();
+    let alone = find(rows, "rpc", short)
+        .map(|a| format!("; alone (rpc at {short} B) {:.2} us", a.t_typical))
+        .unwrap_or_default();
+    println!(
+        "a {short} B call while calls of {big} B stream on its connection (rpc-behind): p50 {:.2} us{fifo}{alone}",
+        b.t_typical
+    );
 }
 
 /// How much of the guest's CPU time the hypervisor took while the rows were timed: on a shared
