@@ -99,15 +99,20 @@ const SERVING_BYTES: u64 = 6000;
 pub fn session(data: &[u8]) {
     let cfg = SessionConfig {
         ring: RING,
-        eager_max: 256,
+        eager_max: 1024,
         fragment: 64,
         max_payload: MAX,
     };
     let mut s = Session::new(cfg);
     s.limit_serving(SERVING, SERVING_BYTES);
-    s.limit_calls(2);
+    s.limit_calls(3);
+    s.limit_call_bytes(1500);
+    // Whole responses between the pieces of our long request (which the hostile peer's credits
+    // let out a few at a time).
+    s.interleave(true);
     let mut later = Vec::new();
     let t0 = Instant::now();
+    let _ = s.start_call(5, Payload::Eager(vec![5; 1000]), None, None, t0);
     let region = |len| RemoteRegion {
         addr: 0x1000,
         len,
