@@ -129,6 +129,21 @@ if [[ -n $bench_bin ]]; then
         echo "the crossover lines are wrong:"; echo "$band"; echo "$from"; fail=1
     fi
 fi
+# A ratio on its target's line from --rows of made-up rows (send 1 us each way, rpc-body 3.004,
+# 2.996 and 2.9 us a round trip): 1.502x misses and 1.498x meets 1.5x, each with the third
+# decimal that tells them apart; 1.45x keeps two.
+if [[ -n $bench_bin ]]; then
+    lrow() { printf '{"mode":"%s","convention":"%s","bytes":64,"iterations":10,"t_min":1,"t_max":9,"t_typical":%s,"t_avg":1,"t_stdev":0,"p99":1,"p999":1,"mb_per_s":1,"cpu_us_per_op":1,"round_p50":[]}' "$@"; }
+    line() { printf '[%s,%s]' "$(lrow send HalfRtt 1.0)" "$(lrow rpc-body Rtt "$1")" > "$LOG/line.json"; "$bench_bin" --rows "$LOG/line.json" --summary 2>&1; }
+    over=$(line 3.004) under=$(line 2.996) clear=$(line 2.9)
+    if grep -q 'the same: worst 1.502x at 64 B (target <= 1.5x): NOT met' <<< "$over" &&
+        grep -q 'the same: worst 1.498x at 64 B (target <= 1.5x): met' <<< "$under" &&
+        grep -q 'the same: worst 1.45x at 64 B (target <= 1.5x): met' <<< "$clear"; then
+        echo "--rows: a ratio on its target's line printed with the decimal that decides it"
+    else
+        echo "the ratios on the line are printed wrong:"; echo "$over"; echo "$under"; echo "$clear"; fail=1
+    fi
+fi
 # The steal line from --rows of made-up rows: the median over the rows that have a figure (0,
 # 0.5, 12.4, 40: the third), the rows of 1% or more listed from the most.
 if [[ -n $bench_bin ]]; then
