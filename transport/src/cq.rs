@@ -174,14 +174,18 @@ impl CompletionQueue {
             return Ok(0);
         }
         let qps = self.inner.qps.lock();
+        let mut kept = 0;
         for raw in scratch.drain(..) {
-            out.push(match qps.get(&raw.qp_num) {
-                Some(qp) => qp.complete(raw),
-                // The QP was destroyed; its buffers were released when it was.
-                None => QpShared::orphan(raw),
-            });
+            // A destroyed QP's completions are cleaned from its CQs, as ConnectX's provider
+            // does at `ibv_destroy_qp`: its work request ids are gone with it (reporting the
+            // provider's sequence number instead would hand the caller an id it may have
+            // given another QP's request), and so are its buffers.
+            if let Some(qp) = qps.get(&raw.qp_num) {
+                out.push(qp.complete(raw));
+                kept += 1;
+            }
         }
-        Ok(n)
+        Ok(kept)
     }
 
     /// Waits until at least one completion is there, then moves up to `max` into `out`.
@@ -254,8 +258,11 @@ impl CompletionQueue {
         self.inner.qps.lock().insert(qp.qp_num, qp.clone());
     }
 
+    /// The QP is destroyed: none of its completions is handed out from now on, those a
+    /// [`ready`](Self::ready) already took from the provider included.
     pub(crate) fn detach(&self, qp_num: u32) {
         self.inner.qps.lock().remove(&qp_num);
+        self.inner.reaping.lock().held.retain(|c| c.qp_num != qp_num);
     }
 }
 

@@ -254,27 +254,16 @@ impl QpShared {
             head: raw.head,
         }
     }
-
-    pub(crate) fn orphan(raw: RawWc) -> Completion {
-        Completion {
-            wr_id: raw.seq,
-            status: raw.status,
-            opcode: raw.opcode,
-            byte_len: raw.byte_len,
-            imm: raw.imm,
-            qp_num: raw.qp_num,
-            vendor_err: raw.vendor_err,
-            buf: None,
-            head: raw.head,
-        }
-    }
 }
 
 /// A connected reliable (RC) queue pair, ready to post. Made by
 /// [`connect`](crate::connect) or [`ConnectRequest::accept`](crate::ConnectRequest::accept).
 ///
 /// Dropping it destroys the QP first (the NIC stops touching memory), then releases the buffers
-/// of requests still in flight.
+/// of requests still in flight. Its completions not yet polled are cleaned from its CQs, as
+/// ConnectX's provider does when a QP is destroyed: a CQ that other QPs share never hands out
+/// a completion of a dropped QP (whose work request ids mean nothing any more). To see every
+/// completion of a QP, poll until its last one came before dropping it.
 pub struct QueuePair {
     // Field order is drop order: the provider QP goes before the buffers it may touch.
     imp: QpImpl,

@@ -1333,3 +1333,66 @@ fn registering_more_memory_than_there_is_fails_cleanly() {
     let mr = pd.register(4096, AccessFlags::LOCAL_WRITE).expect("a small region");
     assert_eq!(mr.len(), 4096);
 }
+
+/// A QP dropped with completions still in its CQ: they are cleaned from it (as ConnectX's
+/// provider cleans a destroyed QP's entries), and the CQ goes on serving the QPs that share
+/// it, each completion with the id its own request was posted with.
+#[tokio::test]
+async fn a_dropped_qps_completions_leave_the_cq_it_shared() {
+    let dev = device();
+    let (spd, scq) = (dev.alloc_pd().expect("pd"), dev.create_cq(64).expect("cq"));
+    let listener = Listener::bind(&dev, SocketAddr::new(test_ip(), 0)).expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    // Two connections whose server ends share one CQ.
+    let mut ends = Vec::new();
+    for _ in 0..2 {
+        let sopts = QpOptions::new(&spd, &scq);
+        let (cpd, ccq) = (dev.alloc_pd().expect("pd"), dev.create_cq(64).expect("cq"));
+        let (sqp, cqp) = std::thread::scope(|sc| {
+            let server = sc.spawn(|| {
+                listener
+                    .accept(Some(WAIT))
+                    .expect("accept")
+                    .accept(&sopts, b"")
+                    .expect("qp")
+            });
+            let (cqp, _) = connect(addr, &QpOptions::new(&cpd, &ccq), b"", WAIT).expect("connect");
+            (server.join().expect("server"), cqp)
+        });
+        ends.push((
+            sqp,
+            Side {
+                pd: cpd,
+                cq: ccq,
+                qp: cqp,
+            },
+        ));
+    }
+    // Each server QP posts receives with ids of its own; each client sends one message.
+    for (k, (sqp, c)) in ends.iter().enumerate() {
+        for i in 0..2 {
+            let buf = spd.register(64, AccessFlags::LOCAL_WRITE).expect("register");
+            sqp.post_recv(RecvWr::new(100 * k as u64 + 10 + i, buf))
+                .map_err(|e| e.error)
+                .expect("post_recv");
+        }
+        c.post(SendWr::send(1, c.filled(b"first", AccessFlags::LOCAL_WRITE)));
+        ok(&c.one().await);
+    }
+    // The first server QP goes with its receive's completion unpolled (given time to land).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (gone, _) = ends.remove(0);
+    drop(gone);
+    let (sqp, c) = &ends[0];
+    c.post(SendWr::send(2, c.filled(b"second", AccessFlags::LOCAL_WRITE)));
+    ok(&c.one().await);
+    let got = take(&scq, 2).await;
+    let ids: Vec<_> = got.iter().map(|w| (w.qp_num, w.wr_id, w.byte_len)).collect();
+    let me = sqp.qp_num();
+    assert_eq!(
+        ids,
+        [(me, 110, 5), (me, 111, 6)],
+        "only the live QP's receives, by its ids"
+    );
+    quiet(&scq).await;
+}

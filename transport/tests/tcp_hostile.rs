@@ -1,0 +1,537 @@
+//! The tcp provider against a peer that speaks its wire format but not its rules.
+//!
+//! The tcp provider listens on a TCP port that any host can reach, so whatever arrives after a
+//! handshake is input, not trust. These tests open a plain socket, make the handshake by hand,
+//! and send frames built here byte by byte from the format (`src/tcp/wire.rs`), as a buggy or
+//! hostile peer could: forged keys and ranges, unaligned atomics, responses to requests never
+//! made, unknown kinds, cut fields, absurd lengths. The target must answer as an RC responder
+//! does (the data a NIC would move, the NAK it would send), touch no byte it must not, and
+//! never panic; a panic on any thread fails the test (a hook counts them).
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Once;
+use std::time::{Duration, Instant};
+
+use rdma_rpc_transport::*;
+
+const WAIT: Duration = Duration::from_secs(30);
+const MAGIC: &[u8; 8] = b"RDRPCTCP";
+
+// Frame kinds, as the format defines them.
+const SEND: u8 = 1;
+const WRITE: u8 = 2;
+const READ_REQ: u8 = 3;
+const ATOMIC: u8 = 4;
+const ACK: u8 = 10;
+const NAK: u8 = 11;
+const READ_RESP: u8 = 12;
+const ATOMIC_RESP: u8 = 13;
+const FATAL: u8 = 20;
+/// The immediate-and-ack flags byte: bit 0 an immediate follows, bit 1 acknowledge this.
+const ACK_REQ: u8 = 2;
+
+static PANICS: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts panics on every thread (the provider's included), then reports them as usual.
+fn count_panics() {
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            // The provider's threads (a panic on a test's own thread fails that test anyway).
+            if std::thread::current().name().is_some_and(|n| n.starts_with("rdma-")) {
+                PANICS.fetch_add(1, Ordering::SeqCst);
+            }
+            default(info);
+        }));
+    });
+}
+
+/// A tiny deterministic generator (xorshift), seeded per test so that a failure reruns alike.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        xs[self.below(xs.len() as u64) as usize]
+    }
+}
+
+/// One frame: the 4-byte little-endian length of what follows, the kind, the fields, the data.
+fn frame(kind: u8, fields: &[u8], data: &[u8]) -> Vec<u8> {
+    let mut f = ((1 + fields.len() + data.len()) as u32).to_le_bytes().to_vec();
+    f.push(kind);
+    f.extend_from_slice(fields);
+    f.extend_from_slice(data);
+    f
+}
+
+fn fields(parts: &[&[u8]]) -> Vec<u8> {
+    parts.concat()
+}
+
+/// The hostile side: a plain socket that made the handshake by hand.
+struct Peer(TcpStream);
+
+impl Peer {
+    fn connect(addr: SocketAddr) -> Peer {
+        let mut s = TcpStream::connect(addr).expect("connect the raw peer");
+        s.set_read_timeout(Some(WAIT)).expect("timeout");
+        s.set_nodelay(true).expect("nodelay");
+        let mut hello = MAGIC.to_vec();
+        hello.push(2);
+        hello.extend_from_slice(&1u16.to_le_bytes());
+        s.write_all(&hello).expect("send the hello");
+        let mut head = [0u8; 9];
+        s.read_exact(&mut head).expect("read the reply");
+        assert_eq!(&head[..8], MAGIC);
+        let mut reply = vec![0u8; usize::from(head[8])];
+        s.read_exact(&mut reply).expect("read the reply's data");
+        assert_eq!(reply.first(), Some(&1), "the target accepted");
+        Peer(s)
+    }
+
+    /// Sends bytes; the target may have closed already (after a Fatal), which is fine.
+    fn send(&mut self, bytes: &[u8]) {
+        let _ = self.0.write_all(bytes);
+    }
+
+    /// The next frame, or `None` once the target closed the connection.
+    fn next(&mut self) -> Option<(u8, Vec<u8>)> {
+        let mut len = [0u8; 4];
+        if self.0.read_exact(&mut len).is_err() {
+            return None;
+        }
+        let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+        self.0.read_exact(&mut body).expect("a whole frame");
+        let (&kind, rest) = body.split_first().expect("a kind byte");
+        Some((kind, rest.to_vec()))
+    }
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+/// The target: a tcp device listening, each connection's QP with two registrations a peer
+/// may know about (one it may only read, one it may do everything with).
+struct Target {
+    dev: Device,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    listener: Option<Listener>,
+    addr: SocketAddr,
+}
+
+impl Target {
+    fn new() -> Target {
+        let dev = Device::open("tcp").expect("the tcp provider");
+        let pd = dev.alloc_pd().expect("pd");
+        let cq = dev.create_cq(4096).expect("cq");
+        let listener = Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        Target {
+            dev,
+            pd,
+            cq,
+            listener: Some(listener),
+            addr,
+        }
+    }
+
+    /// A raw peer connected to a new QP of the target.
+    fn connection(&mut self) -> (Peer, QueuePair) {
+        let listener = self.listener.take().expect("the listener");
+        let opts = QpOptions::new(&self.pd, &self.cq);
+        let server = std::thread::spawn(move || {
+            let req = listener.accept(Some(WAIT)).expect("accept");
+            let qp = req.accept(&opts, b"").expect("accept the qp");
+            (listener, qp)
+        });
+        let peer = Peer::connect(self.addr);
+        let (listener, qp) = server.join().expect("the accepting thread");
+        self.listener = Some(listener);
+        (peer, qp)
+    }
+
+    fn filled(&self, len: usize, access: AccessFlags, seed: u8) -> MemoryRegion {
+        let mut mr = self.pd.register(len, access).expect("register");
+        let bytes: Vec<u8> = (0..len)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect();
+        mr.write_at(0, &bytes).expect("fill");
+        mr
+    }
+}
+
+/// What an RC responder does with a one-sided request: the outcome a NIC gives, computed from
+/// the registrations alone.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Write { len: usize },
+    Read { len: u32 },
+    Cas { compare: u64, swap: u64 },
+    Faa { add: u64 },
+}
+
+/// A registration as the model sees it: where it is, its key, what it allows, its bytes.
+struct Model {
+    addr: u64,
+    rkey: u32,
+    access: AccessFlags,
+    bytes: Vec<u8>,
+}
+
+/// The status a responder answers `op` at `addr` under `rkey` with, and the model's registration
+/// it acts on when it succeeds (`None` for a zero-length Read or Write, which touch nothing).
+fn expect(models: &[Model], op: Op, addr: u64, rkey: u32) -> Result<Option<usize>, WcStatus> {
+    let (len, need) = match op {
+        Op::Write { len } => (len as u64, AccessFlags::REMOTE_WRITE),
+        Op::Read { len } => (u64::from(len), AccessFlags::REMOTE_READ),
+        Op::Cas { .. } | Op::Faa { .. } => {
+            if addr % 8 != 0 {
+                return Err(WcStatus::RemInvReqErr);
+            }
+            (8, AccessFlags::REMOTE_ATOMIC)
+        }
+    };
+    if len == 0 {
+        return Ok(None);
+    }
+    let i = models
+        .iter()
+        .position(|m| m.rkey == rkey)
+        .ok_or(WcStatus::RemAccessErr)?;
+    let m = &models[i];
+    let inside = addr >= m.addr
+        && addr
+            .checked_add(len)
+            .is_some_and(|end| end <= m.addr + m.bytes.len() as u64);
+    if !m.access.contains(need) || !inside {
+        return Err(WcStatus::RemAccessErr);
+    }
+    Ok(Some(i))
+}
+
+/// Forged one-sided requests against the model: each connection runs requests one at a time
+/// until one fails; every answer, and every byte of both registrations, must be the model's.
+#[test]
+fn one_sided_requests_are_checked_as_a_nic_checks_them() {
+    count_panics();
+    let mut t = Target::new();
+    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    let ro = t.filled(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ, 1);
+    let rw = t.filled(4096, AccessFlags::ALL, 2);
+    let mut models = [&ro, &rw].map(|mr| Model {
+        addr: mr.addr(),
+        rkey: mr.rkey(),
+        access: mr.access(),
+        bytes: mr.bytes().to_vec(),
+    });
+    let (mut ok, mut refused) = (0, 0);
+    for conn in 0..500 {
+        let (mut peer, qp) = t.connection();
+        let mut ssn = 0u64;
+        loop {
+            ssn += 1;
+            let m = rng.pick(&[0usize, 1, 1, 1, 1, 1]);
+            let rkey = match rng.below(32) {
+                0 => rng.next() as u32,
+                1 => models[m].rkey ^ 1,
+                _ => models[m].rkey,
+            };
+            let op = match rng.below(4) {
+                0 => Op::Write {
+                    len: match rng.below(4) {
+                        0 => rng.pick(&[0, 1, 8, 4096, 4097]),
+                        _ => rng.below(4097) as usize,
+                    },
+                },
+                1 => Op::Read {
+                    len: match rng.below(4) {
+                        0 => rng.pick(&[0, 1, 8, 4096, 4097, u32::MAX]),
+                        _ => rng.below(4097) as u32,
+                    },
+                },
+                2 => Op::Cas {
+                    compare: if rng.below(2) == 0 { rng.next() } else { 0 },
+                    swap: rng.next(),
+                },
+                _ => Op::Faa { add: rng.next() },
+            };
+            let len = match op {
+                Op::Write { len } => len as u64,
+                Op::Read { len } => u64::from(len),
+                Op::Cas { .. } | Op::Faa { .. } => 8,
+            };
+            // Mostly inside the registration (atomics on 8-byte words), sometimes across
+            // either end, at the top of the address space, or unaligned.
+            let base = models[m].addr;
+            let room = 4096u64.saturating_sub(len) + 1;
+            let addr = match rng.below(48) {
+                0 => base.wrapping_sub(rng.below(64) + 1),
+                1 => (base + 4096).wrapping_sub(len).wrapping_add(rng.below(16) + 1),
+                2 => u64::MAX - rng.below(16),
+                3 => base + (rng.below(room) | 1),
+                _ if len == 8 => base + rng.below(room) / 8 * 8,
+                _ => base + rng.below(room),
+            };
+            let want = expect(&models, op, addr, rkey);
+            let (a, k) = (addr.to_le_bytes(), rkey.to_le_bytes());
+            let s = ssn.to_le_bytes();
+            let mut data = Vec::new();
+            let bytes = match op {
+                Op::Write { len } => {
+                    data = (0..len).map(|_| rng.next() as u8).collect();
+                    frame(WRITE, &fields(&[&s, &a, &k, &[ACK_REQ], &[0; 4]]), &data)
+                }
+                Op::Read { len } => frame(READ_REQ, &fields(&[&s, &a, &k, &len.to_le_bytes()]), &[]),
+                Op::Cas { compare, swap } => frame(
+                    ATOMIC,
+                    &fields(&[&s, &a, &k, &[0], &compare.to_le_bytes(), &swap.to_le_bytes()]),
+                    &[],
+                ),
+                Op::Faa { add } => frame(ATOMIC, &fields(&[&s, &a, &k, &[1], &add.to_le_bytes(), &[0; 8]]), &[]),
+            };
+            peer.send(&bytes);
+            let (kind, body) = peer.next().expect("an answer to the request");
+            match want {
+                Err(status) => {
+                    refused += 1;
+                    assert_eq!((kind, u64_at(&body, 0)), (NAK, ssn), "conn {conn} {op:?} at {addr:#x}");
+                    assert_eq!(WcStatus::from_raw(u32::from(body[8])), status, "{op:?} at {addr:#x}");
+                    // Then the QP is in the error state: a Fatal, and the connection closes.
+                    assert_eq!(peer.next().map(|f| f.0), Some(FATAL));
+                    assert_eq!(peer.next().map(|f| f.0), None, "closed after the Fatal");
+                    let deadline = Instant::now() + WAIT;
+                    while !qp.is_error() {
+                        assert!(
+                            Instant::now() < deadline,
+                            "the target's QP never entered the error state"
+                        );
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    break;
+                }
+                Ok(target) => {
+                    ok += 1;
+                    let off = target.map(|i| (i, (addr - models[i].addr) as usize));
+                    match op {
+                        Op::Write { len } => {
+                            assert_eq!((kind, u64_at(&body, 0)), (ACK, ssn), "{op:?}");
+                            if let Some((i, off)) = off {
+                                models[i].bytes[off..off + len].copy_from_slice(&data);
+                            }
+                        }
+                        Op::Read { len } => {
+                            assert_eq!((kind, u64_at(&body, 0)), (READ_RESP, ssn), "{op:?}");
+                            let want: &[u8] = match off {
+                                Some((i, off)) => &models[i].bytes[off..off + len as usize],
+                                None => &[],
+                            };
+                            assert_eq!(&body[8..], want, "the bytes read");
+                        }
+                        Op::Cas { .. } | Op::Faa { .. } => {
+                            let (i, off) = off.expect("an atomic acts on 8 bytes");
+                            let word = &mut models[i].bytes[off..off + 8];
+                            let old = u64::from_ne_bytes(word.try_into().expect("8 bytes"));
+                            assert_eq!((kind, u64_at(&body, 0), u64_at(&body, 8)), (ATOMIC_RESP, ssn, old));
+                            let new = match op {
+                                Op::Cas { compare, swap } if old == compare => swap,
+                                Op::Faa { add } => old.wrapping_add(add),
+                                _ => old,
+                            };
+                            word.copy_from_slice(&new.to_ne_bytes());
+                        }
+                    }
+                }
+            }
+            if ssn > 12 {
+                break;
+            }
+        }
+        assert_eq!(ro.bytes().to_vec(), models[0].bytes, "the read-only registration");
+        assert_eq!(rw.bytes().to_vec(), models[1].bytes, "the read-write registration");
+        drop(qp);
+    }
+    println!("{ok} requests answered, {refused} refused");
+    drop(t);
+    // The generator must reach both outcomes often, or the test checks little.
+    assert!(ok > 1000 && refused > 250, "{ok} answered, {refused} refused");
+    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
+}
+
+/// One frame no well-behaved initiator sends, or one that is fine (to get past the first).
+fn junk(rng: &mut Rng, ssn: u64) -> Vec<u8> {
+    let s = ssn.to_le_bytes();
+    let any = rng.next().to_le_bytes();
+    match rng.below(20) {
+        // Responses to requests the target never made.
+        0 => frame(ACK, &any, &[]),
+        1 => frame(NAK, &fields(&[&any, &[rng.below(30) as u8]]), &[]),
+        2 => frame(READ_RESP, &any, &vec![9; rng.below(100) as usize]),
+        3 => frame(ATOMIC_RESP, &fields(&[&any, &any]), &[]),
+        4 => frame(FATAL, &[], &[]),
+        // Kinds the format does not have, with whatever follows.
+        5 => {
+            let kind = rng.pick(&[0u8, 5, 9, 14, 19, 21, 255]);
+            frame(kind, &vec![1; rng.below(40) as usize], &[])
+        }
+        // A known kind with its fields cut short, or with bytes after a fixed-size frame.
+        6 => {
+            let kind = rng.pick(&[SEND, WRITE, READ_REQ, ATOMIC, ACK, NAK, ATOMIC_RESP]);
+            frame(kind, &any[..rng.below(8) as usize], &[])
+        }
+        7 => frame(READ_REQ, &fields(&[&s, &any, &any[..4], &[0; 4], &[1]]), &[]),
+        // Flags with bits the format does not define; an atomic opcode it does not have.
+        8 => frame(SEND, &fields(&[&s, &[4 | rng.below(250) as u8], &[0; 4]]), &[1, 2, 3]),
+        9 => frame(
+            ATOMIC,
+            &fields(&[&s, &[0; 8], &[0; 4], &[2 + rng.below(200) as u8], &any, &any]),
+            &[],
+        ),
+        // A length no message has, or none at all.
+        10 => rng.pick(&[u32::MAX, (1 << 30) + 65 + 1, 0]).to_le_bytes().to_vec(),
+        // A Send too long for the receive it lands in, or one that fits.
+        11 => frame(
+            SEND,
+            &fields(&[&s, &[ACK_REQ], &[0; 4]]),
+            &vec![3; 65 + rng.below(100) as usize],
+        ),
+        _ => frame(
+            SEND,
+            &fields(&[&s, &[ACK_REQ], &[0; 4]]),
+            &vec![4; rng.below(65) as usize],
+        ),
+    }
+}
+
+/// Junk after a good handshake: responses to nothing, unknown kinds, cut fields, absurd
+/// lengths, Sends too long for their receive. Whatever comes, the target's QP either still
+/// serves (a Write asked to be acknowledged is) or is in the error state and has closed the
+/// connection: never a state between, never a panic. Then a well-behaved peer on the same
+/// device is served as usual.
+#[test]
+fn junk_leaves_a_qp_serving_or_closed_never_between() {
+    count_panics();
+    let mut t = Target::new();
+    let mut rng = Rng(0x0dd_f00d_0002);
+    let (mut serving, mut closed) = (0, 0);
+    let mut seen = std::collections::HashMap::new();
+    for conn in 0..300u64 {
+        let (mut peer, qp) = t.connection();
+        // One receive per frame: a Send that fits never waits for one (RNR).
+        for i in 0..3 {
+            let buf = t.pd.register(64, AccessFlags::LOCAL_WRITE).expect("register");
+            qp.post_recv(RecvWr::new(conn * 4 + i, buf))
+                .map_err(|e| e.error)
+                .expect("post_recv");
+        }
+        let n = 1 + rng.below(3);
+        let mut frames = Vec::new();
+        for ssn in 1..=n {
+            frames.extend(junk(&mut rng, ssn));
+        }
+        peer.send(&frames);
+        // A zero-length Write asking to be acknowledged: any live responder answers it.
+        let probe: u64 = 1000 + conn;
+        peer.send(&frame(
+            WRITE,
+            &fields(&[&probe.to_le_bytes(), &[0; 8], &[0; 4], &[ACK_REQ], &[0; 4]]),
+            &[],
+        ));
+        let mut answered = false;
+        while let Some((kind, body)) = peer.next() {
+            if kind == ACK && u64_at(&body, 0) == probe {
+                answered = true;
+                break;
+            }
+        }
+        if answered {
+            serving += 1;
+            assert!(!qp.is_error(), "conn {conn}: acknowledged by a QP in the error state");
+        } else {
+            closed += 1;
+            let deadline = Instant::now() + WAIT;
+            while !qp.is_error() {
+                assert!(
+                    Instant::now() < deadline,
+                    "conn {conn}: closed, but the QP is not in error"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // A QP in error has completed each of its receives: delivered, failed or flushed.
+            while !(0..3).all(|i| seen.contains_key(&(conn * 4 + i))) {
+                assert!(Instant::now() < deadline, "conn {conn}: a receive never completed");
+                reap(&t.cq, &mut seen);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        drop(qp);
+    }
+    reap(&t.cq, &mut seen);
+    println!("{serving} connections still served, {closed} closed");
+    assert!(serving > 20 && closed > 100, "{serving} served, {closed} closed");
+    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
+    well_behaved_peer_is_served(&t);
+}
+
+/// Takes what the CQ holds, counting completions by work request: none may complete twice.
+fn reap(cq: &CompletionQueue, seen: &mut std::collections::HashMap<u64, WcStatus>) {
+    let mut out = Vec::new();
+    cq.poll(&mut out, 64).expect("poll");
+    for c in out {
+        if let Some(first) = seen.insert(c.wr_id, c.status) {
+            panic!("receive {} completed twice ({first:?}, then {c:?})", c.wr_id);
+        }
+    }
+}
+
+/// The transport's own client on the same device: a Send and an RDMA Write, as usual.
+fn well_behaved_peer_is_served(t: &Target) {
+    let cpd = t.dev.alloc_pd().expect("pd");
+    let ccq = t.dev.create_cq(64).expect("cq");
+    let listener = Listener::bind(&t.dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let sopts = QpOptions::new(&t.pd, &t.cq);
+    let server = std::thread::spawn(move || {
+        let req = listener.accept(Some(WAIT)).expect("accept");
+        req.accept(&sopts, b"").expect("accept the qp")
+    });
+    let (cqp, _) = connect(addr, &QpOptions::new(&cpd, &ccq), b"", WAIT).expect("connect");
+    let sqp = server.join().expect("server");
+    let buf = t.pd.register(16, AccessFlags::LOCAL_WRITE).expect("register");
+    sqp.post_recv(RecvWr::new(77, buf))
+        .map_err(|e| e.error)
+        .expect("post_recv");
+    let mut msg = cpd.register(5, AccessFlags::LOCAL_WRITE).expect("register");
+    msg.write_at(0, b"hello").expect("fill");
+    cqp.post_send(SendWr::send(1, msg))
+        .map_err(|e| e.error)
+        .expect("post_send");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut got = Vec::new();
+    rt.block_on(async {
+        while !got.iter().any(|c: &Completion| c.wr_id == 77) {
+            tokio::time::timeout(WAIT, t.cq.wait(&mut got, 1))
+                .await
+                .expect("the Send arrives")
+                .expect("cq wait");
+        }
+    });
+    let c = got.iter().find(|c| c.wr_id == 77).expect("the receive");
+    assert_eq!((c.status, c.byte_len), (WcStatus::Success, 5), "{c:?}");
+}
