@@ -1379,8 +1379,13 @@ async fn a_dropped_qps_completions_leave_the_cq_it_shared() {
         c.post(SendWr::send(1, c.filled(b"first", AccessFlags::LOCAL_WRITE)));
         ok(&c.one().await);
     }
-    // The first server QP goes with its receive's completion unpolled (given time to land).
+    // The first server QP goes with its receive's completion unpolled: landed, and even
+    // taken from the provider by `ready` (which holds what it reaps for the next poll).
     tokio::time::sleep(Duration::from_millis(100)).await;
+    tokio::time::timeout(WAIT, scq.ready())
+        .await
+        .expect("a completion is there")
+        .expect("ready");
     let (gone, _) = ends.remove(0);
     drop(gone);
     let (sqp, c) = &ends[0];
@@ -1395,4 +1400,164 @@ async fn a_dropped_qps_completions_leave_the_cq_it_shared() {
         "only the live QP's receives, by its ids"
     );
     quiet(&scq).await;
+}
+
+/// QPs made and dropped at random on two shared CQs (one per side) while Sends flow: every
+/// completion names a live QP and the oldest request of that QP still waiting for one (RC
+/// completes each queue in posting order), by the id it was posted with, and succeeds. Once
+/// the churn ends, every request of the live QPs completes.
+#[tokio::test]
+async fn shared_cqs_under_churn_report_only_what_live_qps_posted() {
+    use std::collections::{HashMap, VecDeque};
+    struct Conn {
+        server: QueuePair,
+        client: QueuePair,
+        recvs: VecDeque<u64>,
+        sends: VecDeque<u64>,
+        /// Sends posted, and receives completed.
+        sent: usize,
+        received: usize,
+    }
+    let dev = device();
+    let (spd, scq) = (dev.alloc_pd().expect("pd"), dev.create_cq(1024).expect("cq"));
+    let (cpd, ccq) = (dev.alloc_pd().expect("pd"), dev.create_cq(1024).expect("cq"));
+    let listener = Listener::bind(&dev, SocketAddr::new(test_ip(), 0)).expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let open = || {
+        std::thread::scope(|sc| {
+            let server = sc.spawn(|| {
+                listener
+                    .accept(Some(WAIT))
+                    .expect("accept")
+                    .accept(&QpOptions::new(&spd, &scq), b"")
+                    .expect("qp")
+            });
+            let (client, _) = connect(addr, &QpOptions::new(&cpd, &ccq), b"", WAIT).expect("connect");
+            (server.join().expect("server"), client)
+        })
+    };
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut rng = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    // Keyed by (side, qp_num): 0 the server's, 1 the client's.
+    let mut live: HashMap<u32, usize> = HashMap::new();
+    let mut conns: Vec<Option<Conn>> = Vec::new();
+    let mut next_id = 1u64;
+    let (mut opened, mut dropped, mut checked) = (0, 0, 0);
+    let mut check = |cq: &CompletionQueue, conns: &mut Vec<Option<Conn>>, live: &HashMap<u32, usize>| {
+        let mut out = Vec::new();
+        cq.poll(&mut out, 64).expect("poll");
+        for wc in out {
+            ok(&wc);
+            let k = *live
+                .get(&wc.qp_num)
+                .unwrap_or_else(|| panic!("a completion of a QP that is not live: {wc:?}"));
+            let c = conns[k].as_mut().expect("a live connection");
+            let queue = if wc.qp_num == c.server.qp_num() {
+                c.received += 1;
+                &mut c.recvs
+            } else {
+                &mut c.sends
+            };
+            assert_eq!(
+                queue.pop_front(),
+                Some(wc.wr_id),
+                "completed out of order or never posted: {wc:?}"
+            );
+            checked += 1;
+        }
+    };
+    for _ in 0..6000 {
+        let alive: Vec<usize> = (0..conns.len()).filter(|&k| conns[k].is_some()).collect();
+        match rng(40) {
+            0 if alive.len() < 5 => {
+                let (server, client) = open();
+                live.insert(server.qp_num(), conns.len());
+                live.insert(client.qp_num(), conns.len());
+                conns.push(Some(Conn {
+                    server,
+                    client,
+                    recvs: VecDeque::new(),
+                    sends: VecDeque::new(),
+                    sent: 0,
+                    received: 0,
+                }));
+                opened += 1;
+            }
+            1 if !alive.is_empty() => {
+                // Both ends go, whatever they have in flight: none of it may be reported.
+                let k = alive[rng(alive.len() as u64) as usize];
+                let c = conns[k].take().expect("live");
+                live.remove(&c.server.qp_num());
+                live.remove(&c.client.qp_num());
+                let (client, server) = (c.client, c.server);
+                if rng(2) == 0 {
+                    drop(client);
+                    drop(server);
+                } else {
+                    drop(server);
+                    drop(client);
+                }
+                dropped += 1;
+            }
+            2..=17 if !alive.is_empty() => {
+                let c = conns[alive[rng(alive.len() as u64) as usize]].as_mut().expect("live");
+                if c.recvs.len() < 8 {
+                    let buf = spd.register(64, AccessFlags::LOCAL_WRITE).expect("register");
+                    c.server
+                        .post_recv(RecvWr::new(next_id, buf))
+                        .map_err(|e| e.error)
+                        .expect("post_recv");
+                    c.recvs.push_back(next_id);
+                    next_id += 1;
+                }
+            }
+            18..=31 if !alive.is_empty() => {
+                // Only into a receive posted already (no RNR): fewer Sends in flight than receives.
+                let c = conns[alive[rng(alive.len() as u64) as usize]].as_mut().expect("live");
+                if c.sends.len() < c.recvs.len() {
+                    let mut buf = cpd
+                        .register(1 + rng(64) as usize, AccessFlags::LOCAL_WRITE)
+                        .expect("register");
+                    buf.write_at(0, &[7]).expect("fill");
+                    c.client
+                        .post_send(SendWr::send(next_id, buf))
+                        .map_err(|e| e.error)
+                        .expect("post_send");
+                    c.sends.push_back(next_id);
+                    c.sent += 1;
+                    next_id += 1;
+                }
+            }
+            _ => {
+                check(&scq, &mut conns, &live);
+                check(&ccq, &mut conns, &live);
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+    // Every Send of the live QPs completes, and the receive it landed in.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        check(&scq, &mut conns, &live);
+        check(&ccq, &mut conns, &live);
+        let unmatched = conns
+            .iter()
+            .flatten()
+            .any(|c| !c.sends.is_empty() || c.received != c.sent);
+        if !unmatched {
+            break;
+        }
+        assert!(Instant::now() < deadline, "requests of live QPs never completed");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    println!("{opened} connections opened, {dropped} dropped, {checked} completions checked");
+    assert!(
+        opened > 20 && dropped > 15 && checked > 2000,
+        "{opened} {dropped} {checked}"
+    );
 }
