@@ -1561,3 +1561,72 @@ async fn shared_cqs_under_churn_report_only_what_live_qps_posted() {
         "{opened} {dropped} {checked}"
     );
 }
+
+/// The NIC's local checks: a buffer of another protection domain, a Read or atomic result
+/// into memory registered without LOCAL_WRITE, a receive buffer without it. Each fails its
+/// request with LOC_PROT_ERR (the receive: the receiver's own local error), writes nothing
+/// into the local buffer, and puts the QP in the error state.
+#[tokio::test]
+async fn local_protection_is_checked_as_the_nic_checks_it() {
+    // ConnectX and the IB spec say LOC_PROT_ERR, and so do the software providers; soft-RoCE
+    // (rxe, Linux 6.1) reports some of these as LOC_QP_OP_ERR, its local error for anything
+    // its requester or responder cannot copy.
+    let on_rxe = device().provider() == "verbs";
+    let prot = |wc: &Completion, what: &str| {
+        let rxe = on_rxe && wc.status == WcStatus::LocQpOpErr;
+        assert!(wc.status == WcStatus::LocProtErr || rxe, "{what}: {wc:?}");
+        println!("{what}: {:?}", wc.status);
+    };
+    // A Send from a buffer registered in another PD of the same device.
+    let (c, _s) = pair();
+    let other = c.pd.device().alloc_pd().expect("pd");
+    let mut foreign = other.register(8, AccessFlags::LOCAL_WRITE).expect("register");
+    foreign.write_at(0, b"elsewhre").expect("fill");
+    c.post(SendWr::send(1, foreign));
+    prot(&c.one().await, "a Send from another PD's buffer");
+    assert!(c.qp.is_error());
+
+    // An RDMA Read, and a fetch-and-add, whose local buffer may not be written.
+    for (i, atomic) in [false, true].into_iter().enumerate() {
+        let (c, s) = pair();
+        let source = s.filled(&7u64.to_ne_bytes(), RW);
+        let remote = source.remote().at(0);
+        let op = if atomic {
+            SendOp::FetchAdd { remote, add: 1 }
+        } else {
+            SendOp::Read { remote }
+        };
+        let local = c.filled(&[0; 8], AccessFlags::NONE);
+        c.post(SendWr::new(i as u64, op).buf(local));
+        let wc = c.one().await;
+        prot(
+            &wc,
+            if atomic {
+                "a fetch-and-add's result"
+            } else {
+                "an RDMA Read"
+            },
+        );
+        let back = wc.buf.expect("the buffer comes back");
+        assert_eq!(back.bytes()[..], [0; 8], "nothing was written into it");
+        // Whether the target ran the fetch-and-add is not the local check's to say: rxe
+        // checks the local buffer when the response comes back (the word is 8 by then), the
+        // software providers before the request goes out (it stays 7).
+        drop(source);
+        assert!(c.qp.is_error());
+    }
+
+    // A receive whose buffer may not be written: the Send that lands in it fails on both sides.
+    let (c, s) = pair();
+    let rbuf = s.reg(64, AccessFlags::NONE);
+    s.qp.post_recv(RecvWr::new(9, rbuf))
+        .map_err(|e| e.error)
+        .expect("post_recv");
+    c.post(SendWr::send(3, c.filled(b"no write access", AccessFlags::NONE)));
+    let rc = s.one().await;
+    assert_eq!(rc.wr_id, 9);
+    prot(&rc, "a receive");
+    assert!(rc.buf.expect("the buffer comes back").bytes().iter().all(|&b| b == 0));
+    let sc = c.one().await;
+    assert!(!sc.status.is_success(), "the sender sees the failure too: {sc:?}");
+}
