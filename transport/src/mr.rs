@@ -577,11 +577,23 @@ impl RemoteRegion {
         }
     }
 
-    /// The sub-region `[offset, offset + len)`, or `None` when it does not fit.
+    /// The sub-region `[offset, offset + len)`, or `None` when it does not fit (or would run
+    /// past the top of the address space: a region a peer sent may say anything).
+    ///
+    /// # Examples
+    /// ```
+    /// use rdma_rpc_transport::RemoteRegion;
+    /// let r = RemoteRegion { addr: 0x1000, len: 64, rkey: 7 };
+    /// assert_eq!(r.slice(16, 8), Some(RemoteRegion { addr: 0x1010, len: 8, rkey: 7 }));
+    /// assert_eq!(r.slice(60, 8), None);
+    /// let forged = RemoteRegion { addr: u64::MAX - 4, len: 64, rkey: 7 };
+    /// assert_eq!(forged.slice(8, 8), None);
+    /// ```
     pub fn slice(&self, offset: u64, len: u64) -> Option<RemoteRegion> {
         let end = offset.checked_add(len)?;
-        (end <= self.len).then(|| RemoteRegion {
-            addr: self.addr + offset,
+        let addr = self.addr.checked_add(offset)?;
+        (end <= self.len).then_some(RemoteRegion {
+            addr,
             len,
             rkey: self.rkey,
         })
