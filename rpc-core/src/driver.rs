@@ -856,6 +856,88 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    use crate::proto::{Header, Payload, SessionConfig, FRAGMENT};
+    use rdma_rpc_transport::{Device, Listener, QpOptions};
+
+    /// The order a short call and the pieces of a long eager one leave a connection in, when
+    /// the short call is made after the first flush: its place among the long one's pieces
+    /// (0 = before the first), as the peer receives them. A raw QP stands in for the peer.
+    fn short_call_place(pieces: usize) -> usize {
+        let dev = Device::open("tcp").expect("the tcp provider");
+        let cfg = SessionConfig {
+            ring: 16,
+            eager_max: 1 << 20,
+            fragment: FRAGMENT,
+            max_payload: 1 << 20,
+        };
+        let slot = cfg.slot_size();
+        let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(64).expect("cq"));
+        let (ppd, pcq) = (dev.alloc_pd().expect("pd"), dev.create_cq(64).expect("cq"));
+        let listener = Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let peer_recvs = Conn::ring(&ppd, 16, slot).expect("the peer's ring");
+        let popts = QpOptions::new(&ppd, &pcq);
+        let peer = std::thread::spawn(move || {
+            let req = listener.accept(Some(Duration::from_secs(30))).expect("accept");
+            req.accept_with_recvs(&popts, b"", peer_recvs).expect("the peer's qp")
+        });
+        let recvs = Conn::ring(&pd, 16, slot).expect("our ring");
+        let (qp, _) = rdma_rpc_transport::connect_with_recvs(
+            addr,
+            &QpOptions::new(&pd, &cq),
+            b"",
+            Duration::from_secs(30),
+            recvs,
+        )
+        .expect("connect");
+        let peer_qp = peer.join().expect("the peer's thread");
+        let mut session = Session::new(cfg);
+        session.interleave(true);
+        let mut conn = Conn::new(session, &pd, qp, cq, (slot, 16), crate::Isolation::Connection).expect("conn");
+        let now = Instant::now();
+        let long = conn
+            .session
+            .start_call(1, Payload::Eager(vec![1; pieces * FRAGMENT]), None, None, now)
+            .expect("the long call");
+        conn.flush();
+        let short = conn
+            .session
+            .start_call(2, Payload::Eager(vec![2; 64]), None, None, now)
+            .expect("the short call");
+        while conn.flush() || conn.more_to_post() {}
+        // The peer's receives, in order: the short request's place among the long one's pieces.
+        let (mut order, mut out) = (Vec::new(), Vec::new());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while order.len() < pieces + 1 {
+            assert!(
+                Instant::now() < deadline,
+                "only {} of {} messages came",
+                order.len(),
+                pieces + 1
+            );
+            pcq.poll(&mut out, 16).expect("poll");
+            for wc in out.drain(..) {
+                let wc = wc.ok().expect("a received message");
+                let buf = wc.buf.expect("its slot");
+                let bytes = buf.bytes();
+                let (h, _) = Header::decode(&bytes[..wc.byte_len as usize]).expect("a header");
+                order.push(h.call_id);
+            }
+        }
+        drop(peer_qp);
+        let place = order.iter().position(|&c| c == short).expect("the short request");
+        assert_eq!(order.iter().filter(|&&c| c == long).count(), pieces);
+        place
+    }
+
+    #[test]
+    fn a_short_call_leaves_after_the_next_piece_of_a_long_one_not_after_all() {
+        // Sixteen credits would let all six pieces go in the first flush; one flush posts one
+        // piece (`FLUSH_BYTES`), so the short call goes right after the second.
+        let place = short_call_place(6);
+        assert!(place <= 2, "the short request left after {place} of 6 pieces");
+    }
+
     #[test]
     fn the_adaptive_budget_runs_from_the_first_idle_round_and_restarts_on_activity() {
         let tiny = CompletionMode::Adaptive {
