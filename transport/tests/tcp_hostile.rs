@@ -535,3 +535,43 @@ fn well_behaved_peer_is_served(t: &Target) {
     let c = got.iter().find(|c| c.wr_id == 77).expect("the receive");
     assert_eq!((c.status, c.byte_len), (WcStatus::Success, 5), "{c:?}");
 }
+
+/// Connecting to a port where something else listens: one that stays silent, and one that
+/// answers in another protocol. Each is an error that says what to check, within the
+/// connection timeout.
+#[test]
+fn connecting_to_something_else_says_so() {
+    let dev = Device::open("tcp").expect("the tcp provider");
+    let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(4).expect("cq"));
+    for reply in [&b""[..], b"HTTP/1.1 400 Bad Request\r\n\r\n"] {
+        let other = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = other.local_addr().expect("addr");
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = other.accept().expect("accept");
+            let _ = s.write_all(reply);
+            // Open until the client has given up.
+            std::thread::sleep(Duration::from_millis(1500));
+        });
+        let started = Instant::now();
+        let err = connect(addr, &QpOptions::new(&pd, &cq), b"", Duration::from_secs(1))
+            .map(|_| ())
+            .expect_err("not an rdma-rpc peer");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "took {:?}",
+            started.elapsed()
+        );
+        let msg = err.to_string();
+        match reply.len() {
+            0 => assert!(
+                matches!(err, Error::Timeout(_)) && msg.contains("check the address and the provider"),
+                "{msg}"
+            ),
+            _ => assert!(
+                matches!(err, Error::Protocol(_)) && msg.contains("not an rdma-rpc"),
+                "{msg}"
+            ),
+        }
+        server.join().expect("the other server");
+    }
+}
