@@ -4,6 +4,8 @@
 rc=0
 for b in "$@"; do
     echo "=== running $b on verbs (rxe0)"
+    start=$(date +%s)
     "./$b" --test-threads=1 || rc=1
+    echo "=== $b took $(($(date +%s) - start)) s"
 done
 exit $rc

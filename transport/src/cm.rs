@@ -11,6 +11,9 @@ use crate::{Device, Error, QpOptions, QueuePair, RecvWr, Result};
 /// The most private data either side may carry (the rdma_cm limit for an RC connect on IB/RoCE).
 pub const MAX_PRIVATE_DATA: usize = 56;
 
+/// What a software provider's connect says when the peer's half of the handshake never came.
+pub(crate) const NO_HANDSHAKE: &str = "waiting for the peer's handshake (a peer that is not rdma-rpc on this provider never sends one: check the address and the provider)";
+
 fn check_private(data: &[u8]) -> Result<()> {
     if data.len() > MAX_PRIVATE_DATA {
         return Err(Error::PrivateDataTooLong {

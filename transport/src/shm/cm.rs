@@ -257,7 +257,7 @@ pub(crate) fn connect(
     sys::send_with_fds(&stream, &hello(private_data), &side.fds())
         .map_err(|e| Error::io("sending the handshake", e))?;
     let (reply, fds) = sys::recv_with_fds(&stream, 1 + MAX_PRIVATE_DATA).map_err(|e| match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout("waiting for the peer's handshake (a peer that is not rdma-rpc on this provider never sends one: check the address and the provider)"),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout(crate::cm::NO_HANDSHAKE),
         _ => Error::io("reading the handshake", e),
     })?;
     match reply.split_first() {

@@ -203,7 +203,7 @@ fn write_msg(w: &mut impl Write, payload: &[u8]) -> Result<()> {
 fn read_msg(r: &mut impl Read) -> Result<Vec<u8>> {
     let mut head = [0u8; 9];
     r.read_exact(&mut head).map_err(|e| match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout("waiting for the peer's handshake (a peer that is not rdma-rpc on this provider never sends one: check the address and the provider)"),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout(crate::cm::NO_HANDSHAKE),
         _ => Error::io("reading the handshake", e),
     })?;
     if &head[..8] != MAGIC {
