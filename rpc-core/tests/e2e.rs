@@ -1194,9 +1194,17 @@ struct Gauge {
 }
 
 impl Gauge {
-    async fn run_for(&self, d: Duration) {
+    /// One handler's run: until `want` have been seen running at once (at most 5 s), then `d`
+    /// more. The wait makes the overlap the tests ask for independent of how fast the
+    /// provider moves requests: on rxe under emulation a body's Read can take longer than `d`,
+    /// and with a fixed sleep alone the first handler was done before the second began.
+    async fn run_for(&self, d: Duration, want: usize) {
         let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
         self.most.fetch_max(n, Ordering::SeqCst);
+        let patience = Instant::now() + Duration::from_secs(5);
+        while self.most.load(Ordering::SeqCst) < want && Instant::now() < patience {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         tokio::time::sleep(d).await;
         self.now.fetch_sub(1, Ordering::SeqCst);
     }
@@ -1213,7 +1221,7 @@ async fn calls_beyond_the_servers_limit_wait_their_turn_in_the_client() {
     let builder = Server::builder(cfg.clone()).handler(SLOW, move |req| {
         let g = g.clone();
         async move {
-            g.run_for(Duration::from_millis(20)).await;
+            g.run_for(Duration::from_millis(20), 3).await;
             Ok(req)
         }
     });
@@ -1261,7 +1269,7 @@ async fn rendezvous_requests_beyond_the_byte_limit_wait_unread() {
     let builder = Server::builder(cfg).handler(SLOW, move |req| {
         let g = g.clone();
         async move {
-            g.run_for(Duration::from_millis(20)).await;
+            g.run_for(Duration::from_millis(20), 2).await;
             Ok(req[..8].to_vec())
         }
     });
