@@ -6,7 +6,7 @@
 //! hostile peer could: forged keys and ranges, unaligned atomics, responses to requests never
 //! made, unknown kinds, cut fields, absurd lengths. The target must answer as an RC responder
 //! does (the data a NIC would move, the NAK it would send), touch no byte it must not, and
-//! never panic; a panic on any thread fails the test (a hook counts them).
+//! never panic; a panic on any of the provider's threads fails the test (a hook counts them).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
