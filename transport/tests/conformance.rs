@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 
 use rdma_rpc_transport::*;
 
+mod rng;
+use rng::Rng;
+
 const WAIT: Duration = Duration::from_secs(60);
 const RW: AccessFlags = AccessFlags::ALL;
 
@@ -114,6 +117,27 @@ fn pair() -> (Side, Side) {
         max_send_wr: 1024,
         max_recv_wr: 1024,
         max_inline_data: 64,
+    })
+}
+
+/// One more connection to `listener` (at `addr`): the server's QP with `sopts`, the client's
+/// with `copts`, for tests whose QPs share PDs or CQs.
+fn accept_and_connect(
+    listener: &Listener,
+    addr: SocketAddr,
+    sopts: &QpOptions,
+    copts: &QpOptions,
+) -> (QueuePair, QueuePair) {
+    std::thread::scope(|sc| {
+        let server = sc.spawn(|| {
+            listener
+                .accept(Some(WAIT))
+                .expect("accept")
+                .accept(sopts, b"")
+                .expect("the server's qp")
+        });
+        let (client, _) = connect(addr, copts, b"", WAIT).expect("connect");
+        (server.join().expect("the accepting thread"), client)
     })
 }
 
@@ -386,16 +410,12 @@ async fn atomics_lose_nothing_under_two_contending_qps() {
     let (cpd, ccq) = (dev.alloc_pd().expect("pd"), dev.create_cq(8192).expect("cq"));
     let listener = Listener::bind(&dev, SocketAddr::new(test_ip(), 0)).expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let sopts = QpOptions::new(&s.pd, &s.cq);
-    let server = std::thread::spawn(move || {
-        listener
-            .accept(Some(WAIT))
-            .expect("accept")
-            .accept(&sopts, b"")
-            .expect("qp")
-    });
-    let (q2, _) = connect(addr, &QpOptions::new(&cpd, &ccq), b"", WAIT).expect("connect");
-    let _s_q2 = server.join().expect("server");
+    let (_s_q2, q2) = accept_and_connect(
+        &listener,
+        addr,
+        &QpOptions::new(&s.pd, &s.cq),
+        &QpOptions::new(&cpd, &ccq),
+    );
     let word = s.reg(8, RW);
     let remote = word.remote().at(0);
     const N: u64 = 5000;
@@ -1346,19 +1366,13 @@ async fn a_dropped_qps_completions_leave_the_cq_it_shared() {
     // Two connections whose server ends share one CQ.
     let mut ends = Vec::new();
     for _ in 0..2 {
-        let sopts = QpOptions::new(&spd, &scq);
         let (cpd, ccq) = (dev.alloc_pd().expect("pd"), dev.create_cq(64).expect("cq"));
-        let (sqp, cqp) = std::thread::scope(|sc| {
-            let server = sc.spawn(|| {
-                listener
-                    .accept(Some(WAIT))
-                    .expect("accept")
-                    .accept(&sopts, b"")
-                    .expect("qp")
-            });
-            let (cqp, _) = connect(addr, &QpOptions::new(&cpd, &ccq), b"", WAIT).expect("connect");
-            (server.join().expect("server"), cqp)
-        });
+        let (sqp, cqp) = accept_and_connect(
+            &listener,
+            addr,
+            &QpOptions::new(&spd, &scq),
+            &QpOptions::new(&cpd, &ccq),
+        );
         ends.push((
             sqp,
             Side {
@@ -1423,26 +1437,9 @@ async fn shared_cqs_under_churn_report_only_what_live_qps_posted() {
     let (cpd, ccq) = (dev.alloc_pd().expect("pd"), dev.create_cq(1024).expect("cq"));
     let listener = Listener::bind(&dev, SocketAddr::new(test_ip(), 0)).expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let open = || {
-        std::thread::scope(|sc| {
-            let server = sc.spawn(|| {
-                listener
-                    .accept(Some(WAIT))
-                    .expect("accept")
-                    .accept(&QpOptions::new(&spd, &scq), b"")
-                    .expect("qp")
-            });
-            let (client, _) = connect(addr, &QpOptions::new(&cpd, &ccq), b"", WAIT).expect("connect");
-            (server.join().expect("server"), client)
-        })
-    };
-    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
-    let mut rng = move |n: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed % n
-    };
+    let (sopts, copts) = (QpOptions::new(&spd, &scq), QpOptions::new(&cpd, &ccq));
+    let open = || accept_and_connect(&listener, addr, &sopts, &copts);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     // Keyed by (side, qp_num): 0 the server's, 1 the client's.
     let mut live: HashMap<u32, usize> = HashMap::new();
     let mut conns: Vec<Option<Conn>> = Vec::new();
@@ -1473,7 +1470,7 @@ async fn shared_cqs_under_churn_report_only_what_live_qps_posted() {
     };
     for _ in 0..6000 {
         let alive: Vec<usize> = (0..conns.len()).filter(|&k| conns[k].is_some()).collect();
-        match rng(40) {
+        match rng.below(40) {
             0 if alive.len() < 5 => {
                 let (server, client) = open();
                 live.insert(server.qp_num(), conns.len());
@@ -1490,12 +1487,12 @@ async fn shared_cqs_under_churn_report_only_what_live_qps_posted() {
             }
             1 if !alive.is_empty() => {
                 // Both ends go, whatever they have in flight: none of it may be reported.
-                let k = alive[rng(alive.len() as u64) as usize];
+                let k = rng.pick(&alive);
                 let c = conns[k].take().expect("live");
                 live.remove(&c.server.qp_num());
                 live.remove(&c.client.qp_num());
                 let (client, server) = (c.client, c.server);
-                if rng(2) == 0 {
+                if rng.below(2) == 0 {
                     drop(client);
                     drop(server);
                 } else {
@@ -1505,7 +1502,7 @@ async fn shared_cqs_under_churn_report_only_what_live_qps_posted() {
                 dropped += 1;
             }
             2..=17 if !alive.is_empty() => {
-                let c = conns[alive[rng(alive.len() as u64) as usize]].as_mut().expect("live");
+                let c = conns[rng.pick(&alive)].as_mut().expect("live");
                 if c.recvs.len() < 8 {
                     let buf = spd.register(64, AccessFlags::LOCAL_WRITE).expect("register");
                     c.server
@@ -1518,10 +1515,10 @@ async fn shared_cqs_under_churn_report_only_what_live_qps_posted() {
             }
             18..=31 if !alive.is_empty() => {
                 // Only into a receive posted already (no RNR): fewer Sends in flight than receives.
-                let c = conns[alive[rng(alive.len() as u64) as usize]].as_mut().expect("live");
+                let c = conns[rng.pick(&alive)].as_mut().expect("live");
                 if c.sends.len() < c.recvs.len() {
                     let mut buf = cpd
-                        .register(1 + rng(64) as usize, AccessFlags::LOCAL_WRITE)
+                        .register(1 + rng.below(64) as usize, AccessFlags::LOCAL_WRITE)
                         .expect("register");
                     buf.write_at(0, &[7]).expect("fill");
                     c.client

@@ -16,6 +16,9 @@ use std::time::{Duration, Instant};
 
 use rdma_rpc_transport::*;
 
+mod rng;
+use rng::Rng;
+
 const WAIT: Duration = Duration::from_secs(30);
 const MAGIC: &[u8; 8] = b"RDRPCTCP";
 
@@ -47,24 +50,6 @@ fn count_panics() {
             default(info);
         }));
     });
-}
-
-/// A tiny deterministic generator (xorshift), seeded per test so that a failure reruns alike.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
-        xs[self.below(xs.len() as u64) as usize]
-    }
 }
 
 /// One frame: the 4-byte little-endian length of what follows, the kind, the fields, the data.
@@ -116,6 +101,18 @@ impl Peer {
         self.0.read_exact(&mut body).expect("a whole frame");
         let (&kind, rest) = body.split_first().expect("a kind byte");
         Some((kind, rest.to_vec()))
+    }
+}
+
+/// Waits (bounded) for `qp` to be in the error state.
+fn wait_error(qp: &QueuePair, what: &str) {
+    let deadline = Instant::now() + WAIT;
+    while !qp.is_error() {
+        assert!(
+            Instant::now() < deadline,
+            "{what}, but the QP is not in the error state"
+        );
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
@@ -313,14 +310,7 @@ fn one_sided_requests_are_checked_as_a_nic_checks_them() {
                     // Then the QP is in the error state: a Fatal, and the connection closes.
                     assert_eq!(peer.next().map(|f| f.0), Some(FATAL));
                     assert_eq!(peer.next().map(|f| f.0), None, "closed after the Fatal");
-                    let deadline = Instant::now() + WAIT;
-                    while !qp.is_error() {
-                        assert!(
-                            Instant::now() < deadline,
-                            "the target's QP never entered the error state"
-                        );
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
+                    wait_error(&qp, &format!("conn {conn}: the target's QP after a NAK"));
                     break;
                 }
                 Ok(target) => {
@@ -462,14 +452,8 @@ fn junk_leaves_a_qp_serving_or_closed_never_between() {
             assert!(!qp.is_error(), "conn {conn}: acknowledged by a QP in the error state");
         } else {
             closed += 1;
+            wait_error(&qp, &format!("conn {conn}: closed"));
             let deadline = Instant::now() + WAIT;
-            while !qp.is_error() {
-                assert!(
-                    Instant::now() < deadline,
-                    "conn {conn}: closed, but the QP is not in error"
-                );
-                std::thread::sleep(Duration::from_millis(1));
-            }
             // A QP in error has completed each of its receives: delivered, failed or flushed.
             while !(0..3).all(|i| seen.contains_key(&(conn * 4 + i))) {
                 assert!(Instant::now() < deadline, "conn {conn}: a receive never completed");
