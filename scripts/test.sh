@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 LOG=$(mktemp -d "${TMPDIR:-/tmp}/rdma-rpc-test.XXXXXX")
 trap 'rm -rf "$LOG"' EXIT
 fail=0
-step() { echo; echo "=== $*"; }
+step() { echo; echo "=== $*"; echo "    (started $(date -u +%T), $((SECONDS / 60)) min into the run)"; }
 count() { # LOGFILE -> "passed failed" summed over every libtest result line
     awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed;?$/) p += $i; if ($(i+1) ~ /^failed;?$/) f += $i } }
          END { printf "%d %d\n", p, f }' "$1"
@@ -48,9 +48,11 @@ read -r shmc_pass shmc_fail < <(count "$LOG/shm-conf.log")
 step "conformance, RPC end-to-end, registered buffers, shutdown, isolation, #[service] and examples suites on provider verbs (rxe0, soft-RoCE in a qemu VM)"
 # One boot runs every test binary below (scripts/vm-lane.sh inside the guest); the examples'
 # binaries go to /examples, where tests/examples.rs looks for them (next to its own directory).
-cargo build --quiet --examples || fail=1
+# They are built with the `vm` profile (Cargo.toml: dev's checks, optimized): under emulation the
+# RPC suite took 712 s unoptimized and 166 s so (2026-12-03), for about 5 minutes more building.
+cargo build --quiet --profile vm --examples || fail=1
 vm_tests=(conformance e2e registered shutdown isolation service examples)
-bins=$(cargo test -p rdma-rpc-transport -p rdma-rpc-core -p rdma-rpc "${vm_tests[@]/#/--test=}" \
+bins=$(cargo test --profile vm -p rdma-rpc-transport -p rdma-rpc-core -p rdma-rpc "${vm_tests[@]/#/--test=}" \
       --no-run --message-format=json 2>/dev/null |
       sed -n 's/.*"executable":"\([^"]*\/deps\/[a-z0-9_]*-[0-9a-f]*\)".*/\1/p' | sort -u)
 vm_files=() vm_names=()
@@ -59,15 +61,15 @@ for t in "${vm_tests[@]}"; do
     [[ -n $b ]] || { echo "could not build the test binary $t for the VM lane"; fail=1; continue; }
     vm_files+=(-f "$b"); vm_names+=("$(basename "$b")")
 done
-for e in echo logsync kv lock; do vm_files+=(-f "target/debug/examples/$e:/examples/$e"); done
+for e in echo logsync kv lock; do vm_files+=(-f "target/vm/examples/$e:/examples/$e"); done
 if ((${#vm_names[@]} != ${#vm_tests[@]})); then
     verbs_pass=0; verbs_fail=1; vconf_pass=0
 else
-    # The lane's own budget (rxe-vm.sh's default is 900 s): the RPC suite under emulation took
-    # 591-632 s of it on 2026-12-03 at night and 753 s the next morning, when the examples'
-    # binary was cut off at 900 s. 1500 s keeps the whole run under 40 minutes even if the VM
-    # hangs; each binary's time is printed (vm-lane.sh).
-    RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-1500} \
+    # The lane's own budget: the unoptimized RPC suite took 591-863 s of it under emulation
+    # (2026-12-03), the whole lane 808-1,088 s; built with the `vm` profile the lane took 163 s.
+    # 900 s leaves room for a machine five times slower and keeps the whole run under 40
+    # minutes even if the VM hangs; each binary's time is printed (vm-lane.sh).
+    RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-900} \
         scripts/rxe-vm.sh -e RDMA_RPC_PROVIDER=verbs -e RDMA_RPC_TEST_IP=10.10.0.1 "${vm_files[@]}" \
         scripts/vm-lane.sh "${vm_names[@]}" 2>&1 | tee "$LOG/verbs.log"
     [[ ${PIPESTATUS[0]} == 0 ]] || fail=1
