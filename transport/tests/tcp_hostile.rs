@@ -559,3 +559,94 @@ fn connecting_to_something_else_says_so() {
         server.join().expect("the other server");
     }
 }
+
+/// The process's resident memory (`/proc/self/statm`).
+fn resident_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .expect("statm's resident field");
+    pages * 4096
+}
+
+/// A peer that asks for reads and does not take the answers costs the target no copy of them:
+/// they wait in the registration, as a NIC's would, and go out whole once the peer reads. On
+/// the way the target's application still writes the registration (nothing holds its lock
+/// while the link is full). Before, each answer the socket did not take was copied into the
+/// sending backlog: these 128 reads of a 4 MiB registration grew the process by
+/// about 500 MiB (64 of 16 MiB by 1 GiB).
+#[test]
+fn answers_the_peer_does_not_take_cost_no_copies() {
+    count_panics();
+    let mut t = Target::new();
+    let len = 4usize << 20;
+    let reads = 128u64;
+    let mut mr = t.filled(len, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ, 3);
+    let flag = t.filled(8, AccessFlags::ALL, 0);
+    let want = mr.bytes().to_vec();
+    let (mut peer, qp) = t.connection();
+    let before = resident_bytes();
+    let (addr, rkey) = (mr.addr().to_le_bytes(), mr.rkey().to_le_bytes());
+    for ssn in 1..=reads {
+        peer.send(&frame(
+            READ_REQ,
+            &fields(&[&ssn.to_le_bytes(), &addr, &rkey, &(len as u32).to_le_bytes()]),
+            &[],
+        ));
+    }
+    // A Write behind them sets the flag: the target has handled every read before it (RC
+    // executes in order), and the peer still reads nothing.
+    let ssn = reads + 1;
+    peer.send(&frame(
+        WRITE,
+        &fields(&[
+            &ssn.to_le_bytes(),
+            &flag.addr().to_le_bytes(),
+            &flag.rkey().to_le_bytes(),
+            &[0],
+            &[0; 4],
+        ]),
+        &[1],
+    ));
+    let deadline = Instant::now() + WAIT;
+    while flag.bytes()[0] != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the target never handled the Write behind the reads"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let grown = resident_bytes().saturating_sub(before);
+    println!(
+        "{reads} answers of {} MiB waiting: the process grew by {} MiB",
+        len >> 20,
+        grown >> 20
+    );
+    assert!(
+        grown < 64 << 20,
+        "the answers waiting cost {} MiB: copies of them, not references",
+        grown >> 20
+    );
+    // The application writes its registration meanwhile (the same bytes, so that the answers
+    // stay checkable): the sending side must not hold its lock while the peer reads nothing.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let writer = std::thread::spawn(move || {
+        let head = mr.bytes()[..4096].to_vec();
+        mr.write_at(0, &head).expect("write");
+        let _ = tx.send(());
+        mr
+    });
+    rx.recv_timeout(WAIT)
+        .expect("the application could not write its registration while answers waited");
+    let mr = writer.join().expect("the writing thread");
+    for ssn in 1..=reads {
+        let (kind, body) = peer.next().expect("an answer");
+        assert_eq!((kind, u64_at(&body, 0)), (READ_RESP, ssn));
+        assert!(body[8..] == want[..], "answer {ssn}: the bytes read differ");
+    }
+    assert!(!qp.is_error());
+    drop((mr, qp));
+    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
+}

@@ -988,8 +988,13 @@ impl Engine {
                     Ok(region) => {
                         let off = (addr - region.addr) as usize;
                         self.flush_ack(st);
-                        let bytes = region.read_range(off, len);
-                        let _ = self.out.send_parts(&Encoder::read_resp(ssn).head(len), &bytes);
+                        // What the link does not take at once is read from the region as it
+                        // goes out, as a NIC reads while it transmits: a Write or Send behind
+                        // this Read may land before the answer has left whole, which RC allows
+                        // (an initiator that must order them fences: IBV_SEND_FENCE).
+                        let _ = self
+                            .out
+                            .send_from(&Encoder::read_resp(ssn).head(len), &region, off, len);
                     }
                     Err(status) => fail(st, ssn, status),
                 }
