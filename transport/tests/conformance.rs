@@ -579,6 +579,44 @@ async fn large_transfers_land_intact_and_in_order() {
     assert!(rc.buf.expect("recv buf").bytes()[..late.len()] == late[..]);
 }
 
+/// A Send that finds no receive (RNR) with 8 MiB of Writes behind it: once a receive is posted,
+/// the Send lands and then every Write, in order. (The software providers hold what arrives
+/// behind the stalled Send only up to 4 MiB and then stop reading their link until the stall
+/// ends: this is the path where they start reading again.)
+#[tokio::test]
+async fn writes_behind_a_send_waiting_for_a_receive_land_after_it() {
+    const MIB: usize = 1 << 20;
+    let (c, s) = pair();
+    let target = s.reg(8 * MIB, RW);
+    let head = pattern(256, 20);
+    // Everything made first: the RNR budget (70 ms on the software providers) starts at the Send.
+    let writes: Vec<_> = (0..8u32)
+        .map(|i| c.filled(&pattern(MIB, 21 + i), AccessFlags::NONE))
+        .collect();
+    c.post(SendWr::send(1, c.filled(&head, AccessFlags::NONE)));
+    for (i, data) in (0..8u32).zip(writes) {
+        let at = target.remote().at(u64::from(i) * MIB as u64);
+        c.post(SendWr::new(2 + u64::from(i), SendOp::Write { remote: at, imm: None }).buf(data));
+    }
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    s.recv(100, 4096);
+    let done = c.take(9).await;
+    done.iter().for_each(ok);
+    assert_eq!(
+        done.iter().map(|w| w.wr_id).collect::<Vec<_>>(),
+        (1..=9).collect::<Vec<_>>()
+    );
+    let rc = s.one().await;
+    ok(&rc);
+    assert_eq!(rc.byte_len as usize, head.len());
+    assert!(rc.buf.expect("recv buf").bytes()[..head.len()] == head[..]);
+    let t = target.bytes();
+    for i in 0..8u32 {
+        let at = i as usize * MIB;
+        assert!(t[at..at + MIB] == pattern(MIB, 21 + i)[..], "Write {i}'s bytes");
+    }
+}
+
 #[tokio::test]
 async fn receive_buffer_too_small_is_a_length_error() {
     let (c, s) = pair();

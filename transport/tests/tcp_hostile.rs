@@ -560,6 +560,9 @@ fn connecting_to_something_else_says_so() {
     }
 }
 
+/// The tests that measure the process's memory run one at a time.
+static MEMORY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// The process's resident memory (`/proc/self/statm`).
 fn resident_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
@@ -580,6 +583,7 @@ fn resident_bytes() -> u64 {
 #[test]
 fn answers_the_peer_does_not_take_cost_no_copies() {
     count_panics();
+    let _alone = MEMORY.lock();
     let mut t = Target::new();
     let len = 4usize << 20;
     let reads = 128u64;
@@ -648,5 +652,64 @@ fn answers_the_peer_does_not_take_cost_no_copies() {
     }
     assert!(!qp.is_error());
     drop((mr, qp));
+    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
+}
+
+/// The most the process has held resident since the last [`reset_peak`] (`VmHWM`).
+fn peak_resident_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc/self/status");
+    kib * 1024
+}
+
+/// Starts the peak over from what is resident now (Linux 4.0 and later).
+fn reset_peak() {
+    std::fs::write("/proc/self/clear_refs", "5").expect("reset the peak (/proc/self/clear_refs)");
+}
+
+/// Sends streamed at a QP with no receive posted: the target holds what arrives behind the
+/// first one (RNR) only up to a cap, then stops reading until the stall ends; here the RNR
+/// budget runs out, the first Send is refused with RNR_RETRY_EXC_ERR and the rest discarded.
+/// Before the cap the target held whatever the link delivered in the budget's 70 ms (36-57 MiB
+/// of these 64 in three runs; 6-7 MiB with it).
+#[test]
+fn sends_waiting_for_a_receive_are_held_up_to_a_cap() {
+    count_panics();
+    let _alone = MEMORY.lock();
+    let mut t = Target::new();
+    let (mut peer, qp) = t.connection();
+    let mut stream = peer.0.try_clone().expect("clone the socket");
+    let sends = 64u64;
+    reset_peak();
+    let before = peak_resident_bytes();
+    let sender = std::thread::spawn(move || {
+        let payload = vec![7u8; 1 << 20];
+        for ssn in 1..=sends {
+            // Once the target has refused the first, it may close after the Fatal.
+            let f = frame(SEND, &fields(&[&ssn.to_le_bytes(), &[ACK_REQ]]), &payload);
+            if stream.write_all(&f).is_err() {
+                break;
+            }
+        }
+    });
+    let (kind, body) = peer.next().expect("an answer to the first Send");
+    assert_eq!((kind, u64_at(&body, 0)), (NAK, 1), "the first Send is refused");
+    assert_eq!(WcStatus::from_raw(u32::from(body[8])), WcStatus::RnrRetryExcErr);
+    sender.join().expect("the sending thread");
+    let grown = peak_resident_bytes().saturating_sub(before);
+    println!(
+        "{sends} Sends of 1 MiB with no receive posted: the peak grew by {} MiB",
+        grown >> 20
+    );
+    assert!(
+        grown < 16 << 20,
+        "the target held {} MiB of Sends waiting for a receive",
+        grown >> 20
+    );
+    drop(qp);
     assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
 }

@@ -6,6 +6,7 @@
 //! blocks on the socket's read side at all (see [`progress`]).
 
 mod progress;
+mod stall;
 
 use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
@@ -14,7 +15,7 @@ use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use super::inbox::Inbox;
 use super::link::Link;
@@ -80,7 +81,7 @@ struct State {
     outstanding: VecDeque<Pending>,
     recvs: VecDeque<PostedRecv>,
     /// Responder frames waiting for a receive; the head one is the RNR-stalled request.
-    stalled: VecDeque<Frame>,
+    stalled: stall::Stalled,
     stall_gen: u64,
     /// The last Send or Write executed that asked for an acknowledgement and has not had it
     /// yet (acks are cumulative, as RC's): it goes out before any other response, when the
@@ -116,6 +117,10 @@ struct Engine {
     /// A poll left whole frames read ahead: the next poll handles them even if the socket has
     /// nothing new (tcp; the CQ sources look at it).
     buffered: Arc<AtomicBool>,
+    /// The held frames reached [`stall::STALL_CAP`]: nobody reads the link until the stall
+    /// ends; `unthrottled` is notified (under `state`) when it does.
+    throttle: AtomicBool,
+    unthrottled: Condvar,
     /// tcp: rung to have the reader thread look again (its pollers hand it a frame, a CQ was
     /// armed, the QP is destroyed). shm: none, its reader thread alone reads the link.
     wake: Option<OwnedFd>,
@@ -160,6 +165,8 @@ impl Qp {
             state: Mutex::new(State::default()),
             error: AtomicBool::new(false),
             destroyed: AtomicBool::new(false),
+            throttle: AtomicBool::new(false),
+            unthrottled: Condvar::new(),
             direct,
             own_rq,
         });
@@ -654,6 +661,7 @@ impl Engine {
             self.push_recv(r, FLUSH, WcOpcode::Recv, 0, None);
         }
         st.stalled.clear();
+        self.settle_throttle(st);
         // Everything executed is acknowledged before the Fatal, asked for or not.
         if st.executed > st.acked {
             st.ack_due = st.executed;
@@ -703,6 +711,7 @@ impl Engine {
                 }
                 if !st.stalled.is_empty() {
                     st.stalled.push_back(request);
+                    self.settle_throttle(st);
                 } else if needs_recv(&request) && st.recvs.is_empty() {
                     self.start_stall(st, request);
                 } else {
@@ -842,6 +851,7 @@ impl Engine {
 
     fn start_stall(self: &Arc<Self>, st: &mut State, frame: Frame) {
         st.stalled.push_front(frame);
+        self.settle_throttle(st);
         st.stall_gen += 1;
         let gen = st.stall_gen;
         let weak: Weak<Engine> = Arc::downgrade(self);
@@ -872,6 +882,7 @@ impl Engine {
             }
             st.stalled.clear();
             st.discarding = true;
+            self.settle_throttle(&st);
         }
     }
 
@@ -880,6 +891,11 @@ impl Engine {
         if st.stalled.is_empty() || st.recvs.is_empty() {
             return;
         }
+        self.run_stalled(st);
+        self.settle_throttle(st);
+    }
+
+    fn run_stalled(self: &Arc<Self>, st: &mut State) {
         st.stall_gen += 1; // the head moves on: its timer is void
         while let Some(frame) = st.stalled.pop_front() {
             if needs_recv(&frame) && st.recvs.is_empty() {
@@ -890,6 +906,25 @@ impl Engine {
             if st.error {
                 return;
             }
+        }
+    }
+
+    /// Matches the throttle to what the held frames take, and wakes the reader thread when the
+    /// link may be read again. Called under `state` after every change to the held frames.
+    fn settle_throttle(&self, st: &State) {
+        let full = st.stalled.full();
+        if self.throttle.swap(full, Ordering::AcqRel) && !full {
+            self.unthrottled.notify_all();
+        }
+    }
+
+    /// The reader thread, throttled: waits until the stall ends (a receive posted, the RNR
+    /// budget spent, the QP in error) or the QP is destroyed.
+    fn wait_unthrottled(&self) {
+        let mut st = self.state.lock();
+        while self.throttle.load(Ordering::Acquire) && !self.destroyed.load(Ordering::Acquire) {
+            // Destroying wakes nobody here; a short wait sees it soon enough.
+            self.unthrottled.wait_for(&mut st, Duration::from_millis(10));
         }
     }
 

@@ -108,6 +108,8 @@ enum Outcome {
     Blocked,
     /// The next frame is for the reader thread.
     HandOff,
+    /// The frames held behind an RNR stall reached their cap: read nothing until it ends.
+    Throttled,
 }
 
 /// The wake-up descriptor of a reader thread (an eventfd).
@@ -139,6 +141,7 @@ impl Engine {
             let arrived_to_spinners = !graced && self.leave(now, distrust_until);
             let elsewhere = graced && !spinning;
             let mut found_silent = false;
+            let mut throttled = false;
             if rung || !(keeping_up || arrived_to_spinners) {
                 let mut r = self.reader.lock();
                 if r.stopped {
@@ -149,10 +152,23 @@ impl Engine {
                     match self.step(&mut r, Who::Thread) {
                         Ok(Outcome::Frame) => {}
                         Ok(Outcome::Blocked | Outcome::HandOff) => break,
+                        Ok(Outcome::Throttled) => {
+                            throttled = true;
+                            break;
+                        }
                         Err(stop) => return self.stop(&mut r, stop),
                     }
                 }
                 found_silent = r.silent != silent_before;
+            }
+            if throttled {
+                // Not the socket's readiness: it has more, and must keep it until the stall ends.
+                self.wait_unthrottled();
+                if self.destroyed.load(Ordering::Acquire) {
+                    return;
+                }
+                (rung, graced) = (true, false);
+                continue;
             }
             if elsewhere && found_silent {
                 if last_strike.is_some_and(|t| now - t < STRIKES_WITHIN) {
@@ -210,7 +226,7 @@ impl Engine {
                 Ok(Outcome::Frame) => {
                     self.taken.fetch_add(1, Ordering::Relaxed);
                 }
-                Ok(Outcome::Blocked) => break,
+                Ok(Outcome::Blocked | Outcome::Throttled) => break,
                 Ok(Outcome::HandOff) => {
                     drop(r);
                     return self.wake_reader();
@@ -295,6 +311,9 @@ impl Engine {
                     return Ok(Outcome::Frame);
                 }
                 Partial::Idle => {
+                    if self.throttle.load(Ordering::Acquire) {
+                        return Ok(Outcome::Throttled);
+                    }
                     if !r.inbox.try_fill(4)? {
                         return Ok(Outcome::Blocked);
                     }
