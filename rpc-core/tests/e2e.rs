@@ -990,12 +990,11 @@ async fn random_drops_never_expose_a_reused_buffer() {
 }
 
 /// The span (µs) `random_drops_never_expose_a_reused_buffer` draws its sixteen callers' waits
-/// from: twice the median time of sixteen calls made at once, half of them eager and half
+/// from (`common::drop_span`): sixteen calls timed at once, half of them eager and half
 /// rendezvous, as the callers make theirs; at least 20 ms. A fixed 20 ms let none of 2,400
-/// calls finish in the VM lane once its build was optimized (the emulated NIC queues the
-/// rendezvous transfers), and `common::tally` rightly failed it.
+/// calls finish in the VM lane once its build was optimized.
 async fn drop_span(client: &Client) -> u64 {
-    let calls: Vec<_> = (0..16u64)
+    let calls = (0..16u64)
         .map(|i| {
             let c = client.clone();
             tokio::spawn(async move {
@@ -1007,12 +1006,7 @@ async fn drop_span(client: &Client) -> u64 {
             })
         })
         .collect();
-    let mut times = Vec::new();
-    for c in calls {
-        times.push(bounded(c).await.expect("a timed caller"));
-    }
-    times.sort();
-    (times[times.len() / 2].as_micros() as u64 * 2).max(20_000)
+    common::drop_span(calls, 20_000).await
 }
 
 // ---- peer death ----

@@ -655,13 +655,11 @@ async fn a_call_refused_after_staging_gives_its_buffer_back() {
     expect_answer(&got, &[5; 100], false);
 }
 
-/// The span (µs) the drop tests draw their eight callers' waits from: twice the median time of
-/// eight `SLOW_SUM` calls of `len` bytes made at once, as the callers make theirs. On any
-/// machine (the VM lane's emulated NIC, where the transfers queue, included) about half the
-/// calls then finish within their wait and the others are dropped mid-call, as `common::tally`
-/// checks; a fixed span of 6 ms once let none finish there.
+/// The span (µs) the drop tests draw their eight callers' waits from (`common::drop_span`):
+/// eight `SLOW_SUM` calls of `len` bytes timed at once, as the callers make theirs; at least
+/// 1 ms. A fixed span of 6 ms once let none finish in the VM lane.
 async fn drop_span(client: &Client, len: usize) -> u64 {
-    let calls: Vec<_> = (0..8)
+    let calls = (0..8)
         .map(|_| {
             let c = client.clone();
             tokio::spawn(async move {
@@ -672,12 +670,7 @@ async fn drop_span(client: &Client, len: usize) -> u64 {
             })
         })
         .collect();
-    let mut times = Vec::new();
-    for c in calls {
-        times.push(bounded(c).await.expect("a timed caller"));
-    }
-    times.sort();
-    (times[times.len() / 2].as_micros() as u64 * 2).max(1_000)
+    common::drop_span(calls, 1_000).await
 }
 
 /// Small registered requests dropped mid-call (their buffers out in a Send, or queued), and

@@ -9,6 +9,12 @@
 //! Send finding no receive is held (RNR) and fails with RNR_RETRY_EXC_ERR when none is posted in
 //! time; any error moves the QP to the error state, flushes it and tells the peer; a dead peer
 //! (EOF, reset, keepalive or TCP user timeout) fails the head request with RETRY_EXC_ERR.
+//!
+//! What a peer can make the engine hold in memory: the frame it is reading (at most the largest
+//! message), up to 4 MiB of frames behind a Send that waits for a receive (past that the engine
+//! reads nothing until the stall ends), and a few dozen bytes per answer the peer has not taken
+//! from its socket: a Read's answer stays in the registration until it leaves, as a NIC reads
+//! host memory while it transmits.
 
 mod cm;
 mod engine;

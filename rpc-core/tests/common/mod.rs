@@ -25,6 +25,21 @@ pub async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
         .expect("bounded: no hang")
 }
 
+/// The span (µs) a drop test draws its callers' waits from: twice the median of the times the
+/// timed calls in `calls` took, made at once as the callers make theirs, and at least
+/// `floor_us`. On any machine (the VM lane's emulated NIC, where transfers queue, included)
+/// about half the calls then finish within their wait and the others are dropped mid-call, as
+/// [`tally`] checks; fixed spans once let none finish there.
+pub async fn drop_span(calls: Vec<tokio::task::JoinHandle<Duration>>, floor_us: u64) -> u64 {
+    let mut times = Vec::new();
+    for c in calls {
+        times.push(bounded(c).await.expect("a timed caller"));
+    }
+    times.sort();
+    let median = times.get(times.len() / 2).copied().unwrap_or_default();
+    (median.as_micros() as u64 * 2).max(floor_us)
+}
+
 /// Waits for callers that each report (calls completed, calls dropped mid-flight), checks that
 /// both happened (else the waits need tuning), prints and returns the totals.
 pub async fn tally(tasks: Vec<tokio::task::JoinHandle<(usize, usize)>>) -> (usize, usize) {
