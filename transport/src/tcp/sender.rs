@@ -109,14 +109,19 @@ impl Sender {
     /// Sends or queues a read response: `head`, then `len` bytes of `region` from `off`. What
     /// the link does not take at once waits as a reference to the region, not as a copy.
     pub(crate) fn send_from(&self, head: &[u8], region: &Arc<Region>, off: usize, len: usize) -> Result<(), ()> {
+        // The region first, then our lock, in the order a post takes them (`send_parts` from a
+        // registered buffer): an application thread holding one registration's write lock
+        // while it posts from another must not find us holding ours and waiting for its.
+        let bytes = region.read_range(off, len);
         let mut st = self.state.lock();
         if st.closed || st.close_after {
             return Err(());
         }
         let mut sent = 0;
         if st.backlog.is_empty() && !st.flushing {
-            sent = self.try_now(&mut st, head, &region.read_range(off, len))?;
+            sent = self.try_now(&mut st, head, &bytes)?;
         }
+        drop(bytes);
         if sent < head.len() + len {
             let (h, d) = (sent.min(head.len()), sent.saturating_sub(head.len()));
             st.push_bytes(&head[h..]);
