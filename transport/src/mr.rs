@@ -148,6 +148,13 @@ impl Region {
         }
     }
 
+    /// As [`read_range`](Self::read_range) if nobody holds the lock for writing; `None` if
+    /// somebody does.
+    pub(crate) fn try_read_range(&self, off: usize, len: usize) -> Option<MappedRwLockReadGuard<'_, [u8]>> {
+        let mem = self.mem.try_read_recursive()?;
+        Some(RwLockReadGuard::map(mem, |m| &m.bytes()[off..off + len]))
+    }
+
     /// As [`lock_range`](Self::lock_range) if nobody holds the lock; `None` if somebody does.
     pub(crate) fn try_lock_range(&self, off: usize, len: usize) -> Option<MappedRwLockWriteGuard<'_, [u8]>> {
         let mem = self.mem.try_write()?;
@@ -160,27 +167,38 @@ impl Region {
     /// Shared memory (shm) uses an atomic instruction, since peers run atomics on it directly;
     /// heap memory is only reached through this lock.
     pub(crate) fn atomic(&self, off: usize, op: Rmw) -> u64 {
-        let mut mem = self.mem.write();
-        match &mut *mem {
-            Mem::Shared(s) => op.apply(s.atomic_word(off / 8)),
-            Mem::Heap(words) => {
-                let old = words[off / 8];
-                // Stored in native byte order, as the NIC does.
-                words[off / 8] = op.apply_plain(old);
-                old
-            }
-            // A vector's bytes may sit at any address: read and written as bytes, under the lock.
-            Mem::Vec(v) => {
-                let Some(w) = v.get_mut(off..off + 8) else { return 0 };
-                let mut old = [0u8; 8];
-                old.copy_from_slice(w);
-                let old = u64::from_ne_bytes(old);
-                w.copy_from_slice(&op.apply_plain(old).to_ne_bytes());
-                old
-            }
-        }
+        rmw(&mut self.mem.write(), off, op)
     }
 
+    /// As [`atomic`](Self::atomic) if nobody holds the lock; `None` if somebody does.
+    pub(crate) fn try_atomic(&self, off: usize, op: Rmw) -> Option<u64> {
+        Some(rmw(&mut *self.mem.try_write()?, off, op))
+    }
+}
+
+/// An atomic on the 8-byte word of `mem` at byte offset `off`, under the region's lock.
+fn rmw(mem: &mut Mem, off: usize, op: Rmw) -> u64 {
+    match mem {
+        Mem::Shared(s) => op.apply(s.atomic_word(off / 8)),
+        Mem::Heap(words) => {
+            let old = words[off / 8];
+            // Stored in native byte order, as the NIC does.
+            words[off / 8] = op.apply_plain(old);
+            old
+        }
+        // A vector's bytes may sit at any address: read and written as bytes, under the lock.
+        Mem::Vec(v) => {
+            let Some(w) = v.get_mut(off..off + 8) else { return 0 };
+            let mut old = [0u8; 8];
+            old.copy_from_slice(w);
+            let old = u64::from_ne_bytes(old);
+            w.copy_from_slice(&op.apply_plain(old).to_ne_bytes());
+            old
+        }
+    }
+}
+
+impl Region {
     /// The application's vector back, deregistered (a copy out of the arena on shm).
     fn into_vec(mut self) -> Vec<u8> {
         let len = self.len;

@@ -15,6 +15,11 @@
 //! reads nothing until the stall ends), and a few dozen bytes per answer the peer has not taken
 //! from its socket: a Read's answer stays in the registration until it leaves, as a NIC reads
 //! host memory while it transmits.
+//!
+//! Registrations are behind locks here (a NIC needs none): a Read or atomic that reaches memory
+//! the application holds (`bytes_mut()`) is answered when the borrow ends, from the writer
+//! thread, and what this side sends after that answer waits behind it. The responder never
+//! waits for a registration's lock while it holds the QP's, so posting meanwhile does not wait.
 
 mod cm;
 mod engine;

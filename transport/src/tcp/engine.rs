@@ -1045,8 +1045,10 @@ impl Engine {
                             AtomicOp::CompareSwap { compare, swap } => Rmw::CompareSwap { compare, swap },
                             AtomicOp::FetchAdd { add } => Rmw::FetchAdd { add },
                         };
-                        let old = region.atomic(off, rmw);
-                        self.respond(st, Encoder::atomic_resp(ssn, old));
+                        // Not `respond`: if the application holds the region, the atomic
+                        // waits in the sending backlog rather than this thread under our lock.
+                        self.flush_ack(st);
+                        let _ = self.out.send_atomic(ssn, &region, off, rmw);
                     }
                     Err(status) => fail(st, ssn, status),
                 }

@@ -19,7 +19,8 @@ use std::sync::Arc;
 use parking_lot::{Condvar, Mutex};
 
 use super::link::Link;
-use crate::mr::Region;
+use super::wire::Encoder;
+use crate::mr::{Region, Rmw};
 
 /// The largest emptied backlog buffer kept for reuse.
 const SPARE_MAX: usize = 4 << 20;
@@ -36,6 +37,14 @@ enum Piece {
         region: Arc<Region>,
         off: usize,
         len: usize,
+    },
+    /// An atomic the responder found its region locked for: run, and answered, when its turn
+    /// to go out comes (RC lets later requests overtake an atomic; fences order them).
+    Atomic {
+        ssn: u64,
+        region: Arc<Region>,
+        off: usize,
+        op: Rmw,
     },
 }
 
@@ -107,21 +116,22 @@ impl Sender {
     }
 
     /// Sends or queues a read response: `head`, then `len` bytes of `region` from `off`. What
-    /// the link does not take at once waits as a reference to the region, not as a copy.
+    /// the link does not take at once waits as a reference to the region, not as a copy; so
+    /// does all of it while somebody holds the region for writing (the application, which may
+    /// post on this QP meanwhile: the responder never waits for a registration's lock while it
+    /// holds the QP's).
     pub(crate) fn send_from(&self, head: &[u8], region: &Arc<Region>, off: usize, len: usize) -> Result<(), ()> {
         // The region first, then our lock, in the order a post takes them (`send_parts` from a
-        // registered buffer): an application thread holding one registration's write lock
-        // while it posts from another must not find us holding ours and waiting for its.
-        let bytes = region.read_range(off, len);
+        // registered buffer).
+        let bytes = region.try_read_range(off, len);
         let mut st = self.state.lock();
         if st.closed || st.close_after {
             return Err(());
         }
         let mut sent = 0;
-        if st.backlog.is_empty() && !st.flushing {
+        if let Some(bytes) = bytes.filter(|_| st.backlog.is_empty() && !st.flushing) {
             sent = self.try_now(&mut st, head, &bytes)?;
         }
-        drop(bytes);
         if sent < head.len() + len {
             let (h, d) = (sent.min(head.len()), sent.saturating_sub(head.len()));
             st.push_bytes(&head[h..]);
@@ -132,6 +142,26 @@ impl Sender {
             });
             self.cv.notify_one();
         }
+        Ok(())
+    }
+
+    /// Runs a target's atomic on `region` and sends its answer; if somebody holds the region,
+    /// the atomic waits in the backlog for the writer thread, which may wait for the lock.
+    pub(crate) fn send_atomic(&self, ssn: u64, region: &Arc<Region>, off: usize, op: Rmw) -> Result<(), ()> {
+        if let Some(old) = region.try_atomic(off, op) {
+            return self.send(&Encoder::atomic_resp(ssn, old).finish());
+        }
+        let mut st = self.state.lock();
+        if st.closed || st.close_after {
+            return Err(());
+        }
+        st.backlog.push_back(Piece::Atomic {
+            ssn,
+            region: region.clone(),
+            off,
+            op,
+        });
+        self.cv.notify_one();
         Ok(())
     }
 
@@ -219,6 +249,10 @@ impl Sender {
                     done += n;
                 }
                 true
+            }
+            Piece::Atomic { ssn, region, off, op } => {
+                let old = region.atomic(*off, *op);
+                self.link.write_all(&Encoder::atomic_resp(*ssn, old).finish()).is_ok()
             }
         }
     }
