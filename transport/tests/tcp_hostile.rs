@@ -600,8 +600,8 @@ fn answers_the_peer_does_not_take_cost_no_copies() {
             &[],
         ));
     }
-    // A Write behind them sets the flag: the target has handled every read before it (RC
-    // executes in order), and the peer still reads nothing.
+    // A Write behind them sets the flag: the target's engine takes requests in order, so it
+    // has taken every read by then (their answers queued), and the peer still reads nothing.
     let ssn = reads + 1;
     peer.send(&frame(
         WRITE,
