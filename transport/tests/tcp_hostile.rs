@@ -713,3 +713,72 @@ fn sends_waiting_for_a_receive_are_held_up_to_a_cap() {
     drop(qp);
     assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
 }
+
+/// Two fetch-and-adds on one word run in the order they came, even when the first had to wait
+/// for the application's borrow and the second did not: the first found the word held, the
+/// application let go, then the second came, while answers the peer has not taken yet sat in
+/// front of both. Each must return the word as the one before it left it.
+#[test]
+fn atomics_that_waited_for_a_borrow_keep_their_order() {
+    count_panics();
+    let mut t = Target::new();
+    let len = 4usize << 20;
+    let bulk = t.filled(len, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ, 5);
+    let mut word = t.filled(8, AccessFlags::ALL, 0);
+    let flag = t.filled(8, AccessFlags::ALL, 0);
+    let start = u64::from_ne_bytes(word.bytes()[..8].try_into().expect("8 bytes"));
+    let (mut peer, qp) = t.connection();
+    let (wa, wk) = (word.addr().to_le_bytes(), word.rkey().to_le_bytes());
+    let faa = |ssn: u64, add: u64| {
+        let (a, k) = (wa, wk);
+        frame(
+            ATOMIC,
+            &fields(&[&ssn.to_le_bytes(), &a, &k, &[1], &add.to_le_bytes(), &[0; 8]]),
+            &[],
+        )
+    };
+    let mark = |ssn: u64, value: u8| {
+        let (a, k) = (flag.addr().to_le_bytes(), flag.rkey().to_le_bytes());
+        frame(WRITE, &fields(&[&ssn.to_le_bytes(), &a, &k, &[0], &[0; 4]]), &[value])
+    };
+    let until_marked = |value: u8| {
+        let deadline = Instant::now() + WAIT;
+        while flag.bytes()[0] != value {
+            assert!(Instant::now() < deadline, "the target never took mark {value}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    // Answers the peer does not take yet: the target's sending side is backed up.
+    let (a, k) = (bulk.addr().to_le_bytes(), bulk.rkey().to_le_bytes());
+    for ssn in 1..=4u64 {
+        peer.send(&frame(
+            READ_REQ,
+            &fields(&[&ssn.to_le_bytes(), &a, &k, &(len as u32).to_le_bytes()]),
+            &[],
+        ));
+    }
+    let held = word.bytes_mut();
+    peer.send(&faa(5, 1));
+    peer.send(&mark(6, 1));
+    until_marked(1);
+    drop(held);
+    peer.send(&faa(7, 2));
+    peer.send(&mark(8, 2));
+    until_marked(2);
+    let mut olds = Vec::new();
+    while olds.len() < 2 {
+        let (kind, body) = peer.next().expect("an answer");
+        if kind == ATOMIC_RESP {
+            olds.push((u64_at(&body, 0), u64_at(&body, 8)));
+        }
+    }
+    assert_eq!(
+        olds,
+        [(5, start), (7, start.wrapping_add(1))],
+        "each fetch-and-add returns the word as the one before it left it"
+    );
+    let now = u64::from_ne_bytes(word.bytes()[..8].try_into().expect("8 bytes"));
+    assert_eq!(now, start.wrapping_add(3));
+    drop(qp);
+    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
+}

@@ -146,14 +146,21 @@ impl Sender {
     }
 
     /// Runs a target's atomic on `region` and sends its answer; if somebody holds the region,
-    /// the atomic waits in the backlog for the writer thread, which may wait for the lock.
+    /// or anything waits in the backlog (an atomic deferred before it may be there), the atomic
+    /// waits in the backlog for the writer thread, which runs them in the order they came and
+    /// may wait for the lock.
     pub(crate) fn send_atomic(&self, ssn: u64, region: &Arc<Region>, off: usize, op: Rmw) -> Result<(), ()> {
-        if let Some(old) = region.try_atomic(off, op) {
-            return self.send(&Encoder::atomic_resp(ssn, old).finish());
-        }
         let mut st = self.state.lock();
         if st.closed || st.close_after {
             return Err(());
+        }
+        // Only a try: no lock taken under ours is waited for.
+        let now = (st.backlog.is_empty() && !st.flushing)
+            .then(|| region.try_atomic(off, op))
+            .flatten();
+        if let Some(old) = now {
+            drop(st);
+            return self.send(&Encoder::atomic_resp(ssn, old).finish());
         }
         st.backlog.push_back(Piece::Atomic {
             ssn,
@@ -209,12 +216,12 @@ impl Sender {
             let mut spare = None;
             for piece in batch.drain(..) {
                 ok = ok && self.write_piece(&piece, &mut scratch);
-                if let Piece::Bytes(mut b) = piece {
-                    if b.capacity() <= SPARE_MAX && spare.as_ref().is_none_or(|s: &Vec<u8>| s.capacity() < b.capacity())
-                    {
+                match piece {
+                    Piece::Bytes(mut b) if b.capacity() <= SPARE_MAX => {
                         b.clear();
                         spare = Some(b);
                     }
+                    _ => {}
                 }
             }
             st = self.state.lock();
