@@ -174,6 +174,19 @@ impl Region {
     pub(crate) fn try_atomic(&self, off: usize, op: Rmw) -> Option<u64> {
         Some(rmw(&mut *self.mem.try_write()?, off, op))
     }
+
+    /// The application's vector back, deregistered (a copy out of the arena on shm).
+    fn into_vec(mut self) -> Vec<u8> {
+        let len = self.len;
+        let mem = std::mem::replace(self.mem.get_mut(), Mem::Vec(Vec::new()));
+        // Deregistered (keys withdrawn, the NIC's registration gone) before the memory is
+        // anyone's, or freed: no peer reaches it from here on.
+        drop(self);
+        match mem {
+            Mem::Vec(v) => v,
+            other => other.bytes()[..len].to_vec(),
+        }
+    }
 }
 
 /// An atomic on the 8-byte word of `mem` at byte offset `off`, under the region's lock.
@@ -194,21 +207,6 @@ fn rmw(mem: &mut Mem, off: usize, op: Rmw) -> u64 {
             let old = u64::from_ne_bytes(old);
             w.copy_from_slice(&op.apply_plain(old).to_ne_bytes());
             old
-        }
-    }
-}
-
-impl Region {
-    /// The application's vector back, deregistered (a copy out of the arena on shm).
-    fn into_vec(mut self) -> Vec<u8> {
-        let len = self.len;
-        let mem = std::mem::replace(self.mem.get_mut(), Mem::Vec(Vec::new()));
-        // Deregistered (keys withdrawn, the NIC's registration gone) before the memory is
-        // anyone's, or freed: no peer reaches it from here on.
-        drop(self);
-        match mem {
-            Mem::Vec(v) => v,
-            other => other.bytes()[..len].to_vec(),
         }
     }
 }
