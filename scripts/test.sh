@@ -49,7 +49,8 @@ step "conformance, RPC end-to-end, registered buffers, shutdown, isolation, #[se
 # One boot runs every test binary below (scripts/vm-lane.sh inside the guest); the examples'
 # binaries go to /examples, where tests/examples.rs looks for them (next to its own directory).
 # They are built with the `vm` profile (Cargo.toml: dev's checks, optimized): under emulation the
-# RPC suite took 712 s unoptimized and 166 s so (2026-12-03), for about 5 minutes more building.
+# RPC suite took 712 s unoptimized and 166 s so (2026-12-03), for about 6 minutes more building
+# from a clean clone.
 cargo build --quiet --profile vm --examples || fail=1
 vm_tests=(conformance e2e registered shutdown isolation service examples)
 bins=$(cargo test --profile vm -p rdma-rpc-transport -p rdma-rpc-core -p rdma-rpc "${vm_tests[@]/#/--test=}" \
