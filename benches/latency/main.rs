@@ -137,6 +137,10 @@ struct Args {
     /// (perftest always polls; on the tcp provider polling steals the engine's CPU).
     #[arg(long, default_value_t = 20)]
     raw_spin_us: u64,
+    /// Raw Send and Write ping-pongs: one request in this many asks for a completion, as
+    /// perftest's `cq_mod` (1: every one, as this harness did before 2026-12-03).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=256))]
+    raw_cq_mod: u32,
     /// Receives each side of the raw Send ping-pongs keeps posted; `rpc-body` posts as many
     /// (`Config::ring`), the other RPC modes the library's default (64).
     #[arg(long, default_value_t = raw::RING, value_parser = clap::value_parser!(u32).range(2..=256))]
@@ -197,6 +201,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::env::set_var(rdma_rpc::transport::PROVIDER_ENV, &provider);
     let dev = Device::open_default()?;
     raw::SPIN_US.store(args.raw_spin_us, std::sync::atomic::Ordering::Relaxed);
+    raw::CQ_MOD.store(args.raw_cq_mod as usize, std::sync::atomic::Ordering::Relaxed);
     let sizes = args
         .sizes
         .clone()

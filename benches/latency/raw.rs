@@ -68,6 +68,60 @@ pub static SPIN_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 /// interleaved VM runs.
 const INNER_POLLS: u32 = 256;
 
+/// The Sends and Writes of the raw ping-pongs ask for a completion once in this many
+/// (`--raw-cq-mod`), as perftest's latency tests do (`cq_mod`, 100 there): the others are
+/// unsignaled, and after posting one that asks, a side waits for its completion before it goes
+/// on. Signaling every request instead costs a completion per message, and on the tcp provider
+/// an acknowledgement frame each, which neither perftest nor the RPC (a completion every eighth
+/// Send from its pool) pays.
+pub static CQ_MOD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(100);
+
+/// The most a side of a raw ping-pong holds in send buffers: their request's buffer comes back
+/// only with the next signaled completion, so at large sizes a completion is asked for more often
+/// than `CQ_MOD` says (at 8 MiB, every fourth).
+const SEND_MEMORY: usize = 32 << 20;
+
+/// One request in how many asks for a completion at this message length (see [`CQ_MOD`]).
+fn signal_every(len: usize) -> usize {
+    CQ_MOD
+        .load(std::sync::atomic::Ordering::Relaxed)
+        .min(SEND_MEMORY / len.max(1))
+        .max(1)
+}
+
+/// Requests posted from a pool of send buffers, one in `every` signaled (see [`CQ_MOD`]).
+struct Signaler {
+    pool: BufferPool,
+    every: usize,
+    posted: usize,
+}
+
+impl Signaler {
+    fn new(pd: &ProtectionDomain, len: usize) -> Self {
+        let every = signal_every(len);
+        let pool = BufferPool::new(pd, len, every, AccessFlags::NONE).expect("send buffers");
+        Self { pool, every, posted: 0 }
+    }
+
+    /// A free send buffer: all of them are free again once the last signaled request completed.
+    fn take(&self) -> MemoryRegion {
+        self.pool
+            .take()
+            .expect("a send buffer (the last signaled completion gave them back)")
+    }
+
+    /// `wr` as it is posted: unsignaled unless it is the `every`-th; the bool says whether it asks
+    /// for a completion (whose wait then comes before anything else).
+    fn mark(&mut self, wr: SendWr) -> (SendWr, bool) {
+        self.posted += 1;
+        if self.posted % self.every == 0 {
+            (wr, true)
+        } else {
+            (wr.unsignaled(), false)
+        }
+    }
+}
+
 /// The spin budget of `--raw-spin-us`.
 pub fn spin_budget() -> Duration {
     Duration::from_micros(SPIN_US.load(std::sync::atomic::Ordering::Relaxed))
@@ -183,8 +237,9 @@ pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, how: Pin
     let server = Arc::new(server);
     let srv = server.clone();
     let echo = rt.spawn(async move {
-        // Send completions may come back after the next request: keep a few send buffers.
-        let pool = BufferPool::new(&srv.pd, len, ring as usize, AccessFlags::NONE).expect("pool");
+        // Send completions may come back after the next message: its answer then waits for
+        // them (for a free send buffer).
+        let mut sends = Signaler::new(&srv.pd, len);
         let mut owed = 0usize;
         let mut out = Vec::with_capacity(1);
         loop {
@@ -199,28 +254,25 @@ pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, how: Pin
                 let wr = RecvWr::new(c.wr_id, buf);
                 srv.qp.post_recv(wr).map_err(|e| e.error).expect("recv");
             } else {
-                drop(c); // the send buffer goes back to the pool
+                drop(c); // its send buffers go back to the pool
             }
             while owed > 0 {
-                let Some(buf) = pool.take() else { break };
-                let wr = inline(size, &srv.qp, SendWr::send(0, buf).len(size));
+                let Some(buf) = sends.pool.take() else { break };
+                let (wr, _) = sends.mark(inline(size, &srv.qp, SendWr::send(0, buf).len(size)));
                 srv.qp.post_send(wr).map_err(|e| e.error).expect("send");
                 owed -= 1;
             }
         }
     });
-    let mut buf = Some(client.pd.register(len, AccessFlags::NONE).expect("reg"));
+    let mut sends = Signaler::new(&client.pd, len);
     let mut out = Vec::with_capacity(1);
     let samples = sampler::run(plan, async || {
         let t = Instant::now();
-        let wr = inline(
-            size,
-            &client.qp,
-            SendWr::send(0, buf.take().expect("send buffer")).len(size),
-        );
+        let wr = inline(size, &client.qp, SendWr::send(0, sends.take()).len(size));
+        let (wr, signaled) = sends.mark(wr);
         client.qp.post_send(wr).map_err(|e| e.error).expect("send");
-        let mut got = false;
-        while buf.is_none() || !got {
+        let (mut got, mut sent) = (false, !signaled);
+        while !sent || !got {
             let c = ok(next(&client.cq, spin, &mut out).await);
             match c.opcode {
                 WcOpcode::Recv => {
@@ -230,7 +282,7 @@ pub async fn send(rt: &Handle, client: Side, server: Side, size: usize, how: Pin
                     let wr = RecvWr::new(c.wr_id, buf);
                     client.qp.post_recv(wr).map_err(|e| e.error).expect("recv");
                 }
-                _ => buf = c.buf,
+                _ => sent = true, // its send buffers go back to the pool as `c` drops
             }
         }
         Some(t.elapsed() / 2)
@@ -311,7 +363,7 @@ pub async fn write(rt: &Handle, client: Side, server: Side, size: usize, plan: P
     let stop2 = stop.clone();
     let echo = rt.spawn(async move {
         let (s, mine) = (&srv.0, &srv.1);
-        let mut src = Some(s.pd.register(len, AccessFlags::NONE).expect("reg"));
+        let mut writes = Signaler::new(&s.pd, len);
         let mut expect: u8 = 1;
         let mut out = Vec::with_capacity(1);
         while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
@@ -319,7 +371,7 @@ pub async fn write(rt: &Handle, client: Side, server: Side, size: usize, plan: P
                 give_way().await;
                 continue;
             }
-            let mut b = src.take().expect("src");
+            let mut b = writes.take();
             b.bytes_mut()[len - 1] = expect;
             let wr = inline(
                 size,
@@ -334,17 +386,20 @@ pub async fn write(rt: &Handle, client: Side, server: Side, size: usize, plan: P
                 .buf(b)
                 .len(len),
             );
+            let (wr, signaled) = writes.mark(wr);
             s.qp.post_send(wr).map_err(|e| e.error).expect("write");
-            src = ok(next(&s.cq, spin_budget(), &mut out).await).buf;
+            if signaled {
+                ok(next(&s.cq, spin_budget(), &mut out).await); // the pool's buffers come back
+            }
             expect = expect.wrapping_add(1).max(1);
         }
     });
-    let mut src = Some(client.pd.register(len, AccessFlags::NONE).expect("reg"));
+    let mut writes = Signaler::new(&client.pd, len);
     let mut tag = 1u8;
     let mut out = Vec::with_capacity(1);
     let r = sampler::run(plan, async || {
         let t = Instant::now();
-        let mut b = src.take().expect("src");
+        let mut b = writes.take();
         b.bytes_mut()[len - 1] = tag;
         let wr = SendWr::new(
             0,
@@ -355,12 +410,11 @@ pub async fn write(rt: &Handle, client: Side, server: Side, size: usize, plan: P
         )
         .buf(b)
         .len(len);
-        client
-            .qp
-            .post_send(inline(size, &client.qp, wr))
-            .map_err(|e| e.error)
-            .expect("write");
-        src = ok(next(&client.cq, spin_budget(), &mut out).await).buf;
+        let (wr, signaled) = writes.mark(inline(size, &client.qp, wr));
+        client.qp.post_send(wr).map_err(|e| e.error).expect("write");
+        if signaled {
+            ok(next(&client.cq, spin_budget(), &mut out).await); // the pool's buffers come back
+        }
         while !landed(&cdst, len, tag) {
             give_way().await;
         }
