@@ -1164,6 +1164,39 @@ async fn writes_land_while_the_target_spins_on_memory_instead_of_its_cq() {
     }
 }
 
+/// A target whose application polls its CQ until a Send arrives and then neither polls nor
+/// posts for a while still acknowledges it: the initiator's completion does not wait for the
+/// target's application (a NIC acknowledges by itself; a software provider that lets the
+/// acknowledgement wait for the target's next request must send it anyway, and soon). Each
+/// round the target goes quiet for 1.5 s; the initiator must see its completion within 1 s.
+#[tokio::test]
+async fn a_sends_completion_does_not_wait_for_the_targets_application() {
+    let (c, s) = pair();
+    let s = std::sync::Arc::new(s);
+    for round in 0..3u64 {
+        s.recv(round, 64);
+        let target = s.clone();
+        let quiet_target = std::thread::spawn(move || {
+            let (mut out, deadline) = (Vec::new(), Instant::now() + WAIT);
+            while out.is_empty() {
+                assert!(Instant::now() < deadline, "the Send never arrived");
+                target.cq.poll(&mut out, 1).expect("poll");
+            }
+            ok(&out[0]);
+            std::thread::sleep(Duration::from_millis(1500));
+        });
+        c.post(SendWr::send(round, c.filled(b"ack me", AccessFlags::LOCAL_WRITE)));
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(1), c.cq.wait(&mut got, 1))
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: no completion while the target's application is quiet"))
+            .expect("cq wait");
+        ok(&got[0]);
+        assert_eq!(got[0].wr_id, round);
+        quiet_target.join().expect("the target's thread");
+    }
+}
+
 // ---- a peer process killed mid-stream ----
 
 const CHILD_ENV: &str = "RDMA_RPC_CONFORMANCE_CHILD";
@@ -1575,7 +1608,7 @@ async fn shared_cqs_under_churn_report_only_what_live_qps_posted() {
             checked += 1;
         }
     };
-    for _ in 0..6000 {
+    for _ in 0..8000 {
         let alive: Vec<usize> = (0..conns.len()).filter(|&k| conns[k].is_some()).collect();
         match rng.below(40) {
             0 if alive.len() < 5 => {

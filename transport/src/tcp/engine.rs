@@ -32,6 +32,17 @@ use crate::{AccessFlags, Error, Head, SendOp, WcOpcode, WcStatus};
 /// RNR_RETRY_EXC_ERR: seven retries of a 10 ms RNR timer.
 const RNR_BUDGET: Duration = Duration::from_millis(70);
 
+/// When the acknowledgement a handled frame made due goes out.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum AckWhen {
+    /// Another frame is already here: after it (acks are cumulative).
+    Later,
+    /// Now (the reader thread).
+    Now,
+    /// A polling thread handled it: see [`Engine::defer_ack`].
+    Deferred,
+}
+
 /// Why the reader thread stops.
 enum Stop {
     /// The link ended or failed.
@@ -85,7 +96,8 @@ struct State {
     stall_gen: u64,
     /// The last Send or Write executed that asked for an acknowledgement and has not had it
     /// yet (acks are cumulative, as RC's): it goes out before any other response, when the
-    /// reader finds no further frame waiting, and after requests a post_recv let run.
+    /// reader thread finds no further frame waiting, and after requests a post_recv let run.
+    /// One that a polling thread made due waits a little for company (see [`Engine::defer_ack`]).
     ack_due: Option<u64>,
     /// The last Send or Write executed, and the last one acknowledged: before a Fatal the peer
     /// learns how far we got, asked or not.
@@ -117,6 +129,13 @@ struct Engine {
     /// A poll left whole frames read ahead: the next poll handles them even if the socket has
     /// nothing new (tcp; the CQ sources look at it).
     buffered: Arc<AtomicBool>,
+    /// A polling thread left an acknowledgement due, to go out in one write with this side's
+    /// next request (see [`Engine::defer_ack`]); the next poll of the QP's CQs sends it if no
+    /// request took it along (tcp; the CQ sources look at it).
+    ack_owed: Arc<AtomicBool>,
+    /// The reader thread is about to wait, or waits, with no timeout: it will not come back to
+    /// send a deferred acknowledgement by itself.
+    reader_untimed: AtomicBool,
     /// The held frames reached [`stall::STALL_CAP`]: nobody reads the link until the stall
     /// ends; `unthrottled` is notified (under `state`) when it does.
     throttle: AtomicBool,
@@ -159,6 +178,8 @@ impl Qp {
             out: Sender::new(link.clone()),
             reader: Mutex::new(progress::Reader::new(Inbox::new(link.clone()))),
             buffered: Arc::new(AtomicBool::new(false)),
+            ack_owed: Arc::new(AtomicBool::new(false)),
+            reader_untimed: AtomicBool::new(false),
             taken: AtomicU64::new(0),
             wake,
             link,
@@ -190,10 +211,15 @@ impl Qp {
                     }
                     None => true,
                 };
-                let buffered = engine.buffered.clone();
+                let (buffered, owed) = (engine.buffered.clone(), engine.ack_owed.clone());
                 cq.add_source(
                     source(),
-                    Box::new(move || always || flag.swap(false, Ordering::AcqRel) || buffered.load(Ordering::Acquire)),
+                    Box::new(move || {
+                        always
+                            || flag.swap(false, Ordering::AcqRel)
+                            || buffered.load(Ordering::Acquire)
+                            || owed.load(Ordering::Acquire)
+                    }),
                 );
             }
         }
@@ -291,6 +317,11 @@ impl Qp {
                     }
                 }
                 st.outstanding.push_back(pending);
+                // An acknowledgement a poll left due goes out in the request's write, ahead of
+                // it; handed to the sender under `state`, so that no response can overtake it.
+                if let Some(ssn) = e.take_ack(&mut st) {
+                    e.out.ahead(&Encoder::ack(ssn).finish());
+                }
             }
             if send_request(&e.out, d).is_err() {
                 // The reader sees the broken connection too and fails what is outstanding.
@@ -325,8 +356,13 @@ impl Qp {
                 st.recvs.push_back(posted);
             }
         }
+        // An acknowledgement due for requests this post let run goes now; one a poll left due
+        // may still wait for this side's next request.
+        let before = st.ack_due;
         e.drain_stalled(&mut st);
-        e.flush_ack(&mut st);
+        if st.ack_due != before {
+            e.flush_ack(&mut st);
+        }
         Ok(())
     }
 
@@ -539,8 +575,8 @@ impl Engine {
     }
 
     /// Completes a frame whose payload [`landing`](Self::landing) placed, as `handle` would;
-    /// `more`: another frame is already here (the ack may wait for it).
-    fn landed(&self, head: DataHead, len: usize, more: bool) {
+    /// `when`: the acknowledgement it makes due goes out.
+    fn landed(&self, head: DataHead, len: usize, when: AckWhen) {
         let mut st = self.state.lock();
         self.drain_rq(&mut st);
         match head {
@@ -559,9 +595,7 @@ impl Engine {
                 executed(&mut st, ssn, ack);
             }
         }
-        if !more {
-            self.flush_ack(&mut st);
-        }
+        self.ack_after(&mut st, when);
     }
 
     /// Sends a response frame, after the ack it must not overtake.
@@ -572,9 +606,43 @@ impl Engine {
 
     /// Acknowledges every Send and Write executed so far (the peer completes them all).
     fn flush_ack(&self, st: &mut State) {
-        if let Some(ssn) = st.ack_due.take() {
-            st.acked = Some(ssn);
+        if let Some(ssn) = self.take_ack(st) {
             let _ = self.out.send(&Encoder::ack(ssn).finish());
+        }
+    }
+
+    /// The acknowledgement due, if any, for the caller to send at once (nothing owed after).
+    fn take_ack(&self, st: &mut State) -> Option<u64> {
+        let ssn = st.ack_due.take()?;
+        st.acked = Some(ssn);
+        self.ack_owed.store(false, Ordering::Release);
+        Some(ssn)
+    }
+
+    /// Sends the acknowledgement a handled frame made due, when `when` says.
+    fn ack_after(&self, st: &mut State, when: AckWhen) {
+        match when {
+            AckWhen::Later => {}
+            AckWhen::Now => self.flush_ack(st),
+            AckWhen::Deferred => self.defer_ack(st),
+        }
+    }
+
+    /// A polling thread's acknowledgement waits for this side's next request, to go out in the
+    /// same write (on tcp an acknowledgement of its own costs a send here and a receive at the
+    /// peer, on the path of the answer that typically follows; a NIC's costs neither CPU), or
+    /// for the next poll of the QP's CQs, or for the reader thread's next turn (at most
+    /// `POLLER_GRACE` while pollers spin, at once when a CQ is armed): whichever comes first.
+    /// With the reader thread in a wait without a timeout, which would not come back for it,
+    /// it goes now.
+    fn defer_ack(&self, st: &mut State) {
+        if st.ack_due.is_none() {
+            return;
+        }
+        // Either this thread sees the reader's flag or the reader sees this one (both SeqCst).
+        self.ack_owed.store(true, Ordering::SeqCst);
+        if self.reader_untimed.load(Ordering::SeqCst) {
+            self.flush_ack(st);
         }
     }
 
@@ -671,15 +739,13 @@ impl Engine {
         self.out.close_after_flush();
     }
 
-    /// Handles one frame; `more`: another frame is already here (the ack may wait for it).
-    fn handle(self: &Arc<Self>, frame: Frame, more: bool) {
+    /// Handles one frame; `when`: the acknowledgement it makes due goes out.
+    fn handle(self: &Arc<Self>, frame: Frame, when: AckWhen) {
         let mut st = self.state.lock();
         // Receives the peer completed directly come first: they were before this frame.
         self.drain_rq(&mut st);
         self.dispatch(&mut st, frame);
-        if !more {
-            self.flush_ack(&mut st);
-        }
+        self.ack_after(&mut st, when);
     }
 
     fn dispatch(self: &Arc<Self>, st: &mut State, frame: Frame) {

@@ -53,6 +53,8 @@ struct State {
     backlog: VecDeque<Piece>,
     /// The writer's last batch, emptied, kept for the next backlog (no allocation per batch).
     spare: Vec<u8>,
+    /// Frames to go out ahead of the next one sent, in its write ([`Sender::ahead`]).
+    ahead: Vec<u8>,
     /// The writer thread is writing a taken backlog: new frames must queue behind it.
     flushing: bool,
     /// Close the sending side once the backlog is out.
@@ -61,6 +63,17 @@ struct State {
 }
 
 impl State {
+    /// `head` with whatever waits to go ahead of it in front; `joined` holds the two when
+    /// something does.
+    fn with_ahead<'a>(&mut self, head: &'a [u8], joined: &'a mut Vec<u8>) -> &'a [u8] {
+        if self.ahead.is_empty() {
+            return head;
+        }
+        *joined = std::mem::take(&mut self.ahead);
+        joined.extend_from_slice(head);
+        joined
+    }
+
     fn push_bytes(&mut self, bytes: &[u8]) {
         if bytes.is_empty() {
             return;
@@ -95,6 +108,13 @@ impl Sender {
         self.send_parts(frame, &[])
     }
 
+    /// Puts whole `frames` ahead of the next frame sent, to go out in its write (the engine's
+    /// deferred acknowledgement, ahead of the request that carries it). The caller holds what
+    /// orders the frames it sends (the engine's state), so nothing sent later overtakes them.
+    pub(crate) fn ahead(&self, frames: &[u8]) {
+        self.state.lock().ahead.extend_from_slice(frames);
+    }
+
     /// Sends or queues one frame given as its header and its payload (borrowed from registered
     /// memory: only what the link does not take at once is copied, into the backlog).
     pub(crate) fn send_parts(&self, head: &[u8], data: &[u8]) -> Result<(), ()> {
@@ -102,6 +122,8 @@ impl Sender {
         if st.closed || st.close_after {
             return Err(());
         }
+        let mut joined = Vec::new();
+        let head = st.with_ahead(head, &mut joined);
         let mut sent = 0;
         if st.backlog.is_empty() && !st.flushing {
             sent = self.try_now(&mut st, head, data)?;
@@ -128,6 +150,8 @@ impl Sender {
         if st.closed || st.close_after {
             return Err(());
         }
+        let mut joined = Vec::new();
+        let head = st.with_ahead(head, &mut joined);
         let mut sent = 0;
         if let Some(bytes) = bytes.filter(|_| st.backlog.is_empty() && !st.flushing) {
             sent = self.try_now(&mut st, head, &bytes)?;
@@ -153,6 +177,12 @@ impl Sender {
         let mut st = self.state.lock();
         if st.closed || st.close_after {
             return Err(());
+        }
+        if !st.ahead.is_empty() {
+            let ahead = std::mem::take(&mut st.ahead);
+            drop(st);
+            self.send(&ahead)?;
+            st = self.state.lock();
         }
         // Only a try: no lock taken under ours is waited for.
         let now = (st.backlog.is_empty() && !st.flushing)

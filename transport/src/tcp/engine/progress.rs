@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::MappedRwLockWriteGuard;
 
-use super::{Engine, Stop};
+use super::{AckWhen, Engine, Stop};
 use crate::mr::Region;
 use crate::tcp::inbox::Inbox;
 use crate::tcp::now_nanos;
@@ -163,6 +163,11 @@ impl Engine {
             }
             if throttled {
                 // Not the socket's readiness: it has more, and must keep it until the stall ends.
+                // Pollers send their acknowledgements themselves meanwhile.
+                self.reader_untimed.store(true, Ordering::SeqCst);
+                if self.ack_owed.load(Ordering::SeqCst) {
+                    self.flush_ack(&mut self.state.lock());
+                }
                 self.wait_unthrottled();
                 if self.destroyed.load(Ordering::Acquire) {
                     return;
@@ -179,6 +184,12 @@ impl Engine {
             taken = self.taken.load(Ordering::Relaxed);
             let now = Instant::now();
             let leave = self.leave(now, distrust_until);
+            // An acknowledgement a poller left owed goes out at the latest here; a wait without
+            // a timeout first tells the pollers to send theirs themselves (see `defer_ack`).
+            self.reader_untimed.store(!leave, Ordering::SeqCst);
+            if self.ack_owed.load(Ordering::SeqCst) {
+                self.flush_ack(&mut self.state.lock());
+            }
             let wake = self.wake.as_ref().map(|w| w.as_fd());
             let waited = self.link.wait(wake, !leave, leave.then_some(POLLER_GRACE));
             rung = self
@@ -215,8 +226,12 @@ impl Engine {
         last != 0 && now_nanos().saturating_sub(last) < nanos(SPIN_GAP)
     }
 
-    /// A polling thread's turn (tcp): takes what has arrived, if the reader is free.
+    /// A polling thread's turn (tcp): sends an acknowledgement the last turn left owed (no
+    /// request took it along meanwhile), and takes what has arrived, if the reader is free.
     pub(super) fn poll_link(self: &Arc<Self>) {
+        if self.ack_owed.load(Ordering::Acquire) {
+            self.flush_ack(&mut self.state.lock());
+        }
         let Some(mut r) = self.reader.try_lock() else { return };
         if r.stopped || self.destroyed.load(Ordering::Acquire) {
             return;
@@ -290,7 +305,7 @@ impl Engine {
                     if matches!(head, DataHead::Write { imm: None, .. }) {
                         r.silent += 1;
                     }
-                    self.landed(head, len, r.inbox.has_frame());
+                    self.landed(head, len, ack_when(r, who));
                     return Ok(Outcome::Frame);
                 }
                 Partial::Body { buf, got } => {
@@ -307,7 +322,7 @@ impl Engine {
                     let frame = Frame::decode(buf)?;
                     r.partial = Partial::Idle;
                     r.silent += u64::from(silent(&frame));
-                    self.handle(frame, r.inbox.has_frame());
+                    self.handle(frame, ack_when(r, who));
                     return Ok(Outcome::Frame);
                 }
                 Partial::Idle => {
@@ -366,7 +381,7 @@ impl Engine {
                     }
                     r.inbox.consume(4 + n);
                     r.silent += u64::from(silent(&frame));
-                    self.handle(frame, r.inbox.has_frame());
+                    self.handle(frame, ack_when(r, who));
                     return Ok(Outcome::Frame);
                 }
             }
@@ -396,6 +411,16 @@ impl Engine {
             }
             _ => false,
         }
+    }
+}
+
+/// When the acknowledgement a frame just read makes due goes out: after the next frame if one
+/// is already here, now from the reader thread, later from a polling thread.
+fn ack_when(r: &Reader, who: Who) -> AckWhen {
+    match who {
+        _ if r.inbox.has_frame() => AckWhen::Later,
+        Who::Thread => AckWhen::Now,
+        Who::Poller => AckWhen::Deferred,
     }
 }
 
