@@ -70,8 +70,9 @@ const INNER_POLLS: u32 = 256;
 
 /// The Sends and Writes of the raw ping-pongs ask for a completion once in this many
 /// (`--raw-cq-mod`), as perftest's latency tests do (`cq_mod`, 100 there): the others are
-/// unsignaled, and after posting one that asks, a side waits for its completion before it goes
-/// on. Signaling every request instead costs a completion per message, and on the tcp provider
+/// unsignaled. After posting one that asks, the client and the Write ping-pong's echo wait for
+/// its completion before they go on; the Send ping-pong's echo waits for it only when it needs
+/// a send buffer back. Signaling every request instead costs a completion per message, and on the tcp provider
 /// an acknowledgement frame each, which neither perftest nor the RPC (a completion every eighth
 /// Send from its pool) pays.
 pub static CQ_MOD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(100);
