@@ -178,12 +178,9 @@ impl Sender {
         if st.closed || st.close_after {
             return Err(());
         }
-        if !st.ahead.is_empty() {
-            let ahead = std::mem::take(&mut st.ahead);
-            drop(st);
-            self.send(&ahead)?;
-            st = self.state.lock();
-        }
+        // What waits to go ahead goes first, from the backlog (the atomic then queues behind it).
+        let ahead = std::mem::take(&mut st.ahead);
+        st.push_bytes(&ahead);
         // Only a try: no lock taken under ours is waited for.
         let now = (st.backlog.is_empty() && !st.flushing)
             .then(|| region.try_atomic(off, op))
