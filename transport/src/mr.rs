@@ -2,6 +2,7 @@
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::{MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use serde::{Deserialize, Serialize};
@@ -155,6 +156,17 @@ impl Region {
         Some(RwLockReadGuard::map(mem, |m| &m.bytes()[off..off + len]))
     }
 
+    /// As [`try_read_range`](Self::try_read_range), waiting up to `wait` for a writer to let go.
+    pub(crate) fn read_range_within(
+        &self,
+        off: usize,
+        len: usize,
+        wait: Duration,
+    ) -> Option<MappedRwLockReadGuard<'_, [u8]>> {
+        let mem = self.mem.try_read_recursive_for(wait)?;
+        Some(RwLockReadGuard::map(mem, |m| &m.bytes()[off..off + len]))
+    }
+
     /// As [`lock_range`](Self::lock_range) if nobody holds the lock; `None` if somebody does.
     pub(crate) fn try_lock_range(&self, off: usize, len: usize) -> Option<MappedRwLockWriteGuard<'_, [u8]>> {
         let mem = self.mem.try_write()?;
@@ -163,16 +175,17 @@ impl Region {
 }
 
 impl Region {
-    /// A target's atomic on the 8-byte word at byte offset `off` (8-aligned); the old value.
-    /// Shared memory (shm) uses an atomic instruction, since peers run atomics on it directly;
-    /// heap memory is only reached through this lock.
-    pub(crate) fn atomic(&self, off: usize, op: Rmw) -> u64 {
-        rmw(&mut self.mem.write(), off, op)
-    }
-
-    /// As [`atomic`](Self::atomic) if nobody holds the lock; `None` if somebody does.
+    /// A target's atomic on the 8-byte word at byte offset `off` (8-aligned), if nobody holds
+    /// the region's lock: the old value; `None` if somebody does. Shared memory (shm) uses an
+    /// atomic instruction, since peers run atomics on it directly; heap memory is only reached
+    /// through this lock.
     pub(crate) fn try_atomic(&self, off: usize, op: Rmw) -> Option<u64> {
         Some(rmw(&mut *self.mem.try_write()?, off, op))
+    }
+
+    /// As [`try_atomic`](Self::try_atomic), waiting up to `wait` for the lock.
+    pub(crate) fn atomic_within(&self, off: usize, op: Rmw, wait: Duration) -> Option<u64> {
+        Some(rmw(&mut *self.mem.try_write_for(wait)?, off, op))
     }
 
     /// The application's vector back, deregistered (a copy out of the arena on shm).

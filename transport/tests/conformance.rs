@@ -686,6 +686,146 @@ async fn posting_while_holding_memory_a_peer_reaches_does_not_wait() {
     assert_eq!(now, word.wrapping_add(5), "the fetch-and-add applied");
 }
 
+/// A NIC answers a peer's Read and atomic from host memory whatever the application does with
+/// it, so a Send of the application's own never waits for them: an application that writes
+/// into memory a peer reads and waits for its own Send's completion meanwhile gets it. The
+/// acknowledgements it owes the peer still go after those answers (RC orders responses), and
+/// the peer's completions come in order once the memory is let go.
+#[tokio::test]
+async fn a_send_completes_while_its_poster_holds_memory_a_peer_reads() {
+    let (c, s) = pair();
+    let mut target = s.filled(&pattern(4096, 31), AccessFlags::ALL);
+    let want = target.bytes()[256..512].to_vec();
+    let word = u64::from_ne_bytes(target.bytes()[16..24].try_into().expect("8 bytes"));
+    c.recv(9, 64);
+    c.recv(12, 64);
+    s.recv(7, 64);
+    let remote = target.remote();
+    {
+        let held = target.bytes_mut();
+        c.post(SendWr::new(1, SendOp::Read { remote: remote.at(256) }).buf(c.reg(256, AccessFlags::LOCAL_WRITE)));
+        c.post(
+            SendWr::new(
+                2,
+                SendOp::FetchAdd {
+                    remote: remote.at(16),
+                    add: 7,
+                },
+            )
+            .buf(c.reg(8, AccessFlags::LOCAL_WRITE)),
+        );
+        // Time for both to reach the target and find its memory held (if they come later, the
+        // Sends below meet nothing ahead of them and the case checks less, never fails for it).
+        std::thread::sleep(Duration::from_millis(100));
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let (scq, sqp) = (&s.cq, &s.qp);
+        let (first, second) = (
+            s.filled(b"while held", AccessFlags::NONE),
+            s.filled(b"again", AccessFlags::NONE),
+        );
+        std::thread::scope(|sc| {
+            sc.spawn(move || {
+                // The application's own polls, on a thread that holds nothing else.
+                let next = || {
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    let mut out = Vec::new();
+                    while out.is_empty() && Instant::now() < deadline {
+                        scq.poll(&mut out, 1).expect("poll");
+                        std::thread::yield_now();
+                    }
+                    out.pop()
+                };
+                let post = |id, buf, len| {
+                    sqp.post_send(SendWr::send(id, buf).len(len))
+                        .map_err(|e| e.error)
+                        .expect("post_send")
+                };
+                post(8, first, 10);
+                let _ = done_tx.send(next());
+                // The peer's Send arrives; what this side owes for it rides with the next Send.
+                if go_rx.recv_timeout(WAIT).is_err() {
+                    return;
+                }
+                let _ = done_tx.send(next());
+                post(11, second, 5);
+                let _ = done_tx.send(next());
+            });
+            let next = || done_rx.recv_timeout(WAIT).ok().flatten();
+            let mut done = vec![next()];
+            if done[0].is_some() {
+                c.post(SendWr::send(10, c.filled(b"to the holder", AccessFlags::NONE)));
+                let _ = go_tx.send(());
+                done.extend([next(), next()]);
+            }
+            // The peer's Read and atomic may run only now.
+            drop(held);
+            let done: Vec<Completion> = done
+                .into_iter()
+                .map(|w| w.expect("a completion while the poster held memory a peer reads"))
+                .collect();
+            done.iter().for_each(ok);
+            let ids: Vec<u64> = done.iter().map(|w| w.wr_id).collect();
+            assert_eq!(ids, [8, 7, 11], "the holder's Send, its receive, its second Send");
+        });
+    }
+    let reply = c.take(5).await;
+    reply.iter().for_each(ok);
+    let ids: Vec<u64> = reply
+        .iter()
+        .filter(|w| [1, 2, 10].contains(&w.wr_id))
+        .map(|w| w.wr_id)
+        .collect();
+    assert_eq!(ids, [1, 2, 10], "the peer's requests complete in order");
+    let by_id = |id| reply.iter().find(|w| w.wr_id == id).expect("a completion");
+    assert_eq!(by_id(9).byte_len, 10, "the first Send arrived");
+    assert_eq!(by_id(12).byte_len, 5, "the second Send arrived");
+    assert!(
+        by_id(1).buf.as_ref().expect("read buf").bytes()[..] == want[..],
+        "the Read's bytes"
+    );
+    let old = by_id(2).buf.as_ref().expect("faa buf").bytes()[..8].to_vec();
+    assert_eq!(
+        u64::from_ne_bytes(old.try_into().expect("8 bytes")),
+        word,
+        "the old value"
+    );
+    let now = u64::from_ne_bytes(target.bytes()[16..24].try_into().expect("8 bytes"));
+    assert_eq!(now, word.wrapping_add(7), "the fetch-and-add applied");
+}
+
+/// Dropping a QP does not wait for a peer's Read or atomic that waits for memory the
+/// application holds: the application may be the one dropping it.
+#[tokio::test]
+async fn a_qp_dropped_while_a_peer_reads_memory_its_application_holds_goes_at_once() {
+    let (c, s) = pair();
+    let mut target = s.filled(&pattern(4096, 32), AccessFlags::ALL);
+    let remote = target.remote();
+    let held = target.bytes_mut();
+    c.post(SendWr::new(1, SendOp::Read { remote: remote.at(0) }).buf(c.reg(64, AccessFlags::LOCAL_WRITE)));
+    c.post(
+        SendWr::new(
+            2,
+            SendOp::FetchAdd {
+                remote: remote.at(8),
+                add: 1,
+            },
+        )
+        .buf(c.reg(8, AccessFlags::LOCAL_WRITE)),
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    let Side { qp, cq, pd } = s;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(qp);
+        let _ = tx.send(());
+    });
+    let dropped = rx.recv_timeout(WAIT).is_ok();
+    drop(held);
+    assert!(dropped, "dropping the QP waited for memory its application held");
+    drop((cq, pd, target, c));
+}
+
 #[tokio::test]
 async fn receive_buffer_too_small_is_a_length_error() {
     let (c, s) = pair();

@@ -384,19 +384,25 @@ impl Qp {
 /// Sends the wire frame of a request, its payload straight from registered memory.
 fn send_request(out: &Sender, d: &SendDesc<'_>) -> Result<(), ()> {
     let with_data = |enc: Encoder| match &d.local {
-        Some(l) if d.len > 0 => out.send_parts(&enc.head(d.len), &l.region.read_range(l.off, d.len)),
-        _ => out.send(&enc.finish()),
+        Some(l) if d.len > 0 => out.request(&enc.head(d.len), &l.region.read_range(l.off, d.len)),
+        _ => out.request(&enc.finish(), &[]),
     };
     match d.op {
         // Only a request whose completion someone waits for asks to be acknowledged.
         SendOp::Send { imm } => with_data(Encoder::send(d.seq, imm, d.signaled)),
         SendOp::Write { remote, imm } => with_data(Encoder::write(d.seq, remote.addr, remote.rkey, imm, d.signaled)),
-        SendOp::Read { remote } => out.send(&Encoder::read_req(d.seq, remote.addr, remote.rkey, d.len as u32).finish()),
-        SendOp::CompareSwap { remote, compare, swap } => out
-            .send(&Encoder::atomic(d.seq, remote.addr, remote.rkey, AtomicOp::CompareSwap { compare, swap }).finish()),
-        SendOp::FetchAdd { remote, add } => {
-            out.send(&Encoder::atomic(d.seq, remote.addr, remote.rkey, AtomicOp::FetchAdd { add }).finish())
-        }
+        SendOp::Read { remote } => out.request(
+            &Encoder::read_req(d.seq, remote.addr, remote.rkey, d.len as u32).finish(),
+            &[],
+        ),
+        SendOp::CompareSwap { remote, compare, swap } => out.request(
+            &Encoder::atomic(d.seq, remote.addr, remote.rkey, AtomicOp::CompareSwap { compare, swap }).finish(),
+            &[],
+        ),
+        SendOp::FetchAdd { remote, add } => out.request(
+            &Encoder::atomic(d.seq, remote.addr, remote.rkey, AtomicOp::FetchAdd { add }).finish(),
+            &[],
+        ),
     }
 }
 

@@ -12,9 +12,19 @@
 //! reads and does not take the answers (hostile, or its own reader stuck) then costs this side
 //! a few dozen bytes per request, not a copy of each response: 64 reads of a 16 MiB
 //! registration grew the process by 1 GiB before (`tcp_hostile`'s test of it).
+//!
+//! The backlog carries two streams, as an RC QP's wire does: this side's requests, and its
+//! responses to the peer's (acknowledgements, read responses, atomic answers). Each keeps its
+//! own order. A response that needs registered memory the application holds for writing waits
+//! for it before its frame starts, and the requests queued behind it go out meanwhile: a NIC
+//! answers a peer from host memory whatever the application does, so an application that holds
+//! memory a peer reads never waits for that peer's answer to get its own Sends out. Once a
+//! read response's frame has started, its remaining chunks wait for the memory in turn, with
+//! nothing passing them (a frame on the link is not split).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
@@ -29,14 +39,24 @@ const SPARE_MAX: usize = 4 << 20;
 /// time: the region's lock is held only for that copy, never while the link is full.
 const CHUNK: usize = 256 << 10;
 
+/// How long the writer thread waits at a time for memory the application holds before it looks
+/// again for requests to let pass, and for a close.
+const RECHECK: Duration = Duration::from_micros(200);
+
 /// A piece of the backlog.
 enum Piece {
-    Bytes(Vec<u8>),
-    /// `len` bytes of `region` from `off`, read as they go out.
+    /// Frames as bytes. `request`: all of them are this side's requests, which may pass a
+    /// response waiting for memory. (The first piece may be the rest of a frame already begun;
+    /// it is at the front, so it goes before anything can pass it.)
+    Bytes { bytes: Vec<u8>, request: bool },
+    /// A read response: what is left of its header, then `len` bytes of `region` from `off`,
+    /// read as they go out. `started`: part of the frame is on the link already.
     Memory {
+        head: Vec<u8>,
         region: Arc<Region>,
         off: usize,
         len: usize,
+        started: bool,
     },
     /// An atomic the responder found its region locked for: run, and answered, when its turn
     /// to go out comes (RC lets later requests overtake an atomic; fences order them).
@@ -48,14 +68,24 @@ enum Piece {
     },
 }
 
+/// What the writer thread did with a piece.
+enum Wrote {
+    Done,
+    /// Written; the emptied buffer, for the next backlog.
+    Spare(Vec<u8>),
+    /// The application holds the memory it needs: it goes back to the front, to try again.
+    Waits(Piece),
+}
+
 #[derive(Default)]
 struct State {
     backlog: VecDeque<Piece>,
-    /// The writer's last batch, emptied, kept for the next backlog (no allocation per batch).
+    /// The writer's last piece of bytes, emptied, kept for the next backlog (no allocation per
+    /// piece).
     spare: Vec<u8>,
-    /// Frames to go out ahead of the next one sent, in its write ([`Sender::ahead`]).
+    /// Frames to go out ahead of the next one sent, in its write ([`Sender::ahead`]): responses.
     ahead: Vec<u8>,
-    /// The writer thread is writing a taken backlog: new frames must queue behind it.
+    /// The writer thread is writing what it took from the backlog: new frames must queue.
     flushing: bool,
     /// Close the sending side once the backlog is out.
     close_after: bool,
@@ -63,6 +93,11 @@ struct State {
 }
 
 impl State {
+    /// Nothing queued and nobody writing: a frame may go out at once.
+    fn idle(&self) -> bool {
+        self.backlog.is_empty() && !self.flushing
+    }
+
     /// `head` with whatever waits to go ahead of it in front; `joined` holds the two when
     /// something does.
     fn with_ahead<'a>(&mut self, head: &'a [u8], joined: &'a mut Vec<u8>) -> &'a [u8] {
@@ -74,17 +109,47 @@ impl State {
         joined
     }
 
-    fn push_bytes(&mut self, bytes: &[u8]) {
+    fn push_bytes(&mut self, bytes: &[u8], request: bool) {
         if bytes.is_empty() {
             return;
         }
-        if let Some(Piece::Bytes(last)) = self.backlog.back_mut() {
-            last.extend_from_slice(bytes);
-            return;
+        if let Some(Piece::Bytes {
+            bytes: last,
+            request: r,
+        }) = self.backlog.back_mut()
+        {
+            if *r == request {
+                last.extend_from_slice(bytes);
+                return;
+            }
         }
         let mut b = std::mem::take(&mut self.spare);
         b.extend_from_slice(bytes);
-        self.backlog.push_back(Piece::Bytes(b));
+        self.backlog.push_back(Piece::Bytes { bytes: b, request });
+    }
+
+    /// What waits to go ahead of the next frame, queued as the responses it is.
+    fn queue_ahead(&mut self) {
+        let ahead = std::mem::take(&mut self.ahead);
+        self.push_bytes(&ahead, false);
+    }
+
+    /// This side's requests out of the backlog, in their order; the responses keep theirs.
+    fn take_requests(&mut self) -> Vec<Vec<u8>> {
+        let is_request = |p: &Piece| matches!(p, Piece::Bytes { request: true, .. });
+        if !self.backlog.iter().any(is_request) {
+            return Vec::new();
+        }
+        let mut requests = Vec::new();
+        let mut rest = VecDeque::with_capacity(self.backlog.len());
+        for piece in self.backlog.drain(..) {
+            match piece {
+                Piece::Bytes { bytes, request: true } => requests.push(bytes),
+                other => rest.push_back(other),
+            }
+        }
+        self.backlog = rest;
+        requests
     }
 }
 
@@ -103,9 +168,17 @@ impl Sender {
         }
     }
 
-    /// Sends or queues one whole frame. Fails only once the connection is closed.
+    /// Sends or queues one whole response frame (an acknowledgement, a NAK, an answer without
+    /// payload, a Fatal). Fails only once the connection is closed.
     pub(crate) fn send(&self, frame: &[u8]) -> Result<(), ()> {
-        self.send_parts(frame, &[])
+        self.put(frame, &[], false)
+    }
+
+    /// Sends or queues one of this side's requests, given as its header and its payload
+    /// (borrowed from registered memory: only what the link does not take at once is copied,
+    /// into the backlog). Fails only once the connection is closed.
+    pub(crate) fn request(&self, head: &[u8], data: &[u8]) -> Result<(), ()> {
+        self.put(head, data, true)
     }
 
     /// Puts whole `frames` ahead of the next frame sent, to go out in its write (the engine's
@@ -115,23 +188,26 @@ impl Sender {
         self.state.lock().ahead.extend_from_slice(frames);
     }
 
-    /// Sends or queues one frame given as its header and its payload (borrowed from registered
-    /// memory: only what the link does not take at once is copied, into the backlog).
-    pub(crate) fn send_parts(&self, head: &[u8], data: &[u8]) -> Result<(), ()> {
+    fn put(&self, head: &[u8], data: &[u8], request: bool) -> Result<(), ()> {
         let mut st = self.state.lock();
         if st.closed || st.close_after {
             return Err(());
         }
+        if !st.idle() {
+            st.queue_ahead();
+            st.push_bytes(head, request);
+            st.push_bytes(data, request);
+            self.cv.notify_one();
+            return Ok(());
+        }
         let mut joined = Vec::new();
         let head = st.with_ahead(head, &mut joined);
-        let mut sent = 0;
-        if st.backlog.is_empty() && !st.flushing {
-            sent = self.try_now(&mut st, head, data)?;
-        }
+        let sent = self.try_now(&mut st, head, data)?;
         if sent < head.len() + data.len() {
+            // The frame's rest, at the front: it goes first, whatever it is.
             let (h, d) = (sent.min(head.len()), sent.saturating_sub(head.len()));
-            st.push_bytes(&head[h..]);
-            st.push_bytes(&data[d..]);
+            st.push_bytes(&head[h..], false);
+            st.push_bytes(&data[d..], false);
             self.cv.notify_one();
         }
         Ok(())
@@ -143,27 +219,39 @@ impl Sender {
     /// post on this QP meanwhile: the responder never waits for a registration's lock while it
     /// holds the QP's).
     pub(crate) fn send_from(&self, head: &[u8], region: &Arc<Region>, off: usize, len: usize) -> Result<(), ()> {
-        // The region first, then our lock, in the order a post takes them (`send_parts` from a
-        // registered buffer).
+        // The region first, then our lock, in the order a post takes them (`request` with a
+        // payload from a registered buffer).
         let bytes = region.try_read_range(off, len);
         let mut st = self.state.lock();
         if st.closed || st.close_after {
             return Err(());
         }
+        let waiting = |head: &[u8], off, len, started| Piece::Memory {
+            head: head.to_vec(),
+            region: region.clone(),
+            off,
+            len,
+            started,
+        };
+        let Some(bytes) = bytes.filter(|_| st.idle()) else {
+            st.queue_ahead();
+            st.backlog.push_back(waiting(head, off, len, false));
+            self.cv.notify_one();
+            return Ok(());
+        };
+        let ahead = st.ahead.len();
         let mut joined = Vec::new();
-        let head = st.with_ahead(head, &mut joined);
-        let mut sent = 0;
-        if let Some(bytes) = bytes.filter(|_| st.backlog.is_empty() && !st.flushing) {
-            sent = self.try_now(&mut st, head, &bytes)?;
-        }
-        if sent < head.len() + len {
-            let (h, d) = (sent.min(head.len()), sent.saturating_sub(head.len()));
-            st.push_bytes(&head[h..]);
-            st.backlog.push_back(Piece::Memory {
-                region: region.clone(),
-                off: off + d,
-                len: len - d,
-            });
+        let full = st.with_ahead(head, &mut joined);
+        let sent = self.try_now(&mut st, full, &bytes)?;
+        if sent < full.len() + len {
+            let (h, d) = (sent.min(full.len()), sent.saturating_sub(full.len()));
+            let piece = if sent > ahead {
+                waiting(&full[h..], off + d, len - d, true)
+            } else {
+                st.push_bytes(&full[h..ahead], false);
+                waiting(head, off, len, false)
+            };
+            st.backlog.push_back(piece);
             self.cv.notify_one();
         }
         Ok(())
@@ -171,20 +259,17 @@ impl Sender {
 
     /// Runs a target's atomic on `region` and sends its answer; if somebody holds the region,
     /// or anything waits in the backlog (an atomic deferred before it may be there), the atomic
-    /// waits in the backlog for the writer thread, which runs them in the order they came and
-    /// may wait for the lock.
+    /// waits in the backlog for the writer thread, which runs them in the order they came when
+    /// the region is free.
     pub(crate) fn send_atomic(&self, ssn: u64, region: &Arc<Region>, off: usize, op: Rmw) -> Result<(), ()> {
         let mut st = self.state.lock();
         if st.closed || st.close_after {
             return Err(());
         }
         // What waits to go ahead goes first, from the backlog (the atomic then queues behind it).
-        let ahead = std::mem::take(&mut st.ahead);
-        st.push_bytes(&ahead);
+        st.queue_ahead();
         // Only a try: no lock taken under ours is waited for.
-        let now = (st.backlog.is_empty() && !st.flushing)
-            .then(|| region.try_atomic(off, op))
-            .flatten();
+        let now = st.idle().then(|| region.try_atomic(off, op)).flatten();
         if let Some(old) = now {
             drop(st);
             return self.send(&Encoder::atomic_resp(ssn, old).finish());
@@ -218,7 +303,8 @@ impl Sender {
         self.cv.notify_one();
     }
 
-    /// The writer thread: flushes the backlog with blocking writes, without holding the lock.
+    /// The writer thread: flushes the backlog a piece at a time with blocking writes, without
+    /// holding the lock.
     pub(crate) fn run_writer(&self) {
         let mut scratch = Vec::new();
         let mut st = self.state.lock();
@@ -226,7 +312,7 @@ impl Sender {
             if st.closed {
                 return;
             }
-            if st.backlog.is_empty() {
+            let Some(piece) = st.backlog.pop_front() else {
                 st.flushing = false;
                 if st.close_after {
                     self.link.shutdown_write();
@@ -235,59 +321,122 @@ impl Sender {
                 }
                 self.cv.wait(&mut st);
                 continue;
-            }
-            let mut batch = std::mem::take(&mut st.backlog);
+            };
             st.flushing = true;
             drop(st);
-            let mut ok = true;
-            let mut spare = None;
-            for piece in batch.drain(..) {
-                ok = ok && self.write_piece(&piece, &mut scratch);
-                match piece {
-                    Piece::Bytes(mut b) if b.capacity() <= SPARE_MAX => {
-                        b.clear();
-                        spare = Some(b);
-                    }
-                    _ => {}
-                }
-            }
+            let wrote = self.write_piece(piece, &mut scratch);
             st = self.state.lock();
-            if !ok {
-                st.closed = true;
-                return;
-            }
-            // Kept for the next backlog unless it grew past what is worth holding on to.
-            if let Some(b) = spare {
-                st.spare = b;
-            }
-            if st.backlog.is_empty() {
-                st.backlog = batch;
+            match wrote {
+                Err(()) => {
+                    st.closed = true;
+                    return;
+                }
+                Ok(Wrote::Done) => {}
+                // Kept for the next backlog unless it grew past what is worth holding on to.
+                Ok(Wrote::Spare(mut b)) if b.capacity() <= SPARE_MAX => {
+                    b.clear();
+                    st.spare = b;
+                }
+                Ok(Wrote::Spare(_)) => {}
+                Ok(Wrote::Waits(piece)) => st.backlog.push_front(piece),
             }
         }
     }
 
-    /// Writes one piece, waiting for room; a read response's payload a chunk at a time, each
-    /// copied out under the region's lock and written without it. False if the link broke.
-    fn write_piece(&self, piece: &Piece, scratch: &mut Vec<u8>) -> bool {
+    /// Writes one piece, waiting for room. A response that needs memory the application holds
+    /// lets this side's queued requests out first, waits a little, and comes back if it still
+    /// cannot start. Err if the link broke, or (while a started read response waits for its
+    /// memory) the sender closed.
+    fn write_piece(&self, piece: Piece, scratch: &mut Vec<u8>) -> Result<Wrote, ()> {
+        let write = |b: &[u8]| match b.is_empty() {
+            true => Ok(()),
+            false => self.link.write_all(b).map_err(drop),
+        };
         match piece {
-            Piece::Bytes(b) => self.link.write_all(b).is_ok(),
-            Piece::Memory { region, off, len } => {
-                let mut done = 0;
-                while done < *len {
-                    let n = CHUNK.min(len - done);
-                    scratch.clear();
-                    scratch.extend_from_slice(&region.read_range(off + done, n));
-                    if self.link.write_all(scratch).is_err() {
-                        return false;
+            Piece::Bytes { bytes, .. } => {
+                write(&bytes)?;
+                Ok(Wrote::Spare(bytes))
+            }
+            Piece::Memory {
+                ref head,
+                ref region,
+                off,
+                len,
+                started,
+            } => {
+                let first = CHUNK.min(len);
+                if !started {
+                    let mut got = copy(region.try_read_range(off, first).as_deref(), scratch);
+                    if !got {
+                        self.let_requests_pass()?;
+                        got = copy(region.read_range_within(off, first, RECHECK).as_deref(), scratch);
                     }
+                    if !got {
+                        return Ok(Wrote::Waits(piece));
+                    }
+                    write(head)?;
+                    write(scratch)?;
+                } else {
+                    write(head)?;
+                    self.chunk_started(region, off, first, scratch)?;
+                    write(scratch)?;
+                }
+                let mut done = first;
+                while done < len {
+                    let n = CHUNK.min(len - done);
+                    self.chunk_started(region, off + done, n, scratch)?;
+                    write(scratch)?;
                     done += n;
                 }
-                true
+                Ok(Wrote::Done)
             }
-            Piece::Atomic { ssn, region, off, op } => {
-                let old = region.atomic(*off, *op);
-                self.link.write_all(&Encoder::atomic_resp(*ssn, old).finish()).is_ok()
+            Piece::Atomic {
+                ssn,
+                ref region,
+                off,
+                op,
+            } => {
+                let mut old = region.try_atomic(off, op);
+                if old.is_none() {
+                    self.let_requests_pass()?;
+                    old = region.atomic_within(off, op, RECHECK);
+                }
+                let Some(old) = old else {
+                    return Ok(Wrote::Waits(piece));
+                };
+                write(&Encoder::atomic_resp(ssn, old).finish())?;
+                Ok(Wrote::Done)
             }
         }
     }
+
+    /// The requests queued behind a response that waits for memory, written ahead of it.
+    fn let_requests_pass(&self) -> Result<(), ()> {
+        let requests = self.state.lock().take_requests();
+        for r in &requests {
+            self.link.write_all(r).map_err(drop)?;
+        }
+        Ok(())
+    }
+
+    /// The next chunk of a read response whose frame is on the link already, into `scratch`:
+    /// nothing may pass it, so this waits for the memory, looking for a close now and then.
+    fn chunk_started(&self, region: &Region, off: usize, len: usize, scratch: &mut Vec<u8>) -> Result<(), ()> {
+        while !copy(region.read_range_within(off, len, RECHECK).as_deref(), scratch) {
+            if self.state.lock().closed {
+                return Err(());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `bytes`, if any, into `scratch` (the region's lock is let go before the write).
+fn copy(bytes: Option<&[u8]>, scratch: &mut Vec<u8>) -> bool {
+    let Some(bytes) = bytes else {
+        return false;
+    };
+    scratch.clear();
+    scratch.extend_from_slice(bytes);
+    true
 }
