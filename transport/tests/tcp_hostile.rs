@@ -31,6 +31,7 @@ const ACK: u8 = 10;
 const NAK: u8 = 11;
 const READ_RESP: u8 = 12;
 const ATOMIC_RESP: u8 = 13;
+const READ_PART: u8 = 14;
 const FATAL: u8 = 20;
 /// The immediate-and-ack flags byte: bit 0 an immediate follows, bit 1 acknowledge this.
 const ACK_REQ: u8 = 2;
@@ -75,7 +76,7 @@ impl Peer {
         s.set_nodelay(true).expect("nodelay");
         let mut hello = MAGIC.to_vec();
         hello.push(2);
-        hello.extend_from_slice(&1u16.to_le_bytes());
+        hello.extend_from_slice(&2u16.to_le_bytes());
         s.write_all(&hello).expect("send the hello");
         let mut head = [0u8; 9];
         s.read_exact(&mut head).expect("read the reply");
@@ -101,6 +102,22 @@ impl Peer {
         self.0.read_exact(&mut body).expect("a whole frame");
         let (&kind, rest) = body.split_first().expect("a kind byte");
         Some((kind, rest.to_vec()))
+    }
+
+    /// The next frame, a read response's parts joined into one `READ_RESP` (each part checked
+    /// to be of the same Read).
+    fn next_whole(&mut self) -> Option<(u8, Vec<u8>)> {
+        let (mut kind, mut body) = self.next()?;
+        while kind == READ_PART {
+            let (k, more) = self.next().expect("the rest of a read response");
+            assert!(
+                matches!(k, READ_PART | READ_RESP) && more[..8] == body[..8],
+                "a part of the same read response"
+            );
+            body.extend_from_slice(&more[8..]);
+            kind = k;
+        }
+        Some((kind, body))
     }
 }
 
@@ -301,7 +318,7 @@ fn one_sided_requests_are_checked_as_a_nic_checks_them() {
                 Op::Faa { add } => frame(ATOMIC, &fields(&[&s, &a, &k, &[1], &add.to_le_bytes(), &[0; 8]]), &[]),
             };
             peer.send(&bytes);
-            let (kind, body) = peer.next().expect("an answer to the request");
+            let (kind, body) = peer.next_whole().expect("an answer to the request");
             match want {
                 Err(status) => {
                     refused += 1;
@@ -369,12 +386,16 @@ fn junk(rng: &mut Rng, ssn: u64) -> Vec<u8> {
         // Responses to requests the target never made.
         0 => frame(ACK, &any, &[]),
         1 => frame(NAK, &fields(&[&any, &[rng.below(30) as u8]]), &[]),
-        2 => frame(READ_RESP, &any, &vec![9; rng.below(100) as usize]),
+        2 => frame(
+            rng.pick(&[READ_RESP, READ_PART]),
+            &any,
+            &vec![9; rng.below(100) as usize],
+        ),
         3 => frame(ATOMIC_RESP, &fields(&[&any, &any]), &[]),
         4 => frame(FATAL, &[], &[]),
         // Kinds the format does not have, with whatever follows.
         5 => {
-            let kind = rng.pick(&[0u8, 5, 9, 14, 19, 21, 255]);
+            let kind = rng.pick(&[0u8, 5, 9, 15, 19, 21, 255]);
             frame(kind, &vec![1; rng.below(40) as usize], &[])
         }
         // A known kind with its fields cut short, or with bytes after a fixed-size frame.
@@ -646,9 +667,81 @@ fn answers_the_peer_does_not_take_cost_no_copies() {
         .expect("the application could not write its registration while answers waited");
     let mr = writer.join().expect("the writing thread");
     for ssn in 1..=reads {
-        let (kind, body) = peer.next().expect("an answer");
+        let (kind, body) = peer.next_whole().expect("an answer");
         assert_eq!((kind, u64_at(&body, 0)), (READ_RESP, ssn));
         assert!(body[8..] == want[..], "answer {ssn}: the bytes read differ");
+    }
+    assert!(!qp.is_error());
+    drop((mr, qp));
+    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
+}
+
+/// A long read response goes in parts, and the target's own requests go between them: with
+/// a 32 MiB answer backed up behind a peer that reads nothing (the link takes a few MiB), the
+/// application holds the memory it comes from and posts a Send. The Send reaches the peer
+/// before the answer is out (before, the writer waited in the middle of the answer's frame for
+/// the memory, and the Send behind it waited with it), and the answer comes whole once the
+/// memory is let go.
+#[test]
+fn a_send_goes_between_the_parts_of_an_answer_waiting_for_held_memory() {
+    count_panics();
+    let _alone = MEMORY.lock();
+    let mut t = Target::new();
+    let len = 32usize << 20;
+    let reads = 1u64;
+    let mut mr = t.filled(len, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ, 7);
+    let want = mr.bytes().to_vec();
+    let note = t.filled(5, AccessFlags::NONE, 1);
+    let (mut peer, qp) = t.connection();
+    let (addr, rkey) = (mr.addr().to_le_bytes(), mr.rkey().to_le_bytes());
+    for ssn in 1..=reads {
+        peer.send(&frame(
+            READ_REQ,
+            &fields(&[&ssn.to_le_bytes(), &addr, &rkey, &(len as u32).to_le_bytes()]),
+            &[],
+        ));
+    }
+    // Time for the target to take the requests and fill the link with what it takes.
+    std::thread::sleep(Duration::from_millis(300));
+    let held = mr.bytes_mut();
+    qp.post_send(SendWr::send(1, note).len(5))
+        .map_err(|e| e.error)
+        .expect("post_send");
+    // The peer reads: the Send comes before the last answer's last part.
+    let mut answers = Vec::new();
+    let mut parts_after = 0;
+    let mut send_seen = false;
+    while !send_seen {
+        let (kind, body) = peer.next().expect("a frame");
+        match kind {
+            SEND => send_seen = true,
+            READ_PART | READ_RESP => answers.push((kind, body)),
+            other => panic!("an unexpected frame of kind {other}"),
+        }
+        assert!(
+            answers.iter().filter(|(k, _)| *k == READ_RESP).count() < reads as usize,
+            "the answer went out whole before the Send, with the memory held"
+        );
+    }
+    drop(held);
+    while answers.iter().filter(|(k, _)| *k == READ_RESP).count() < reads as usize {
+        let (kind, body) = peer.next().expect("the rest of the answers");
+        assert!(matches!(kind, READ_PART | READ_RESP), "kind {kind}");
+        answers.push((kind, body));
+        parts_after += 1;
+    }
+    assert!(parts_after > 0);
+    // Joined by Read, in order, each answer is the registration's bytes.
+    let mut whole = Vec::new();
+    let mut ssn = 1;
+    for (kind, body) in answers {
+        assert_eq!(u64_at(&body, 0), ssn, "the parts of one answer, then the next");
+        whole.extend_from_slice(&body[8..]);
+        if kind == READ_RESP {
+            assert!(whole == want, "answer {ssn}: the bytes read differ");
+            whole.clear();
+            ssn += 1;
+        }
     }
     assert!(!qp.is_error());
     drop((mr, qp));

@@ -15,7 +15,8 @@ use crate::cq::CqImpl;
 use crate::{Error, QpOptions, Result};
 
 const MAGIC: &[u8; 8] = b"RDRPCTCP";
-const VERSION: u16 = 1;
+/// The wire format's version: 2 since read responses go in parts (`READ_PART`).
+const VERSION: u16 = 2;
 
 /// A listening socket for incoming queue-pair connections. Handshakes are read on threads of
 /// their own ([`Backlog`]), so a slow or silent client never holds up the others, and

@@ -77,6 +77,8 @@ struct Pending {
     local: Option<View>,
     /// Executed already by this side (shm one-sided): its result, reported in order.
     done: Option<Result<u32, WcStatus>>,
+    /// A Read's bytes placed so far, from the parts of its response that came.
+    got: usize,
 }
 
 struct PostedRecv {
@@ -290,6 +292,7 @@ impl Qp {
                     signaled: d.signaled,
                     local,
                     done: None,
+                    got: 0,
                 };
                 if st.error {
                     e.push_send(pending, FLUSH, 0);
@@ -521,6 +524,17 @@ fn acked_by_later(p: &Pending) -> bool {
     p.done.is_none() && matches!(p.opcode, WcOpcode::Send | WcOpcode::RdmaWrite)
 }
 
+/// A part of `len` bytes of Read `p`'s response fits its buffer `v` where the parts before it
+/// ended; the last part (`more` false) must end where the buffer does.
+fn read_fits(p: &Pending, v: &View, len: usize, more: bool) -> bool {
+    let end = p.got.saturating_add(len);
+    if more {
+        end <= v.len
+    } else {
+        end == v.len
+    }
+}
+
 /// The responder ran Send or Write `ssn`; `ack`: its initiator asked to hear so.
 fn executed(st: &mut State, ssn: u64, ack: bool) {
     st.executed = Some(ssn);
@@ -548,14 +562,14 @@ impl Engine {
             return None;
         }
         match head {
-            DataHead::ReadResp { ssn } => {
+            DataHead::ReadResp { ssn, more } => {
                 let p = st
                     .outstanding
                     .iter()
                     .find(|p| !(p.seq < ssn && acked_by_later(p)))
-                    .filter(|p| p.seq == ssn && p.done.is_none())?;
-                let v = p.local.as_ref().filter(|v| v.len == len)?;
-                Some((v.region.clone(), v.off))
+                    .filter(|p| p.seq == ssn && p.done.is_none() && p.opcode == WcOpcode::RdmaRead)?;
+                let v = p.local.as_ref().filter(|v| read_fits(p, v, len, more))?;
+                Some((v.region.clone(), v.off + p.got))
             }
             DataHead::Write { addr, rkey, imm, .. } => {
                 // Behind a stalled request, or needing a receive there is not: general path.
@@ -586,7 +600,10 @@ impl Engine {
         let mut st = self.state.lock();
         self.drain_rq(&mut st);
         match head {
-            DataHead::ReadResp { ssn } => self.complete_head(&mut st, ssn, WcStatus::Success, |_| Ok(len as u32)),
+            DataHead::ReadResp { ssn, more: true } => self.read_part(&mut st, ssn, |_| Ok(len)),
+            DataHead::ReadResp { ssn, more: false } => {
+                self.complete_head(&mut st, ssn, WcStatus::Success, |p| Ok((p.got + len) as u32))
+            }
             DataHead::Write { .. } | DataHead::Send { .. } if st.error || st.discarding => {}
             DataHead::Write { ssn, imm, ack, .. } => {
                 if let Some(imm) = imm {
@@ -758,12 +775,23 @@ impl Engine {
         match frame {
             Frame::Ack { ssn } => self.complete_acked(st, ssn),
             Frame::Data {
-                head: DataHead::ReadResp { ssn },
+                head: DataHead::ReadResp { ssn, more: true },
+                data,
+            } => self.read_part(st, ssn, |p| match &p.local {
+                Some(v) if read_fits(p, v, data.len(), true) => {
+                    v.region.lock_range(v.off + p.got, data.len()).copy_from_slice(&data);
+                    Ok(data.len())
+                }
+                _ => Err(WcStatus::BadRespErr),
+            }),
+            Frame::Data {
+                head: DataHead::ReadResp { ssn, more: false },
                 data,
             } => self.complete_head(st, ssn, WcStatus::Success, |p| match &p.local {
-                Some(v) if v.len == data.len() => {
-                    v.region.lock_range(v.off, v.len).copy_from_slice(&data);
-                    Ok(data.len() as u32)
+                _ if p.opcode != WcOpcode::RdmaRead => Err(WcStatus::BadRespErr),
+                Some(v) if read_fits(p, v, data.len(), false) => {
+                    v.region.lock_range(v.off + p.got, data.len()).copy_from_slice(&data);
+                    Ok(v.len as u32)
                 }
                 None if data.is_empty() => Ok(0),
                 _ => Err(WcStatus::BadRespErr),
@@ -918,6 +946,39 @@ impl Engine {
                 self.push_send(p, status, 0);
                 self.enter_error(st, None);
             }
+        }
+    }
+
+    /// A part of the response to Read `ssn`, the oldest outstanding request, with more to come:
+    /// `land` places its bytes after those placed so far and says how many. Anything else
+    /// breaks RC, as in [`complete_head`](Self::complete_head).
+    fn read_part(&self, st: &mut State, ssn: u64, land: impl FnOnce(&Pending) -> Result<usize, WcStatus>) {
+        if st.error {
+            return;
+        }
+        // A response acknowledges every Send and Write before it (RC executes in order).
+        while st.outstanding.front().is_some_and(|p| p.seq < ssn && acked_by_later(p)) {
+            if let Some(p) = st.outstanding.pop_front() {
+                self.push_send(p, WcStatus::Success, 0);
+            }
+        }
+        let result = match st.outstanding.front_mut() {
+            None => {
+                tracing::warn!(qp = self.qp_num, ssn, "read response part with nothing outstanding");
+                return self.enter_error(st, None);
+            }
+            Some(p) if p.seq != ssn || p.opcode != WcOpcode::RdmaRead || p.done.is_some() => {
+                return self.enter_error(st, Some(WcStatus::BadRespErr));
+            }
+            Some(p) => land(p).map(|n| p.got += n),
+        };
+        if let Err(status) = result {
+            // The QP is in error before anyone can see the failed completion.
+            self.error.store(true, Ordering::Release);
+            if let Some(p) = st.outstanding.pop_front() {
+                self.push_send(p, status, 0);
+            }
+            self.enter_error(st, None);
         }
     }
 
@@ -1099,9 +1160,7 @@ impl Engine {
                         // goes out, as a NIC reads while it transmits: a Write or Send behind
                         // this Read may land before the answer has left whole, which RC allows
                         // (an initiator that must order them fences: IBV_SEND_FENCE).
-                        let _ = self
-                            .out
-                            .send_from(&Encoder::read_resp(ssn).head(len), &region, off, len);
+                        let _ = self.out.send_from(ssn, &region, off, len);
                     }
                     Err(status) => fail(st, ssn, status),
                 }

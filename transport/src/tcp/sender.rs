@@ -6,21 +6,24 @@
 //! application thread) can answer without ever waiting on the peer, and two engines can never
 //! wait on each other, while the common case costs one syscall and no thread hop.
 //!
-//! A read response's payload is not copied into the backlog: it waits there as a reference to
-//! the registered memory it comes from, and the writer thread copies it out a chunk at a time
-//! as the link takes it, as a NIC reads host memory while it transmits. A peer that asks for
-//! reads and does not take the answers (hostile, or its own reader stuck) then costs this side
-//! a few dozen bytes per request, not a copy of each response: 64 reads of a 16 MiB
-//! registration grew the process by 1 GiB before (`tcp_hostile`'s test of it).
+//! A read response goes in parts of at most 256 KiB, each a frame (`READ_PART`, the last a
+//! `READ_RESP`), as a NIC sends a long read response in packets. Its payload is not copied
+//! into the backlog: it waits there as a reference to the registered memory it comes from, and
+//! the writer thread copies it out a part at a time as the link takes it, as a NIC reads host
+//! memory while it transmits. A peer that asks for reads and does not take the answers
+//! (hostile, or its own reader stuck) then costs this side a few dozen bytes per request, not a
+//! copy of each response: 64 reads of a 16 MiB registration grew the process by 1 GiB before
+//! (`tcp_hostile`'s test of it). Only the rest of a part the link took some of at once is
+//! copied: a frame on the link is never left half-written to wait for memory.
 //!
 //! The backlog carries two streams, as an RC QP's wire does: this side's requests, and its
 //! responses to the peer's (acknowledgements, read responses, atomic answers). Each keeps its
-//! own order. A response that needs registered memory the application holds for writing waits
-//! for it before its frame starts, and the requests queued behind it go out meanwhile: a NIC
-//! answers a peer from host memory whatever the application does, so an application that holds
-//! memory a peer reads never waits for that peer's answer to get its own Sends out. Once a
-//! read response's frame has started, its remaining chunks wait for the memory in turn, with
-//! nothing passing them (a frame on the link is not split).
+//! own order. A response part that needs registered memory the application holds for writing
+//! waits for it, and the requests queued behind it go out meanwhile; they also go between two
+//! parts of a long read response. A NIC answers a peer from host memory whatever the
+//! application does, so an application that holds memory a peer reads never waits for that
+//! peer's answer to get its own Sends out, and a short request never waits for a long answer
+//! to go whole.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -35,9 +38,9 @@ use crate::mr::{Region, Rmw};
 /// The largest emptied backlog buffer kept for reuse.
 const SPARE_MAX: usize = 4 << 20;
 
-/// How much of a waiting read response the writer thread copies out of registered memory at a
-/// time: the region's lock is held only for that copy, never while the link is full.
-const CHUNK: usize = 256 << 10;
+/// The longest part of a read response: the writer thread copies one out of registered memory
+/// at a time, holding the region's lock only for that copy, never while the link is full.
+const PART: usize = 256 << 10;
 
 /// How long the writer thread waits at a time for memory the application holds before it looks
 /// again for requests to let pass, and for a close.
@@ -49,14 +52,13 @@ enum Piece {
     /// response waiting for memory. (The first piece may be the rest of a frame already begun;
     /// it is at the front, so it goes before anything can pass it.)
     Bytes { bytes: Vec<u8>, request: bool },
-    /// A read response: what is left of its header, then `len` bytes of `region` from `off`,
-    /// read as they go out. `started`: part of the frame is on the link already.
+    /// What is left of the response to Read `ssn`: `len` bytes of `region` from `off`, read
+    /// as they go out, a part at a time.
     Memory {
-        head: Vec<u8>,
+        ssn: u64,
         region: Arc<Region>,
         off: usize,
         len: usize,
-        started: bool,
     },
     /// An atomic the responder found its region locked for: run, and answered, when its turn
     /// to go out comes (RC lets later requests overtake an atomic; fences order them).
@@ -213,12 +215,13 @@ impl Sender {
         Ok(())
     }
 
-    /// Sends or queues a read response: `head`, then `len` bytes of `region` from `off`. What
-    /// the link does not take at once waits as a reference to the region, not as a copy; so
-    /// does all of it while somebody holds the region for writing (the application, which may
-    /// post on this QP meanwhile: the responder never waits for a registration's lock while it
-    /// holds the QP's).
-    pub(crate) fn send_from(&self, head: &[u8], region: &Arc<Region>, off: usize, len: usize) -> Result<(), ()> {
+    /// Sends or queues the response to Read `ssn`: `len` bytes of `region` from `off`, in parts.
+    /// The parts go out at once while the link takes them whole, if nothing is queued and
+    /// nobody holds the region for writing; the rest waits as a reference to the region, not as
+    /// a copy (so does all of it while somebody holds the region: the application, which may
+    /// post on this QP meanwhile, for the responder never waits for a registration's lock
+    /// while it holds the QP's).
+    pub(crate) fn send_from(&self, ssn: u64, region: &Arc<Region>, off: usize, len: usize) -> Result<(), ()> {
         // The region first, then our lock, in the order a post takes them (`request` with a
         // payload from a registered buffer).
         let bytes = region.try_read_range(off, len);
@@ -226,34 +229,42 @@ impl Sender {
         if st.closed || st.close_after {
             return Err(());
         }
-        let waiting = |head: &[u8], off, len, started| Piece::Memory {
-            head: head.to_vec(),
+        let rest = |at: usize| Piece::Memory {
+            ssn,
             region: region.clone(),
-            off,
-            len,
-            started,
+            off: off + at,
+            len: len - at,
         };
         let Some(bytes) = bytes.filter(|_| st.idle()) else {
             st.queue_ahead();
-            st.backlog.push_back(waiting(head, off, len, false));
+            st.backlog.push_back(rest(0));
             self.cv.notify_one();
             return Ok(());
         };
-        let ahead = st.ahead.len();
-        let mut joined = Vec::new();
-        let full = st.with_ahead(head, &mut joined);
-        let sent = self.try_now(&mut st, full, &bytes)?;
-        if sent < full.len() + len {
-            let (h, d) = (sent.min(full.len()), sent.saturating_sub(full.len()));
-            let piece = if sent > ahead {
-                waiting(&full[h..], off + d, len - d, true)
-            } else {
-                st.push_bytes(&full[h..ahead], false);
-                waiting(head, off, len, false)
-            };
-            st.backlog.push_back(piece);
-            self.cv.notify_one();
+        let mut at = 0;
+        loop {
+            let n = PART.min(len - at);
+            let head = part_head(ssn, n, len - at);
+            let mut joined = Vec::new();
+            let full = st.with_ahead(&head, &mut joined);
+            let part = &bytes[at..at + n];
+            let sent = self.try_now(&mut st, full, part)?;
+            at += n;
+            if sent < full.len() + n {
+                // The part's rest, copied: the frame is on its way and must go whole.
+                let (h, d) = (sent.min(full.len()), sent.saturating_sub(full.len()));
+                st.push_bytes(&full[h..], false);
+                st.push_bytes(&part[d..], false);
+                break;
+            }
+            if at == len {
+                return Ok(());
+            }
         }
+        if at < len {
+            st.backlog.push_back(rest(at));
+        }
+        self.cv.notify_one();
         Ok(())
     }
 
@@ -343,10 +354,9 @@ impl Sender {
         }
     }
 
-    /// Writes one piece, waiting for room. A response that needs memory the application holds
-    /// lets this side's queued requests out first, waits a little, and comes back if it still
-    /// cannot start. Err if the link broke, or (while a started read response waits for its
-    /// memory) the sender closed.
+    /// Writes one piece, waiting for room. A response part that needs memory the application
+    /// holds lets this side's queued requests out first, waits a little, and comes back (with
+    /// what is left of it) if it still cannot go. Err if the link broke.
     fn write_piece(&self, piece: Piece, scratch: &mut Vec<u8>) -> Result<Wrote, ()> {
         let write = |b: &[u8]| match b.is_empty() {
             true => Ok(()),
@@ -358,38 +368,30 @@ impl Sender {
                 Ok(Wrote::Spare(bytes))
             }
             Piece::Memory {
-                ref head,
+                ssn,
                 ref region,
-                off,
-                len,
-                started,
-            } => {
-                let first = CHUNK.min(len);
-                if !started {
-                    let mut got = copy(region.try_read_range(off, first).as_deref(), scratch);
-                    if !got {
-                        self.let_requests_pass()?;
-                        got = copy(region.read_range_within(off, first, RECHECK).as_deref(), scratch);
-                    }
-                    if !got {
-                        return Ok(Wrote::Waits(piece));
-                    }
-                    write(head)?;
-                    write(scratch)?;
-                } else {
-                    write(head)?;
-                    self.chunk_started(region, off, first, scratch)?;
-                    write(scratch)?;
+                mut off,
+                mut len,
+            } => loop {
+                let n = PART.min(len);
+                let mut got = copy(region.try_read_range(off, n).as_deref(), scratch);
+                if !got {
+                    self.let_requests_pass()?;
+                    got = copy(region.read_range_within(off, n, RECHECK).as_deref(), scratch);
                 }
-                let mut done = first;
-                while done < len {
-                    let n = CHUNK.min(len - done);
-                    self.chunk_started(region, off + done, n, scratch)?;
-                    write(scratch)?;
-                    done += n;
+                if !got {
+                    let region = region.clone();
+                    return Ok(Wrote::Waits(Piece::Memory { ssn, region, off, len }));
                 }
-                Ok(Wrote::Done)
-            }
+                write(&part_head(ssn, n, len))?;
+                write(scratch)?;
+                if n == len {
+                    return Ok(Wrote::Done);
+                }
+                (off, len) = (off + n, len - n);
+                // A short request need not wait for a long answer to go whole.
+                self.let_requests_pass()?;
+            },
             Piece::Atomic {
                 ssn,
                 ref region,
@@ -418,16 +420,14 @@ impl Sender {
         }
         Ok(())
     }
+}
 
-    /// The next chunk of a read response whose frame is on the link already, into `scratch`:
-    /// nothing may pass it, so this waits for the memory, looking for a close now and then.
-    fn chunk_started(&self, region: &Region, off: usize, len: usize, scratch: &mut Vec<u8>) -> Result<(), ()> {
-        while !copy(region.read_range_within(off, len, RECHECK).as_deref(), scratch) {
-            if self.state.lock().closed {
-                return Err(());
-            }
-        }
-        Ok(())
+/// The frame head of the next `n` bytes of the response to Read `ssn`, of which `left` are still
+/// to go: a part, or the last one.
+fn part_head(ssn: u64, n: usize, left: usize) -> Vec<u8> {
+    match n < left {
+        true => Encoder::read_part(ssn).head(n),
+        false => Encoder::read_resp(ssn).head(n),
     }
 }
 

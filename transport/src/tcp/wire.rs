@@ -9,7 +9,7 @@ pub(crate) const MAX_BODY: usize = super::MAX_MSG as usize + 64;
 
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Frame {
-    /// A Send, a Write or a read response: its fields, then its payload.
+    /// A Send, a Write or a read response (or a part of one): its fields, then its payload.
     Data {
         head: DataHead,
         data: Vec<u8>,
@@ -55,6 +55,11 @@ const ACK: u8 = 10;
 const NAK: u8 = 11;
 const READ_RESP: u8 = 12;
 const ATOMIC_RESP: u8 = 13;
+/// A part of a read response, more to follow; the last part is a `READ_RESP`. Parts arrive in
+/// order and each lands where the one before ended (as IB's read response first, middle and
+/// last packets): the responder reads memory a part at a time, and its own requests may go
+/// between two parts.
+const READ_PART: u8 = 14;
 const FATAL: u8 = 20;
 
 /// Send and Write flag: the initiator asks for an acknowledgement (as IB's AckReq bit). Acks
@@ -135,6 +140,10 @@ impl Encoder {
     pub(crate) fn read_resp(ssn: u64) -> Self {
         Self::new(READ_RESP, 0).u64(ssn)
     }
+    /// A read response's part with more to follow (the last one is [`read_resp`](Self::read_resp)).
+    pub(crate) fn read_part(ssn: u64) -> Self {
+        Self::new(READ_PART, 0).u64(ssn)
+    }
     pub(crate) fn atomic_resp(ssn: u64, old: u64) -> Self {
         Self::new(ATOMIC_RESP, 0).u64(ssn).u64(old)
     }
@@ -160,9 +169,8 @@ pub(crate) enum DataHead {
         imm: Option<u32>,
         ack: bool,
     },
-    ReadResp {
-        ssn: u64,
-    },
+    /// A read response, or with `more` a part of one that more parts follow.
+    ReadResp { ssn: u64, more: bool },
 }
 
 impl DataHead {
@@ -171,7 +179,7 @@ impl DataHead {
         match kind {
             SEND => Some(1 + 8 + 5),
             WRITE => Some(1 + 8 + 8 + 4 + 5),
-            READ_RESP => Some(1 + 8),
+            READ_RESP | READ_PART => Some(1 + 8),
             _ => None,
         }
     }
@@ -197,7 +205,14 @@ impl DataHead {
                     ack,
                 }
             }
-            READ_RESP => DataHead::ReadResp { ssn: r.u64()? },
+            READ_RESP => DataHead::ReadResp {
+                ssn: r.u64()?,
+                more: false,
+            },
+            READ_PART => DataHead::ReadResp {
+                ssn: r.u64()?,
+                more: true,
+            },
             k => return Err(WireError::UnknownKind(k)),
         };
         r.end()?;
@@ -259,7 +274,7 @@ impl Frame {
         let mut r = Reader(rest);
         let f = match kind {
             // A payload-carrying frame: its fields as the reader decodes them ahead, then the rest.
-            SEND | WRITE | READ_RESP => {
+            SEND | WRITE | READ_RESP | READ_PART => {
                 let h = DataHead::len(kind).unwrap_or(0);
                 let (head, data) = body.split_at_checked(h).ok_or(WireError::Truncated)?;
                 return Ok(Frame::Data {
@@ -375,7 +390,16 @@ mod tests {
             })
         );
         let resp = Encoder::read_resp(2).finish();
-        assert_eq!(DataHead::decode(&resp[4..]), Ok(DataHead::ReadResp { ssn: 2 }));
+        assert_eq!(
+            DataHead::decode(&resp[4..]),
+            Ok(DataHead::ReadResp { ssn: 2, more: false })
+        );
+        let part = Encoder::read_part(5).head(3);
+        assert_eq!(DataHead::len(part[4]), Some(part.len() - 4));
+        assert_eq!(
+            DataHead::decode(&part[4..]),
+            Ok(DataHead::ReadResp { ssn: 5, more: true })
+        );
         assert_eq!(DataHead::len(ACK), None);
         assert_eq!(DataHead::decode(&[SEND, 1, 2]), Err(WireError::Truncated));
     }
