@@ -617,6 +617,39 @@ async fn writes_behind_a_send_waiting_for_a_receive_land_after_it() {
     }
 }
 
+/// Posts from `c` a Read of `len` bytes at `read_at` of `remote` (id 1) and a fetch-and-add of
+/// `add` at `add_at` (id 2), then waits a moment for both to reach the target, whose
+/// application holds that memory. (If they come later, what the case does next meets nothing
+/// ahead of it: the case checks less, but never fails for it.)
+fn reach_held_memory(c: &Side, remote: RemoteRegion, read_at: u64, len: usize, add_at: u64, add: u64) {
+    let read = SendOp::Read {
+        remote: remote.at(read_at),
+    };
+    c.post(SendWr::new(1, read).buf(c.reg(len, AccessFlags::LOCAL_WRITE)));
+    let faa = SendOp::FetchAdd {
+        remote: remote.at(add_at),
+        add,
+    };
+    c.post(SendWr::new(2, faa).buf(c.reg(8, AccessFlags::LOCAL_WRITE)));
+    std::thread::sleep(Duration::from_millis(100));
+}
+
+/// After [`reach_held_memory`] and the memory let go: the Read (id 1) returned `want`, the
+/// fetch-and-add (id 2) the word's value `word` from before, and the word at `add_at` of
+/// `target` holds `word + add`.
+fn check_reached(reply: &[Completion], want: &[u8], target: &MemoryRegion, add_at: usize, word: u64, add: u64) {
+    let by_id = |id| reply.iter().find(|w| w.wr_id == id).expect("a completion");
+    assert!(
+        by_id(1).buf.as_ref().expect("read buf").bytes()[..] == want[..],
+        "the Read's bytes"
+    );
+    let old = by_id(2).buf.as_ref().expect("faa buf").bytes()[..8].to_vec();
+    let old = u64::from_ne_bytes(old.try_into().expect("8 bytes"));
+    assert_eq!(old, word, "the old value");
+    let now = u64::from_ne_bytes(target.bytes()[add_at..add_at + 8].try_into().expect("8 bytes"));
+    assert_eq!(now, word.wrapping_add(add), "the fetch-and-add applied");
+}
+
 /// The application holds a registration for writing while a peer's Read and fetch-and-add
 /// reach it, and meanwhile posts on the same QP (a receive, then a Send from another buffer):
 /// the posts return, and once the borrow ends the Read and the fetch-and-add complete. A NIC
@@ -632,20 +665,7 @@ async fn posting_while_holding_memory_a_peer_reaches_does_not_wait() {
     let remote = target.remote();
     let (reply, sent) = {
         let held = target.bytes_mut();
-        c.post(SendWr::new(1, SendOp::Read { remote: remote.at(64) }).buf(c.reg(64, AccessFlags::LOCAL_WRITE)));
-        c.post(
-            SendWr::new(
-                2,
-                SendOp::FetchAdd {
-                    remote: remote.at(8),
-                    add: 5,
-                },
-            )
-            .buf(c.reg(8, AccessFlags::LOCAL_WRITE)),
-        );
-        // Time for both to reach the target and find its lock held (if they come later, the
-        // posts below meet no lock and the case checks less, but never fails for it).
-        std::thread::sleep(Duration::from_millis(100));
+        reach_held_memory(&c, remote, 64, 64, 8, 5);
         let (tx, rx) = std::sync::mpsc::channel();
         let (sqp, sbuf) = (&s.qp, s.filled(b"hello", AccessFlags::NONE));
         let rbuf = s.reg(64, AccessFlags::LOCAL_WRITE);
@@ -671,19 +691,8 @@ async fn posting_while_holding_memory_a_peer_reaches_does_not_wait() {
     reply.iter().for_each(ok);
     ok(&sent);
     let by_id = |id| reply.iter().find(|w| w.wr_id == id).expect("a completion");
-    assert!(
-        by_id(1).buf.as_ref().expect("read buf").bytes()[..] == want[..],
-        "the Read's bytes"
-    );
-    let old = by_id(2).buf.as_ref().expect("faa buf").bytes()[..8].to_vec();
-    assert_eq!(
-        u64::from_ne_bytes(old.try_into().expect("8 bytes")),
-        word,
-        "the old value"
-    );
     assert_eq!(by_id(9).byte_len, 5, "the Send posted meanwhile arrived");
-    let now = u64::from_ne_bytes(target.bytes()[8..16].try_into().expect("8 bytes"));
-    assert_eq!(now, word.wrapping_add(5), "the fetch-and-add applied");
+    check_reached(&reply, &want, &target, 8, word, 5);
 }
 
 /// A NIC answers a peer's Read and atomic from host memory whatever the application does with
@@ -703,20 +712,7 @@ async fn a_send_completes_while_its_poster_holds_memory_a_peer_reads() {
     let remote = target.remote();
     {
         let held = target.bytes_mut();
-        c.post(SendWr::new(1, SendOp::Read { remote: remote.at(256) }).buf(c.reg(256, AccessFlags::LOCAL_WRITE)));
-        c.post(
-            SendWr::new(
-                2,
-                SendOp::FetchAdd {
-                    remote: remote.at(16),
-                    add: 7,
-                },
-            )
-            .buf(c.reg(8, AccessFlags::LOCAL_WRITE)),
-        );
-        // Time for both to reach the target and find its memory held (if they come later, the
-        // Sends below meet nothing ahead of them and the case checks less, never fails for it).
-        std::thread::sleep(Duration::from_millis(100));
+        reach_held_memory(&c, remote, 256, 256, 16, 7);
         let (done_tx, done_rx) = std::sync::mpsc::channel();
         let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
         let (scq, sqp) = (&s.cq, &s.qp);
@@ -780,18 +776,7 @@ async fn a_send_completes_while_its_poster_holds_memory_a_peer_reads() {
     let by_id = |id| reply.iter().find(|w| w.wr_id == id).expect("a completion");
     assert_eq!(by_id(9).byte_len, 10, "the first Send arrived");
     assert_eq!(by_id(12).byte_len, 5, "the second Send arrived");
-    assert!(
-        by_id(1).buf.as_ref().expect("read buf").bytes()[..] == want[..],
-        "the Read's bytes"
-    );
-    let old = by_id(2).buf.as_ref().expect("faa buf").bytes()[..8].to_vec();
-    assert_eq!(
-        u64::from_ne_bytes(old.try_into().expect("8 bytes")),
-        word,
-        "the old value"
-    );
-    let now = u64::from_ne_bytes(target.bytes()[16..24].try_into().expect("8 bytes"));
-    assert_eq!(now, word.wrapping_add(7), "the fetch-and-add applied");
+    check_reached(&reply, &want, &target, 16, word, 7);
 }
 
 /// Dropping a QP does not wait for a peer's Read or atomic that waits for memory the
@@ -802,18 +787,7 @@ async fn a_qp_dropped_while_a_peer_reads_memory_its_application_holds_goes_at_on
     let mut target = s.filled(&pattern(4096, 32), AccessFlags::ALL);
     let remote = target.remote();
     let held = target.bytes_mut();
-    c.post(SendWr::new(1, SendOp::Read { remote: remote.at(0) }).buf(c.reg(64, AccessFlags::LOCAL_WRITE)));
-    c.post(
-        SendWr::new(
-            2,
-            SendOp::FetchAdd {
-                remote: remote.at(8),
-                add: 1,
-            },
-        )
-        .buf(c.reg(8, AccessFlags::LOCAL_WRITE)),
-    );
-    std::thread::sleep(Duration::from_millis(100));
+    reach_held_memory(&c, remote, 0, 64, 8, 1);
     let Side { qp, cq, pd } = s;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {

@@ -92,6 +92,19 @@ impl Peer {
         let _ = self.0.write_all(bytes);
     }
 
+    /// Asks to Read all of `mr`, once for each request number in `ssns`.
+    fn read_whole(&mut self, mr: &MemoryRegion, ssns: std::ops::RangeInclusive<u64>) {
+        let (addr, rkey) = (mr.addr().to_le_bytes(), mr.rkey().to_le_bytes());
+        let len = (mr.len() as u32).to_le_bytes();
+        for ssn in ssns {
+            self.send(&frame(
+                READ_REQ,
+                &fields(&[&ssn.to_le_bytes(), &addr, &rkey, &len]),
+                &[],
+            ));
+        }
+    }
+
     /// The next frame, or `None` once the target closed the connection.
     fn next(&mut self) -> Option<(u8, Vec<u8>)> {
         let mut len = [0u8; 4];
@@ -613,14 +626,7 @@ fn answers_the_peer_does_not_take_cost_no_copies() {
     let want = mr.bytes().to_vec();
     let (mut peer, qp) = t.connection();
     let before = resident_bytes();
-    let (addr, rkey) = (mr.addr().to_le_bytes(), mr.rkey().to_le_bytes());
-    for ssn in 1..=reads {
-        peer.send(&frame(
-            READ_REQ,
-            &fields(&[&ssn.to_le_bytes(), &addr, &rkey, &(len as u32).to_le_bytes()]),
-            &[],
-        ));
-    }
+    peer.read_whole(&mr, 1..=reads);
     // A Write behind them sets the flag: the target's engine takes requests in order, so it
     // has taken every read by then (their answers queued), and the peer still reads nothing.
     let ssn = reads + 1;
@@ -693,14 +699,7 @@ fn a_send_goes_between_the_parts_of_an_answer_waiting_for_held_memory() {
     let want = mr.bytes().to_vec();
     let note = t.filled(5, AccessFlags::NONE, 1);
     let (mut peer, qp) = t.connection();
-    let (addr, rkey) = (mr.addr().to_le_bytes(), mr.rkey().to_le_bytes());
-    for ssn in 1..=reads {
-        peer.send(&frame(
-            READ_REQ,
-            &fields(&[&ssn.to_le_bytes(), &addr, &rkey, &(len as u32).to_le_bytes()]),
-            &[],
-        ));
-    }
+    peer.read_whole(&mr, 1..=reads);
     // Time for the target to take the requests and fill the link with what it takes.
     std::thread::sleep(Duration::from_millis(300));
     let held = mr.bytes_mut();
@@ -842,14 +841,7 @@ fn atomics_that_waited_for_a_borrow_keep_their_order() {
         }
     };
     // Answers the peer does not take yet: the target's sending side is backed up.
-    let (a, k) = (bulk.addr().to_le_bytes(), bulk.rkey().to_le_bytes());
-    for ssn in 1..=4u64 {
-        peer.send(&frame(
-            READ_REQ,
-            &fields(&[&ssn.to_le_bytes(), &a, &k, &(len as u32).to_le_bytes()]),
-            &[],
-        ));
-    }
+    peer.read_whole(&bulk, 1..=4);
     let held = word.bytes_mut();
     peer.send(&faa(5, 1));
     peer.send(&mark(6, 1));
