@@ -594,6 +594,53 @@ fn connecting_to_something_else_says_so() {
     }
 }
 
+/// Both ends of a handshake between builds of two wire versions say which versions they are:
+/// the listener replies with its own (and goes on serving others), and `connect` turns that
+/// reply into an error that names both.
+#[test]
+fn a_peer_of_another_wire_version_is_refused_by_name() {
+    count_panics();
+    let mut t = Target::new();
+    let mut old = TcpStream::connect(t.addr).expect("connect");
+    old.set_read_timeout(Some(WAIT)).expect("timeout");
+    let mut hello = MAGIC.to_vec();
+    hello.push(2);
+    hello.extend_from_slice(&1u16.to_le_bytes());
+    old.write_all(&hello).expect("an old hello");
+    let mut reply = [0u8; 12];
+    old.read_exact(&mut reply).expect("the listener's reply");
+    assert_eq!(&reply[..9], &[&MAGIC[..], &[3]].concat()[..]);
+    assert_eq!(reply[9], 2, "refused for its version");
+    assert_eq!(u16::from_le_bytes([reply[10], reply[11]]), 2, "the listener's version");
+    // The listener still serves peers of its own version.
+    let (_peer, qp) = t.connection();
+    assert!(!qp.is_error());
+
+    // A client of this build against a listener of version 9.
+    let other = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = other.local_addr().expect("addr");
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = other.accept().expect("accept");
+        let mut head = [0u8; 9];
+        s.read_exact(&mut head).expect("the hello's head");
+        let mut rest = vec![0u8; usize::from(head[8])];
+        s.read_exact(&mut rest).expect("the hello");
+        let mut reply = MAGIC.to_vec();
+        reply.extend_from_slice(&[3, 2, 9, 0]);
+        s.write_all(&reply).expect("the refusal");
+    });
+    let err = connect(addr, &QpOptions::new(&t.pd, &t.cq), b"", WAIT)
+        .map(|_| ())
+        .expect_err("refused");
+    let msg = err.to_string();
+    assert!(
+        matches!(err, Error::Protocol(_)) && msg.contains("version 9") && msg.contains("speaks 2"),
+        "{msg}"
+    );
+    server.join().expect("the other listener");
+    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
+}
+
 /// The tests that measure the process's memory run one at a time.
 static MEMORY: std::sync::Mutex<()> = std::sync::Mutex::new(());
 

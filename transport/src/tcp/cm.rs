@@ -74,15 +74,30 @@ fn handshake(stream: TcpStream, peer: SocketAddr) -> Result<Request> {
     let mut r = hello.as_slice();
     let version = take::<2>(&mut r).map(u16::from_le_bytes)?;
     if version != VERSION {
-        return Err(Error::Protocol(format!(
-            "peer speaks version {version}, we speak {VERSION}"
-        )));
+        // Refused by name: the peer learns which version this side speaks (a reply of kind
+        // `REFUSED_VERSION`; builds from before it only see a malformed reply).
+        let mut reply = vec![REFUSED_VERSION];
+        reply.extend_from_slice(&VERSION.to_le_bytes());
+        let _ = write_msg(&mut &stream, &reply);
+        let e = version_mismatch(version);
+        tracing::warn!(%peer, %e, "refused a connection");
+        return Err(e);
     }
     Ok(Request {
         stream,
         private_data: r.to_vec(),
         peer,
     })
+}
+
+/// A connection reply: the listener speaks another wire version, which follows (2 bytes).
+const REFUSED_VERSION: u8 = 2;
+
+fn version_mismatch(theirs: u16) -> Error {
+    Error::Protocol(format!(
+        "the peer speaks tcp wire version {theirs}, this build speaks {VERSION}: \
+         run the same rdma-rpc-transport release on both ends"
+    ))
 }
 
 /// Longest wait for the other side's half of a handshake.
@@ -155,6 +170,10 @@ pub(crate) fn connect(
             Ok((qp, n, Pending::Done(data)))
         }
         Some((0, _)) => Err(Error::Rejected),
+        Some((&REFUSED_VERSION, v)) => match v.try_into() {
+            Ok(v) => Err(version_mismatch(u16::from_le_bytes(v))),
+            Err(_) => Err(Error::Protocol("malformed connection reply".into())),
+        },
         _ => Err(Error::Protocol("malformed connection reply".into())),
     }
 }
