@@ -460,6 +460,11 @@ impl MemoryRegion {
     /// The bytes, for writing: the registration's lock, exclusively (other pieces of it
     /// included). Any other borrow of the same registration taken on this thread while this one
     /// is held waits forever: drop it first.
+    ///
+    /// On the software providers a peer's Read or atomic that reaches the registration is
+    /// answered when this borrow ends (a NIC reads host memory whatever the application does),
+    /// and what the QP owes the peer after that answer waits with it; this side's own requests,
+    /// its posts and dropping the QP do not. Keep borrows of memory that peers read short.
     pub fn bytes_mut(&mut self) -> BufMut<'_> {
         BufMut(self.region.lock_range(self.off, self.len))
     }
