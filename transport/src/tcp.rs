@@ -14,12 +14,15 @@
 //! message), up to 4 MiB of frames behind a Send that waits for a receive (past that the engine
 //! reads nothing until the stall ends), and a few dozen bytes per answer the peer has not taken
 //! from its socket: a Read's answer stays in the registration until it leaves, as a NIC reads
-//! host memory while it transmits.
+//! host memory while it transmits. A long answer goes in parts of 256 KiB, as a NIC's goes in
+//! packets, and this side's own requests go between two parts (see `sender.rs`).
 //!
 //! Registrations are behind locks here (a NIC needs none): a Read or atomic that reaches memory
 //! the application holds (`bytes_mut()`) is answered when the borrow ends, from the writer
-//! thread, and what this side sends after that answer waits behind it. The responder never
-//! waits for a registration's lock while it holds the QP's, so posting meanwhile does not wait.
+//! thread, and the answers and acknowledgements this side owes after it wait behind it (RC
+//! orders responses); this side's own requests pass it. The responder never waits for a
+//! registration's lock while it holds the QP's, so posting meanwhile does not wait, and the
+//! writer waits for memory 200 µs at a time, so dropping the QP does not either.
 //!
 //! Acknowledgements cost CPU here (a NIC's cost none): one that a poll made due (a signaled
 //! Send or Write the application's polling thread handled) goes out in the write of this side's
