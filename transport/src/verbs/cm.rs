@@ -190,7 +190,7 @@ pub(super) fn expect(ev: Event, want: u32, what: &'static str) -> Result<Event> 
     })
 }
 
-/// Private data travels as [len][bytes]: IB CM pads it to a fixed size.
+/// Private data travels as `[len][bytes]`: IB CM pads it to a fixed size.
 fn frame(data: &[u8]) -> Vec<u8> {
     let mut v = vec![data.len() as u8];
     v.extend_from_slice(data);
