@@ -641,6 +641,38 @@ fn a_peer_of_another_wire_version_is_refused_by_name() {
     assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
 }
 
+/// A read response whose request number is one of the target's Sends is not a Read's answer:
+/// the target's QP fails (`BAD_RESP_ERR`) and nothing lands in the Send's buffer. Before, an
+/// answer of the Send's length landed in it, a buffer registered without `LOCAL_WRITE`.
+#[test]
+fn a_read_answer_for_a_send_lands_nowhere() {
+    count_panics();
+    let mut t = Target::new();
+    let msg = t.filled(64, AccessFlags::NONE, 9);
+    let before = msg.bytes().to_vec();
+    let (mut peer, qp) = t.connection();
+    qp.post_send(SendWr::send(1, msg).len(64))
+        .map_err(|e| e.error)
+        .expect("post_send");
+    let (kind, body) = peer.next().expect("the Send");
+    assert_eq!(kind, SEND);
+    let ssn = u64_at(&body, 0);
+    peer.send(&frame(READ_RESP, &ssn.to_le_bytes(), &[0xee; 64]));
+    let mut out = Vec::new();
+    let deadline = Instant::now() + WAIT;
+    while out.is_empty() {
+        assert!(Instant::now() < deadline, "no completion for the Send");
+        t.cq.poll(&mut out, 1).expect("poll");
+        std::thread::yield_now();
+    }
+    let wc = out.pop().expect("one");
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::BadRespErr), "{wc:?}");
+    let buf = wc.buf.expect("the Send's buffer back");
+    assert_eq!(buf.bytes().to_vec(), before, "nothing landed in the Send's buffer");
+    wait_error(&qp, "a read answer for a Send");
+    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
+}
+
 /// The tests that measure the process's memory run one at a time.
 static MEMORY: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
