@@ -915,10 +915,41 @@ impl Engine {
         status: WcStatus,
         land: impl FnOnce(&Pending) -> Result<u32, WcStatus>,
     ) {
-        if st.error {
-            return;
+        let Some(p) = self.head_for(st, ssn) else { return };
+        match if status.is_success() { land(&p) } else { Err(status) } {
+            Ok(byte_len) => {
+                self.push_send(p, WcStatus::Success, byte_len);
+                self.retire(st);
+            }
+            Err(status) => self.fail_head(st, p, status),
         }
-        // A response acknowledges every Send and Write before it (RC executes in order).
+    }
+
+    /// A part of the response to Read `ssn`, the oldest outstanding request, with more to come:
+    /// `land` places its bytes after those placed so far and says how many; the Read stays
+    /// outstanding. Anything else breaks RC, as in [`complete_head`](Self::complete_head).
+    fn read_part(&self, st: &mut State, ssn: u64, land: impl FnOnce(&Pending) -> Result<usize, WcStatus>) {
+        let Some(mut p) = self.head_for(st, ssn) else { return };
+        if p.opcode != WcOpcode::RdmaRead || p.done.is_some() {
+            st.outstanding.push_front(p);
+            return self.enter_error(st, Some(WcStatus::BadRespErr));
+        }
+        match land(&p) {
+            Ok(n) => {
+                p.got += n;
+                st.outstanding.push_front(p);
+            }
+            Err(status) => self.fail_head(st, p, status),
+        }
+    }
+
+    /// The oldest outstanding request, taken out for a response to `ssn`, once the Sends and
+    /// Writes before it are completed (a response acknowledges them: RC executes in order).
+    /// `None`, the QP in error, if the response is for anything else.
+    fn head_for(&self, st: &mut State, ssn: u64) -> Option<Pending> {
+        if st.error {
+            return None;
+        }
         while st.outstanding.front().is_some_and(|p| p.seq < ssn && acked_by_later(p)) {
             if let Some(p) = st.outstanding.pop_front() {
                 self.push_send(p, WcStatus::Success, 0);
@@ -927,59 +958,22 @@ impl Engine {
         let Some(p) = st.outstanding.pop_front() else {
             tracing::warn!(qp = self.qp_num, ssn, "response with nothing outstanding");
             self.enter_error(st, None);
-            return;
+            return None;
         };
         if p.seq != ssn {
             st.outstanding.push_front(p);
             self.enter_error(st, Some(WcStatus::BadRespErr));
-            return;
+            return None;
         }
-        let result = if status.is_success() { land(&p) } else { Err(status) };
-        match result {
-            Ok(byte_len) => {
-                self.push_send(p, WcStatus::Success, byte_len);
-                self.retire(st);
-            }
-            Err(status) => {
-                // The QP is in error before anyone can see the failed completion.
-                self.error.store(true, Ordering::Release);
-                self.push_send(p, status, 0);
-                self.enter_error(st, None);
-            }
-        }
+        Some(p)
     }
 
-    /// A part of the response to Read `ssn`, the oldest outstanding request, with more to come:
-    /// `land` places its bytes after those placed so far and says how many. Anything else
-    /// breaks RC, as in [`complete_head`](Self::complete_head).
-    fn read_part(&self, st: &mut State, ssn: u64, land: impl FnOnce(&Pending) -> Result<usize, WcStatus>) {
-        if st.error {
-            return;
-        }
-        // A response acknowledges every Send and Write before it (RC executes in order).
-        while st.outstanding.front().is_some_and(|p| p.seq < ssn && acked_by_later(p)) {
-            if let Some(p) = st.outstanding.pop_front() {
-                self.push_send(p, WcStatus::Success, 0);
-            }
-        }
-        let result = match st.outstanding.front_mut() {
-            None => {
-                tracing::warn!(qp = self.qp_num, ssn, "read response part with nothing outstanding");
-                return self.enter_error(st, None);
-            }
-            Some(p) if p.seq != ssn || p.opcode != WcOpcode::RdmaRead || p.done.is_some() => {
-                return self.enter_error(st, Some(WcStatus::BadRespErr));
-            }
-            Some(p) => land(p).map(|n| p.got += n),
-        };
-        if let Err(status) = result {
-            // The QP is in error before anyone can see the failed completion.
-            self.error.store(true, Ordering::Release);
-            if let Some(p) = st.outstanding.pop_front() {
-                self.push_send(p, status, 0);
-            }
-            self.enter_error(st, None);
-        }
+    /// Request `p`, taken out by [`head_for`](Self::head_for), fails with `status`; the QP is in
+    /// error before anyone can see that completion.
+    fn fail_head(&self, st: &mut State, p: Pending, status: WcStatus) {
+        self.error.store(true, Ordering::Release);
+        self.push_send(p, status, 0);
+        self.enter_error(st, None);
     }
 
     fn start_stall(self: &Arc<Self>, st: &mut State, frame: Frame) {
