@@ -38,6 +38,7 @@ const ALL_MODES: &[&str] = &[
     "rpc-upload-vec",
     "rpc-behind",
     "rpc-behind-fifo",
+    "rpc-one-thread",
     "service",
     "memcpy",
     "send",
@@ -351,6 +352,15 @@ async fn measure(
         "rpc-body" => {
             let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion, raw_ring)).await;
             let s = rpc::in_place(&client, size, plan).await;
+            serving.abort();
+            (Convention::Rtt, 2 * size, s)
+        }
+        "rpc-one-thread" => {
+            // The server on the client's own runtime, so on its thread: a test's or a small
+            // tool's layout.
+            let here = tokio::runtime::Handle::current();
+            let (client, serving) = rpc::connect(&here, dev, ip, rpc::config(mode, size, completion, raw_ring)).await;
+            let s = rpc::measure(&client, size, plan).await;
             serving.abort();
             (Convention::Rtt, 2 * size, s)
         }

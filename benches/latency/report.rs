@@ -196,6 +196,7 @@ pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
     }
     shm_targets(rows);
     behind(rows);
+    one_thread(rows);
     steal(rows);
     cross_core(rows);
 }
@@ -223,6 +224,24 @@ fn behind(rows: &[Row]) {
         "a {short} B call while calls of {big} B stream on its connection (rpc-behind): p50 {:.2} us{fifo}{alone}",
         b.t_typical
     );
+}
+
+/// The RPC with its server on the caller's thread (`rpc-one-thread`) beside the RPC with its
+/// server on a thread of its own (`rpc`), at the sizes both have.
+fn one_thread(rows: &[Row]) {
+    let pairs: Vec<String> = rows
+        .iter()
+        .filter(|r| r.mode == "rpc-one-thread")
+        .filter_map(|r| {
+            find(rows, "rpc", r.bytes).map(|a| format!("{} B {:.2} us ({:.2} us)", r.bytes, r.t_typical, a.t_typical))
+        })
+        .collect();
+    if !pairs.is_empty() {
+        println!(
+            "the RPC with its server on the caller's thread, one current-thread runtime (rpc-one-thread), p50 (rpc, the server on a thread of its own): {}",
+            pairs.join(", ")
+        );
+    }
 }
 
 /// How much of the guest's CPU time the hypervisor took while the rows were timed: on a shared
