@@ -18,6 +18,7 @@ use rdma_rpc_transport::{Device, QpCaps, QpOptions};
 use tokio::sync::Notify;
 
 use crate::buf::Body;
+use crate::colocate::Link;
 use crate::config::{CallOptions, CompletionMode, Config, Hello};
 use crate::driver::{self, Conn};
 use crate::proto::{CallMap, Event, Payload, Reply, Route, Session, SessionConfig, FRAGMENT, LANDING_PREFIX};
@@ -112,8 +113,12 @@ impl Client {
         let recvs = Conn::ring(&pd, config.ring, slot)?;
         let opts = QpOptions::new(&pd, &cq).caps(qp_caps(device, &config));
         let timeout = config.connect_timeout;
+        // The hello, then this side offered to a server in this process (see `colocate`).
+        let mut link = Link::default();
+        let mut hello = mine.encode();
+        hello.extend_from_slice(&link.offer());
         let (qp, reply) = tokio::task::spawn_blocking(move || {
-            rdma_rpc_transport::connect_with_recvs(addr, &opts, &mine.encode(), timeout, recvs)
+            rdma_rpc_transport::connect_with_recvs(addr, &opts, &hello, timeout, recvs)
         })
         .await
         .map_err(|e| RpcError::Transport(format!("connect task: {e}")))?
@@ -130,7 +135,10 @@ impl Client {
             session.limit_call_bytes(theirs.max_request_bytes);
         }
         session.interleave(config.interleave && theirs.flags & Hello::TAKES_INTERLEAVED != 0);
-        let conn = Conn::new(session, &pd, qp, cq, (slot, config.ring), config.isolation)?;
+        let mut conn = Conn::new(session, &pd, qp, cq, (slot, config.ring), config.isolation)?;
+        link.pair(reply.get(Hello::LEN..));
+        link.withdraw();
+        conn.link = link;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 conn,
@@ -757,7 +765,9 @@ impl<T> Call<'_, T> {
         } else {
             st.progress();
         }
-        let mut spin = !self.sleeping && self.budget.spins(shared.mode);
+        st.conn.link.driven_here();
+        // A server driven by this very thread cannot answer while this call spins.
+        let mut spin = !self.sleeping && self.budget.spins(shared.mode) && !st.conn.peer_on_this_thread(shared.mode);
         // The only call in flight spins right here for a while: giving way to the runtime
         // between polls costs more than a round trip on shm (a syscall per turn when the caller
         // is the runtime's `block_on`). With other calls in flight it gives way at once, so
@@ -901,6 +911,7 @@ async fn drive(shared: Arc<Shared>) {
     loop {
         let next = {
             let mut st = shared.state.lock();
+            st.conn.link.driven_here();
             st.progress();
             let lost = st.conn.lost().is_some();
             if st.closed && (lost || !st.conn.has_work()) {
@@ -997,5 +1008,52 @@ mod tests {
             assert_eq!((s.eager_max, s.max_payload), (4096, 4096));
         }
         assert_eq!(agree(&big, &big).eager_max, 128 << 20);
+    }
+
+    /// Whether this client's server was last driven by the thread asking (`colocate`), after
+    /// one call.
+    async fn server_seen_here(dev: &rdma_rpc_transport::Device, addr: std::net::SocketAddr) -> bool {
+        let client = Client::connect(dev, addr, Config::default()).await.expect("connect");
+        assert_eq!(client.call(1, b"ab".to_vec()).await.expect("call"), b"ab");
+        let st = client.handle.shared.state.lock();
+        st.conn.peer_on_this_thread(CompletionMode::default()) && !st.conn.peer_on_this_thread(CompletionMode::Spin)
+    }
+
+    fn echo(dev: &rdma_rpc_transport::Device) -> crate::Server {
+        crate::Server::builder(Config::default())
+            .handler(1, |req: Vec<u8>| async move { Ok::<_, RpcError>(req) })
+            .bind(dev, "127.0.0.1:0".parse().expect("an address"))
+            .expect("bind")
+    }
+
+    #[test]
+    fn a_server_on_the_callers_thread_is_seen_there_and_one_elsewhere_is_not() {
+        for provider in ["tcp", "shm"] {
+            let dev = rdma_rpc_transport::Device::open(provider).expect("a software provider");
+            let one = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime");
+            let here = one.block_on(async {
+                let server = echo(&dev);
+                let addr = server.local_addr().expect("an address");
+                tokio::spawn(server.serve());
+                server_seen_here(&dev, addr).await
+            });
+            assert!(here, "{provider}: the server's connection runs on this thread");
+            // The server on a runtime of its own, on another thread.
+            let other = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .expect("a runtime");
+            let server = other.block_on(async { echo(&dev) });
+            let addr = server.local_addr().expect("an address");
+            other.spawn(server.serve());
+            assert!(
+                !one.block_on(server_seen_here(&dev, addr)),
+                "{provider}: the server's connection runs on another thread"
+            );
+        }
     }
 }

@@ -307,6 +307,10 @@ impl Hello {
     /// peer, or [`Config::interleave`] off) its peer sends pieces back to back.
     pub const TAKES_INTERLEAVED: u32 = 1;
 
+    /// Bytes of an encoded hello ([`Hello::encode`]); a peer's private data may go on after
+    /// them.
+    pub const LEN: usize = 37;
+
     /// What a side with `c` says.
     pub fn from_config(c: &Config) -> Self {
         Self {
@@ -343,6 +347,7 @@ impl Hello {
     /// let hello = Hello::from_config(&Config { max_concurrent_requests: 8, ..Config::default() });
     /// let bytes = hello.encode();
     /// assert_eq!(Hello::decode(&bytes), Some(hello));
+    /// assert_eq!(bytes.len(), Hello::LEN);
     /// assert_eq!(hello.flags & Hello::TAKES_INTERLEAVED, Hello::TAKES_INTERLEAVED);
     /// let in_order = Hello::from_config(&Config { interleave: false, ..Config::default() });
     /// assert_eq!(in_order.flags & Hello::TAKES_INTERLEAVED, 0);

@@ -16,6 +16,7 @@ use rdma_rpc_transport::{
 };
 
 use crate::buf::{RegisteredBuf, SlotsBack};
+use crate::colocate::Link;
 use crate::config::CompletionMode;
 use crate::proto::{BufId, Event, Session, Token, Transmit, HEADER_LEN, LANDING_PREFIX};
 use crate::stash::Stash;
@@ -101,6 +102,8 @@ pub(crate) struct Conn {
     cut_short: bool,
     /// Passed as `now` with messages whose handling does not read it ([`Session::needs_now`]).
     epoch: Instant,
+    /// The peer's side when it is in this process: whether this thread drives it.
+    pub(crate) link: Link,
 }
 
 impl Conn {
@@ -162,6 +165,7 @@ impl Conn {
             lost: None,
             cut_short: false,
             epoch: Instant::now(),
+            link: Link::default(),
         })
     }
 
@@ -270,6 +274,14 @@ impl Conn {
     /// `QueuePair::peer_shares_cpu`): then a spinning wait only delays it.
     pub(crate) fn peer_shares_cpu(&self) -> bool {
         self.qp.peer_shares_cpu()
+    }
+
+    /// Whether waiting in `mode` should not spin because the peer was last driven by this very
+    /// thread (a client and its server on one current-thread runtime): it cannot answer
+    /// while this side spins. Only [`CompletionMode::Adaptive`] gives way so;
+    /// [`CompletionMode::Spin`] spins as asked.
+    pub(crate) fn peer_on_this_thread(&self, mode: CompletionMode) -> bool {
+        matches!(mode, CompletionMode::Adaptive { .. }) && self.link.peer_here()
     }
 
     /// Moves this thread off the peer's poller's CPU to another it may run on, when the two
@@ -691,6 +703,7 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
     // When this connection last moved its thread off its peer's CPU.
     let mut moved: Option<Instant> = None;
     loop {
+        conn.link.driven_here();
         let mut busy = role.drain_inputs(&mut conn);
         busy |= conn.progress();
         let mut events = false;
@@ -715,7 +728,7 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
             budget.restart();
             continue;
         }
-        if budget.spins(mode) {
+        if budget.spins(mode) && !conn.peer_on_this_thread(mode) {
             // Poll a while before giving way: a turn through the runtime costs more than the
             // polls, and a message usually comes within them.
             let mut found = false;

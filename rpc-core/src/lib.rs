@@ -6,6 +6,7 @@
 
 mod buf;
 mod client;
+mod colocate;
 mod config;
 pub mod context;
 mod driver;

@@ -12,6 +12,7 @@ use tracing::Instrument;
 
 use crate::buf::Body;
 use crate::client::{agree, qp_caps, slot_size};
+use crate::colocate::Link;
 use crate::config::{Config, Hello};
 use crate::context;
 use crate::driver::{self, Conn, Role, RoleInput};
@@ -321,7 +322,13 @@ async fn serve_connection(
     let slot = slot_size(&config);
     let recvs = Conn::ring(&pd, config.ring, slot)?;
     let opts = QpOptions::new(&pd, &cq).caps(qp_caps(&device, &config));
-    let qp = tokio::task::spawn_blocking(move || req.accept_with_recvs(&opts, &mine.encode(), recvs))
+    // A client in this process: pair with it, and offer this side back (see `colocate`).
+    let mut link = Link::default();
+    let mut hello = mine.encode();
+    if link.pair(req.private_data().get(Hello::LEN..)) {
+        hello.extend_from_slice(&link.offer());
+    }
+    let qp = tokio::task::spawn_blocking(move || req.accept_with_recvs(&opts, &hello, recvs))
         .await
         .map_err(|e| RpcError::Transport(format!("accept task: {e}")))?
         .map_err(tr)?;
@@ -332,7 +339,8 @@ async fn serve_connection(
         config.max_concurrent_requests as usize,
         config.max_request_bytes_in_flight,
     );
-    let conn = Conn::new(session, &pd, qp, cq, (slot, config.ring), config.isolation)?;
+    let mut conn = Conn::new(session, &pd, qp, cq, (slot, config.ring), config.isolation)?;
+    conn.link = link;
     let role = ServerRole {
         buffers: conn.stash.buffers(),
         handlers,
