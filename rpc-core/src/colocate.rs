@@ -108,10 +108,15 @@ impl Link {
     }
 
     /// Notes that this thread drives this side now (nothing when the peer is elsewhere).
+    /// Written only when it changes: the peer reads the cell whenever it is about to spin, and
+    /// a write each turn would take the line from its cache every time.
     #[inline]
     pub(crate) fn driven_here(&self) {
         if self.peer.is_some() {
-            self.own.store(thread(), Ordering::Relaxed);
+            let t = thread();
+            if self.own.load(Ordering::Relaxed) != t {
+                self.own.store(t, Ordering::Relaxed);
+            }
         }
     }
 

@@ -30,6 +30,14 @@ pub enum CompletionMode {
     /// turns on one core for whole connections while the other core idled (17 of 144 fresh
     /// connections of 3000 calls at 11-25 µs a call on a 2-vCPU guest; none with the move).
     /// `Spin` always spins.
+    ///
+    /// On every provider a call or a server connection whose peer was last driven by the very
+    /// thread it runs on (a client and its server on one current-thread runtime, as in a
+    /// `#[tokio::test]`) does not spin either: the peer cannot answer until it gives the thread
+    /// up. The two sides of a connection made within one process find each other in the
+    /// handshake; each notes which thread drove it last. A 64 B echo on one thread took 62 µs
+    /// instead of 454 on `tcp` and 13.8 instead of 37.9 on `shm` (the README, "A client and
+    /// its server on one thread").
     Adaptive {
         /// How long to keep spinning after the last completion or command. The clock starts
         /// at the end of the first round of polls that found nothing (256 by a waiting call,
