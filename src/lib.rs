@@ -88,7 +88,7 @@ pub use bulk::Bulk;
 pub use rdma_rpc_core as core;
 pub use rdma_rpc_core::context;
 pub use rdma_rpc_core::{
-    CallOptions, Client, CompletionMode, Config, Isolation, RpcError, Server, ServerBuilder, Status,
+    CallOptions, Client, CompletionMode, Config, Isolation, RpcError, Server, ServerBuilder, Status, TransportError,
 };
 pub use rdma_rpc_macros::service;
 pub use rdma_rpc_transport as transport;

@@ -23,7 +23,7 @@ use crate::config::{CallOptions, CompletionMode, Config, Hello};
 use crate::driver::{self, Conn};
 use crate::proto::{CallMap, Event, Payload, Reply, Route, Session, SessionConfig, FRAGMENT, LANDING_PREFIX};
 use crate::spans::{self, How};
-use crate::RpcError;
+use crate::{RpcError, TransportError};
 
 /// A connection to a server, for byte-level calls (method id and bytes in, bytes out).
 /// Cheap to clone; all clones share the connection. The `#[service]` macro builds typed
@@ -105,9 +105,12 @@ impl Client {
     pub async fn connect(device: &Device, addr: SocketAddr, config: Config) -> Result<Client, RpcError> {
         config.validate()?;
         let config = config.on(device);
-        let tr = |e: rdma_rpc_transport::Error| RpcError::Transport(e.to_string());
-        let pd = device.alloc_pd().map_err(tr)?;
-        let cq = device.create_cq(config.ring * 4 + 64).map_err(tr)?;
+        let pd = device
+            .alloc_pd()
+            .map_err(|e| RpcError::Transport(TransportError::with("allocating a protection domain", e)))?;
+        let cq = device
+            .create_cq(config.ring * 4 + 64)
+            .map_err(|e| RpcError::Transport(TransportError::with("creating a completion queue", e)))?;
         let mine = Hello::from_config(&config);
         let slot = slot_size(&config);
         let recvs = Conn::ring(&pd, config.ring, slot)?;
@@ -121,10 +124,14 @@ impl Client {
             rdma_rpc_transport::connect_with_recvs(addr, &opts, &hello, timeout, recvs)
         })
         .await
-        .map_err(|e| RpcError::Transport(format!("connect task: {e}")))?
+        .map_err(|e| {
+            RpcError::Transport(TransportError::new(format!(
+                "connecting to {addr}: the connect task failed: {e}"
+            )))
+        })?
         .map_err(|e| match e {
             rdma_rpc_transport::Error::Rejected => RpcError::ConnectionRefused,
-            e => tr(e),
+            e => RpcError::Transport(TransportError::with(format!("connecting to {addr}"), e)),
         })?;
         let theirs = Hello::decode(&reply).ok_or_else(|| RpcError::Protocol("not an rdma-rpc server".into()))?;
         let mut session = Session::new(agree(&mine, &theirs));
@@ -719,7 +726,7 @@ fn give_back(
                 Some(b) => Ok((result, Some(b))),
                 None => Err(match st.conn.lost() {
                     Some(why) => RpcError::ConnectionLost(why.to_owned()),
-                    None => RpcError::Transport("re-registering the lent buffer failed".into()),
+                    None => RpcError::Transport(TransportError::new("re-registering the lent buffer failed")),
                 }),
             }
         }

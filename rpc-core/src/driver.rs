@@ -20,7 +20,7 @@ use crate::colocate::Link;
 use crate::config::CompletionMode;
 use crate::proto::{BufId, Event, Session, Token, Transmit, HEADER_LEN, LANDING_PREFIX};
 use crate::stash::Stash;
-use crate::RpcError;
+use crate::{RpcError, TransportError};
 
 const KIND_SHIFT: u32 = 60;
 const RECV: u64 = 1 << KIND_SHIFT;
@@ -119,7 +119,12 @@ impl Conn {
             .map(|i| {
                 pd.register(slot, rdma_rpc_transport::AccessFlags::LOCAL_WRITE)
                     .map(|mr| RecvWr::new(RECV | u64::from(i), mr))
-                    .map_err(|e| RpcError::Transport(e.to_string()))
+                    .map_err(|e| {
+                        RpcError::Transport(TransportError::with(
+                            format!("registering a {slot}-byte receive slot"),
+                            e,
+                        ))
+                    })
             })
             .collect()
     }
@@ -134,8 +139,13 @@ impl Conn {
         isolation: crate::Isolation,
     ) -> Result<Self, RpcError> {
         let ring = session.config().ring as usize;
-        let send_pool = BufferPool::new(pd, slot, ring + 8, rdma_rpc_transport::AccessFlags::LOCAL_WRITE)
-            .map_err(|e| RpcError::Transport(e.to_string()))?;
+        let send_pool =
+            BufferPool::new(pd, slot, ring + 8, rdma_rpc_transport::AccessFlags::LOCAL_WRITE).map_err(|e| {
+                RpcError::Transport(TransportError::with(
+                    format!("registering {} send buffers of {slot} bytes", ring + 8),
+                    e,
+                ))
+            })?;
         let max_inline = qp.caps().max_inline_data as usize;
         let yield_cpu = qp.pd().device().caps().progress_threads;
         let chunk = qp.pd().device().caps().max_msg_size.clamp(4096, 1 << 30) as usize;

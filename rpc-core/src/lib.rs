@@ -25,4 +25,4 @@ pub use driver::IN_SLOT_MIN;
 pub use rdma_rpc_transport as transport;
 pub use server::{Server, ServerBuilder};
 pub use stash::Buffers;
-pub use status::{RpcError, Status};
+pub use status::{RpcError, Status, TransportError};

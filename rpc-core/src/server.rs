@@ -21,7 +21,7 @@ use crate::proto::{Event, Payload, RequestBody, Session};
 use crate::spans::{self, How};
 use crate::stash::Buffers;
 use crate::tasks::Tasks;
-use crate::RpcError;
+use crate::{RpcError, TransportError};
 
 /// Collects handlers, then binds.
 pub struct ServerBuilder {
@@ -40,7 +40,8 @@ impl ServerBuilder {
     /// [`RpcError::Transport`] when the address cannot be bound.
     pub fn bind(self, device: &Device, addr: SocketAddr) -> Result<Server, RpcError> {
         self.config.validate()?;
-        let listener = Listener::bind(device, addr).map_err(|e| RpcError::Transport(e.to_string()))?;
+        let listener = Listener::bind(device, addr)
+            .map_err(|e| RpcError::Transport(TransportError::with(format!("binding {addr}"), e)))?;
         Ok(Server {
             device: device.clone(),
             listener: Arc::new(listener),
@@ -80,7 +81,7 @@ impl Server {
     pub fn local_addr(&self) -> Result<SocketAddr, RpcError> {
         self.listener
             .local_addr()
-            .map_err(|e| RpcError::Transport(e.to_string()))
+            .map_err(|e| RpcError::Transport(TransportError::with("reading the listener's address", e)))
     }
 
     /// Accepts connections forever, each with its own protection domain, CQ, ring and driver.
@@ -170,7 +171,7 @@ impl Server {
                         }
                         Ok(Ok(None)) => {}
                         Ok(Err(e)) => break Err(e),
-                        Err(e) => break Err(RpcError::Transport(format!("accept task: {e}"))),
+                        Err(e) => break Err(RpcError::Transport(TransportError::new(format!("the accept task failed: {e}")))),
                     }
                 }
                 Some(_) = conns.join_next(), if !conns.is_empty() => {}
@@ -240,7 +241,7 @@ async fn accept(
     // A bounded wait, so that a runtime shutting down never waits long on this thread.
     let req = tokio::task::spawn_blocking(move || listener.accept(Some(ACCEPT_POLL)))
         .await
-        .map_err(|e| RpcError::Transport(format!("accept task: {e}")))?;
+        .map_err(|e| RpcError::Transport(TransportError::new(format!("the accept task failed: {e}"))))?;
     match req {
         Ok(r) if shutdown.is_some_and(|s| s.started()) => {
             r.reject();
@@ -314,11 +315,14 @@ async fn serve_connection(
         req.reject();
         return Err(RpcError::Protocol("connect request without an rdma-rpc hello".into()));
     };
-    let tr = |e: rdma_rpc_transport::Error| RpcError::Transport(e.to_string());
+    let tr =
+        |what: &'static str| move |e: rdma_rpc_transport::Error| RpcError::Transport(TransportError::with(what, e));
     // Isolation: a protection domain per connection, so an rkey of one connection's buffers is
     // worthless on any other connection's QP.
-    let pd = device.alloc_pd().map_err(tr)?;
-    let cq = device.create_cq(config.ring * 4 + 64).map_err(tr)?;
+    let pd = device.alloc_pd().map_err(tr("allocating a protection domain"))?;
+    let cq = device
+        .create_cq(config.ring * 4 + 64)
+        .map_err(tr("creating a completion queue"))?;
     let slot = slot_size(&config);
     let recvs = Conn::ring(&pd, config.ring, slot)?;
     let opts = QpOptions::new(&pd, &cq).caps(qp_caps(&device, &config));
@@ -330,8 +334,8 @@ async fn serve_connection(
     }
     let qp = tokio::task::spawn_blocking(move || req.accept_with_recvs(&opts, &hello, recvs))
         .await
-        .map_err(|e| RpcError::Transport(format!("accept task: {e}")))?
-        .map_err(tr)?;
+        .map_err(|e| RpcError::Transport(TransportError::new(format!("the accept task failed: {e}"))))?
+        .map_err(tr("accepting a connection"))?;
     let mut session = Session::new(agree(&mine, &theirs));
     session.serve_in_slot(in_slot.iter().copied());
     session.interleave(config.interleave && theirs.flags & Hello::TAKES_INTERLEAVED != 0);

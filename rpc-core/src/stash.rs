@@ -9,7 +9,7 @@ use rdma_rpc_transport::{AccessFlags, MemoryRegion, ProtectionDomain, RemoteRegi
 
 use crate::buf::{Body, RegisteredBuf};
 use crate::proto::{BufId, CallMap, Route, LANDING_PREFIX};
-use crate::{Isolation, RpcError};
+use crate::{Isolation, RpcError, TransportError};
 
 /// The buffers of one connection: free ones by size class (shared with the application's
 /// [`RegisteredBuf`]s, which come back to them when dropped), and those the session holds (lent
@@ -305,8 +305,11 @@ impl Stash {
         // A refusal of the allocator is an error of this call, not an abort of the process.
         let mr = self.pd.register_zeroed_vec(len, AccessFlags::LOCAL_WRITE);
         let mr = mr.map_err(|e| {
-            RpcError::Transport(format!(
-                "a {len}-byte vector to read a rendezvous body into: {e} (or lower Config::max_payload)"
+            RpcError::Transport(TransportError::with(
+                format!(
+                    "registering a {len}-byte vector to read a rendezvous body into (or lower Config::max_payload)"
+                ),
+                e,
             ))
         })?;
         Ok(self.hold_as(mr, false, true))
@@ -320,7 +323,8 @@ impl Stash {
         }
         let len = data.len();
         let mr = self.pd.register_vec(data, AccessFlags::REMOTE_READ);
-        let mr = mr.map_err(|e| RpcError::Transport(format!("registering a {len}-byte vector: {e}")))?;
+        let mr =
+            mr.map_err(|e| RpcError::Transport(TransportError::with(format!("registering a {len}-byte vector"), e)))?;
         let desc = mr.remote();
         Ok((desc, self.hold_as(mr, false, true)))
     }
@@ -432,7 +436,11 @@ fn write_prefix(b: &mut [u8], len: usize) {
 
 /// A free buffer of `len` bytes' class from `free`, or a new registration with its domain.
 fn fresh(free: &Mutex<Free>, len: usize) -> Result<MemoryRegion, RpcError> {
-    let c = class(len).ok_or_else(|| RpcError::Transport(format!("a buffer of {len} bytes cannot be registered")))?;
+    let c = class(len).ok_or_else(|| {
+        RpcError::Transport(TransportError::new(format!(
+            "a buffer of {len} bytes cannot be registered"
+        )))
+    })?;
     let pd = {
         let mut f = free.lock();
         if let Some(mr) = f.pop(c) {
@@ -441,7 +449,7 @@ fn fresh(free: &Mutex<Free>, len: usize) -> Result<MemoryRegion, RpcError> {
         f.pd.clone()
     };
     pd.register(c, ACCESS)
-        .map_err(|e| RpcError::Transport(format!("registering a {c}-byte buffer: {e}")))
+        .map_err(|e| RpcError::Transport(TransportError::with(format!("registering a {c}-byte buffer"), e)))
 }
 
 /// Registered buffers of the connection a request came on, for a handler that answers from

@@ -109,14 +109,104 @@ pub enum RpcError {
     /// not understand the hello. Nothing was connected; try again later, or another server.
     #[error("the server refused the connection (at its Config::max_connections, shutting down, or not speaking this version): try again later or another server")]
     ConnectionRefused,
-    /// The transport failed (registration, posting).
+    /// The transport failed: connecting, binding, registering memory. What was being done,
+    /// and the transport's own error under it when there is one
+    /// ([`TransportError::transport`], [`TransportError::io_kind`]: e.g.
+    /// `ConnectionRefused` when nothing listens at the address).
     #[error("transport error: {0}")]
-    Transport(String),
+    Transport(#[source] TransportError),
     /// A [`Config`](crate::Config) value is outside what the protocol allows: nothing was
     /// connected or bound. The message names the field and its range.
     #[error("invalid configuration: {0}")]
     Config(String),
 }
+
+/// A transport failure under [`RpcError::Transport`]: what was being done (naming the
+/// address, size or task), and the transport's own error when one caused it, which is also
+/// this error's [`source`](std::error::Error::source) (and its source the operating system's
+/// error, where there is one).
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// use rdma_rpc_core::{transport::Device, Client, Config, RpcError};
+/// let dev = Device::open("tcp").expect("the tcp provider");
+/// // Nothing listens on port 1.
+/// match Client::connect(&dev, "127.0.0.1:1".parse().expect("an address"), Config::default()).await {
+///     Err(RpcError::Transport(e)) => {
+///         assert_eq!(e.io_kind(), Some(std::io::ErrorKind::ConnectionRefused));
+///         assert!(e.to_string().starts_with("connecting to 127.0.0.1:1: "), "{e}");
+///     }
+///     other => panic!("{:?}", other.map(|_| ())),
+/// }
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct TransportError {
+    what: String,
+    cause: Option<std::sync::Arc<rdma_rpc_transport::Error>>,
+}
+
+impl TransportError {
+    /// A failure with no transport error under it.
+    pub(crate) fn new(what: impl Into<String>) -> Self {
+        Self {
+            what: what.into(),
+            cause: None,
+        }
+    }
+
+    /// `cause` while doing `what`.
+    pub(crate) fn with(what: impl Into<String>, cause: rdma_rpc_transport::Error) -> Self {
+        Self {
+            what: what.into(),
+            cause: Some(std::sync::Arc::new(cause)),
+        }
+    }
+
+    /// What was being done.
+    pub fn what(&self) -> &str {
+        &self.what
+    }
+
+    /// The transport's error, when one caused this.
+    pub fn transport(&self) -> Option<&rdma_rpc_transport::Error> {
+        self.cause.as_deref()
+    }
+
+    /// The kind of the operating system's error under the transport's, when there is one:
+    /// `ConnectionRefused` (nothing listens at the address: start the server, or retry),
+    /// `AddrInUse` (binding a taken port), `TimedOut`, ...
+    pub fn io_kind(&self) -> Option<std::io::ErrorKind> {
+        self.transport()
+            .and_then(rdma_rpc_transport::Error::io_error)
+            .map(std::io::Error::kind)
+    }
+}
+
+impl std::fmt::Display for TransportError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.cause {
+            Some(c) => write!(f, "{}: {c}", self.what),
+            None => f.write_str(&self.what),
+        }
+    }
+}
+
+impl std::error::Error for TransportError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.cause.as_deref().map(|c| c as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// Equal when they say the same: what was being done, and the same message under it.
+impl PartialEq for TransportError {
+    fn eq(&self, other: &Self) -> bool {
+        self.to_string() == other.to_string()
+    }
+}
+
+impl Eq for TransportError {}
 
 impl RpcError {
     /// True when the call certainly did not run on the server, so that retrying it (on this

@@ -1329,6 +1329,37 @@ where
     out
 }
 
+#[tokio::test]
+async fn a_connect_where_nothing_listens_names_the_address_and_the_refusal() {
+    let dev = device();
+    // An address a server listened on a moment ago: nothing there now.
+    let server = Server::builder(config())
+        .bind(&dev, SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    drop(server);
+    let err = bounded(Client::connect(&dev, addr, config()))
+        .await
+        .err()
+        .expect("nothing listens");
+    let RpcError::Transport(e) = &err else {
+        panic!("a transport error, not {err:?}");
+    };
+    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::ConnectionRefused), "{err}");
+    assert!(e.to_string().starts_with(&format!("connecting to {addr}: ")), "{err}");
+    assert!(e.transport().is_some(), "the transport's error is kept");
+    // The chain of sources goes down to the operating system's error.
+    let mut at: Option<&(dyn std::error::Error + 'static)> = Some(&err);
+    let mut found = false;
+    while let Some(x) = at {
+        found |= x
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused);
+        at = x.source();
+    }
+    assert!(found, "no io::Error in the sources of {err:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_beyond_the_servers_limit_are_refused_until_one_closes() {
     let cfg = Config {

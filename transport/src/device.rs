@@ -132,7 +132,7 @@ pub(crate) enum DeviceImpl {
 }
 
 impl Device {
-    /// Opens a device by provider spec: `tcp`, `verbs` or `verbs:<device>`.
+    /// Opens a device by provider spec: `tcp`, `shm`, `verbs` or `verbs:<device>`.
     ///
     /// # Errors
     /// [`Error::UnknownProvider`] for a bad spec, [`Error::NoDevice`] when verbs finds no device,

@@ -9,14 +9,14 @@ use std::io;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The provider spec is not one of `tcp`, `verbs` or `verbs:<device>`.
-    #[error("unknown provider {0:?}: use `tcp`, `verbs` or `verbs:<device>` (e.g. in RDMA_RPC_PROVIDER)")]
+    /// The provider spec is not one of `tcp`, `shm`, `verbs` or `verbs:<device>`.
+    #[error("unknown provider {0:?}: use `tcp`, `shm`, `verbs` or `verbs:<device>` (e.g. in RDMA_RPC_PROVIDER)")]
     UnknownProvider(String),
     /// The provider exists but was left out of this build.
     #[error("provider {0} is not compiled in: enable the cargo feature `{0}`")]
     ProviderNotBuilt(&'static str),
     /// No RDMA device was found, or not the one that was named.
-    #[error("no RDMA device {wanted}: {detail}. Without an RDMA card use provider `tcp`, or soft-RoCE (`rdma link add rxe0 type rxe netdev <if>`)")]
+    #[error("no RDMA device {wanted}: {detail}. Without an RDMA card use provider `tcp` (any hosts) or `shm` (processes on one host), or soft-RoCE (`rdma link add rxe0 type rxe netdev <if>`)")]
     NoDevice {
         /// The device asked for ("any" when none was named).
         wanted: String,
@@ -106,5 +106,15 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     pub(crate) fn io(context: &'static str, source: io::Error) -> Self {
         Error::Io { context, source }
+    }
+
+    /// The operating system's error under this one (a socket's, or a verbs call's errno), if
+    /// any: its [`kind`](io::Error::kind) tells e.g. a refused connection
+    /// (`ConnectionRefused`) from a taken port (`AddrInUse`).
+    pub fn io_error(&self) -> Option<&io::Error> {
+        match self {
+            Error::Io { source, .. } | Error::Verbs { source, .. } => Some(source),
+            _ => None,
+        }
     }
 }

@@ -176,12 +176,21 @@ fn next_event(ch: &Channel, deadline: Option<Instant>) -> Result<Event> {
     }
 }
 
+/// The reject reason of a connect request no listener took (the IB CM's; RoCE's too).
+const REJ_INVALID_SERVICE_ID: i32 = 8;
+
 pub(super) fn expect(ev: Event, want: u32, what: &'static str) -> Result<Event> {
     use rdma_cm_event_type::*;
     if ev.kind == want {
         return Ok(ev);
     }
     Err(match ev.kind {
+        // The CM on the peer's side answered for nobody: no listener at that port
+        // (IB_CM_REJ_INVALID_SERVICE_ID), as a TCP stack answers with a reset.
+        RDMA_CM_EVENT_REJECTED if ev.status == REJ_INVALID_SERVICE_ID => Error::Io {
+            context: "connecting: nothing listens at that address",
+            source: io::ErrorKind::ConnectionRefused.into(),
+        },
         RDMA_CM_EVENT_REJECTED => Error::Rejected,
         _ => Error::Verbs {
             call: what,
