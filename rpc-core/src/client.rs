@@ -97,6 +97,11 @@ impl Client {
     /// Connects to a server at `addr` on `device` and starts the connection's driver task.
     /// Must be called within a tokio runtime (with IO and time enabled).
     ///
+    /// The driver task runs on this runtime. Calls may be made from any runtime while it runs;
+    /// once it shuts down (a client kept from one `#[tokio::test]` to the next, each with a
+    /// runtime of its own), the connection fails: its calls, pending and later, end at once
+    /// with [`RpcError::ConnectionLost`] saying so. Connect again on the runtime in use.
+    ///
     /// # Errors
     /// [`RpcError::Config`] for a configuration outside what the protocol allows;
     /// [`RpcError::ConnectionRefused`] when the server refuses it (at its connection limit, or
@@ -160,7 +165,7 @@ impl Client {
             mode: config.mode,
             kick: Notify::new(),
         });
-        tokio::spawn(drive(shared.clone()));
+        tokio::spawn(drive(OnDriverGone(shared.clone())));
         Ok(Client {
             handle: Arc::new(Handle { shared }),
         })
@@ -913,7 +918,9 @@ impl<T> Drop for Call<'_, T> {
 
 /// The connection's driver task: polls for sleeping calls, keeps the connection going when no
 /// call does, and closes it (dropping the QP and buffers) after the last handle.
-async fn drive(shared: Arc<Shared>) {
+async fn drive(gone: OnDriverGone) {
+    // The guard is the future's from its making: dropped with it even if it never ran.
+    let shared = &gone.0;
     let cq = shared.state.lock().conn.cq().clone();
     loop {
         let next = {
@@ -957,6 +964,27 @@ async fn drive(shared: Arc<Shared>) {
             () = shared.kick.notified() => {}
             () = sleep => {}
         }
+    }
+}
+
+/// Dropped with the driver task. Unless the client was closed, that is its runtime shutting
+/// down (a client connected on one runtime, such as a test's, and used on another): then
+/// nothing would ever wake a call that sleeps, so the connection fails at once, and its
+/// calls, pending and later, with it.
+struct OnDriverGone(Arc<Shared>);
+
+impl Drop for OnDriverGone {
+    fn drop(&mut self) {
+        let mut st = self.0.state.lock();
+        if st.closed || st.conn.lost().is_some() {
+            return;
+        }
+        st.conn.lose(
+            "the connection's driver task ended with the tokio runtime the client was connected on: \
+             use a Client on that runtime while it runs, or connect again on this one"
+                .into(),
+        );
+        st.settle();
     }
 }
 

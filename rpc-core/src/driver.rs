@@ -179,7 +179,7 @@ impl Conn {
         })
     }
 
-    fn lose(&mut self, why: String) {
+    pub(crate) fn lose(&mut self, why: String) {
         if self.lost.is_none() {
             tracing::debug!(%why, "connection lost");
             self.session.handle_connection_lost(&why);

@@ -1329,6 +1329,57 @@ where
     out
 }
 
+/// A client connected on one runtime (a test's, say) and used after that runtime shut down:
+/// its driver task went with the runtime, so a call that sleeps would wait forever. Its calls
+/// fail at once instead, saying why.
+#[test]
+fn a_client_whose_runtime_shut_down_fails_its_calls_at_once_saying_why() {
+    let dev = device();
+    let rt = |threads: usize| {
+        let mut b = if threads == 0 {
+            tokio::runtime::Builder::new_current_thread()
+        } else {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(threads);
+            b
+        };
+        b.enable_all().build().expect("a runtime")
+    };
+    let serving = rt(1);
+    let server = serving
+        .block_on(async {
+            Server::builder(config())
+                .handler(ECHO, |req| async move { Ok(req) })
+                .bind(&dev, SocketAddr::new(test_ip(), 0))
+        })
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    serving.spawn(server.serve());
+    let first = rt(0);
+    let client = first
+        .block_on(bounded(Client::connect(&dev, addr, config())))
+        .expect("connect");
+    assert_eq!(
+        first
+            .block_on(bounded(client.call(ECHO, b"x".to_vec())))
+            .expect("served"),
+        b"x"
+    );
+    drop(first);
+    let second = rt(0);
+    for _ in 0..3 {
+        let r = second.block_on(async {
+            // Well below `bounded`'s wait: a call that slept would come back Ok when the
+            // timeout polls it, after the wait.
+            tokio::time::timeout(Duration::from_secs(20), client.call(ECHO, b"y".to_vec())).await
+        });
+        match r {
+            Ok(Err(RpcError::ConnectionLost(why))) => assert!(why.contains("runtime"), "{why}"),
+            other => panic!("a lost connection naming the runtime, not {other:?}"),
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_connect_where_nothing_listens_names_the_address_and_the_refusal() {
     let dev = device();
