@@ -8,7 +8,9 @@
 //! the hello's tail, and a key per side), each side notes which thread drove it last, and a
 //! side whose peer was last driven by the thread it runs on waits without spinning
 //! ([`crate::CompletionMode::Adaptive`]). Connections between processes carry the tail too and
-//! stay unpaired: their tokens differ.
+//! stay unpaired: their tokens differ. A peer that learnt this process's token (a client's
+//! server sees it) and sent it back with some key could at most pair this side with another
+//! side of this process: that changes whether this side spins, nothing else.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
