@@ -14,13 +14,13 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock, Weak};
 
 /// Bytes a side adds after its hello: the process token, then the key of its cell.
 pub(crate) const TAIL: usize = 16;
 
 /// The cells of this process's sides that a peer in this process may still look up, by key.
-static OFFERED: Mutex<Option<HashMap<u64, Weak<AtomicU64>>>> = Mutex::new(None);
+static OFFERED: LazyLock<Mutex<HashMap<u64, Weak<AtomicU64>>>> = LazyLock::new(Mutex::default);
 static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
 
@@ -65,7 +65,6 @@ impl Link {
         self.withdraw();
         let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut map) = OFFERED.lock() {
-            let map = map.get_or_insert_with(HashMap::new);
             // Offers of sides that ended before their peer looked.
             map.retain(|_, w| w.strong_count() > 0);
             map.insert(key, Arc::downgrade(&self.own));
@@ -95,7 +94,7 @@ impl Link {
             return false;
         };
         if let Ok(mut map) = OFFERED.lock() {
-            self.peer = map.as_mut().and_then(|m| m.remove(&key)).and_then(|w| w.upgrade());
+            self.peer = map.remove(&key).and_then(|w| w.upgrade());
         }
         self.peer.is_some()
     }
@@ -103,9 +102,7 @@ impl Link {
     /// The handshake is over: the peer has looked this side up (or never will).
     pub(crate) fn withdraw(&mut self) {
         if let (Some(key), Ok(mut map)) = (self.key.take(), OFFERED.lock()) {
-            if let Some(m) = map.as_mut() {
-                m.remove(&key);
-            }
+            map.remove(&key);
         }
     }
 
