@@ -100,6 +100,17 @@ for p in shm tcp; do
         echo "provider $p: $rows rows, host line, summary, JSON and SVG written"
     fi
 done
+# A bad argument: exit 1 and the error's message (its Display, which says what to use), not its
+# Debug form.
+if [[ -n $bench_bin ]]; then
+    bad=$("$bench_bin" --provider bogus 2>&1 >/dev/null)
+    rc=$?
+    if ((rc == 1)) && [[ $bad == 'error: unknown provider "bogus": use `tcp`, `shm`'* ]]; then
+        echo "--provider bogus: exit 1, the error's message"
+    else
+        echo "the harness with --provider bogus: exit $rc, $bad"; fail=1
+    fi
+fi
 # --rows with a perftest report of three passes (t_typical 1, 2 and 9 us at 64 B: neither the
 # first nor the last is the median): it must compare the shm run's rows with their median, 2 us
 # (4 us a round trip for the RPC).

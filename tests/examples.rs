@@ -146,6 +146,50 @@ fn echo_server_shuts_down_gracefully_on_sigterm() {
     );
 }
 
+/// Runs an example expected to fail; its exit code and stderr.
+fn fail(name: &str, args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(example(name)).args(args).output().expect("run");
+    assert!(!out.status.success(), "{name} {args:?} succeeded");
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn a_failing_example_says_what_failed_in_words_and_exits_1() {
+    // An address a server listened on a moment ago: nothing there now.
+    let (server, addr) = start("echo", &["--listen", &format!("{}:0", ip())]);
+    drop(server);
+    let (code, err) = fail("echo", &["--connect", &addr, "--sizes", "64", "--iters", "1"]);
+    assert_eq!(code, Some(1), "{err}");
+    // The error's message (Display), naming the address and the refusal; not its Debug form.
+    let first = err.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with(&format!("error: transport error: connecting to {addr}: ")),
+        "{err}"
+    );
+    assert!(first.to_lowercase().contains("refused"), "{err}");
+    assert!(!err.contains("TransportError {"), "{err}");
+    // Every example reports so: an unknown provider names the ones there are.
+    for (name, args) in [
+        ("kv", &["--provider", "bogus", "server", "--listen", "127.0.0.1:0"][..]),
+        (
+            "lock",
+            &["--provider", "bogus", "server", "--listen", "127.0.0.1:0"][..],
+        ),
+        (
+            "logsync",
+            &["--provider", "bogus", "backup", "--listen", "127.0.0.1:0"][..],
+        ),
+        ("echo", &["--provider", "bogus", "--listen", "127.0.0.1:0"][..]),
+    ] {
+        let (code, err) = fail(name, args);
+        assert_eq!(code, Some(1), "{name}: {err}");
+        assert!(
+            err.starts_with("error: unknown provider \"bogus\": use `tcp`, `shm`"),
+            "{name}: {err}"
+        );
+    }
+}
+
 /// Runs a backup and a primary; returns both outputs after checking that the logs they wrote
 /// are the same bytes and that their digests agree.
 fn logsync(backup_args: &[&str], primary_args: &[&str], tag: &str) -> (String, String) {

@@ -176,7 +176,20 @@ struct Args {
     bench: bool,
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// On an error, its message (`Display`: what failed and what to do, e.g. an unknown provider
+/// or no RDMA device) on stderr and exit status 1; `main` returning the `Result` would print
+/// its `Debug` form instead.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     if let Some(path) = &args.rows {
         let text = std::fs::read_to_string(path).map_err(|e| format!("reading the rows in {path}: {e}"))?;

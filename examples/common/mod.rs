@@ -17,6 +17,21 @@ use rdma_rpc::transport::{
 /// Errors of the examples: any error, with its message.
 pub type Result<T> = std::result::Result<T, Box<dyn Error + Send + Sync>>;
 
+/// How an example ends: on an error, its message on stderr and exit status 1.
+///
+/// `main` returning the `Result` itself would print the error's `Debug` form
+/// (`Error: Transport(TransportError { what: ... })`), which hides the message the library
+/// wrote for people: what was being done, naming the address, and what to do about it.
+pub fn exit_code(r: Result<()>) -> std::process::ExitCode {
+    match r {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// How long connection setup may take.
 pub const SETUP: Duration = Duration::from_secs(10);
 

@@ -9,6 +9,8 @@
 //! down gracefully; the client checks every echo byte for byte and prints the median round trip
 //! per size.
 
+#[path = "../common/mod.rs"]
+mod common;
 mod service;
 
 use std::net::SocketAddr;
@@ -40,12 +42,13 @@ struct Args {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> std::process::ExitCode {
+    common::exit_code(run().await)
+}
+
+async fn run() -> common::Result<()> {
     let args = Args::parse();
-    let device = match &args.provider {
-        Some(p) => Device::open(p)?,
-        None => Device::open_default()?,
-    };
+    let device = common::device(args.provider.as_deref())?;
     match (args.listen, args.connect) {
         (Some(addr), _) => serve(&device, addr).await,
         (None, Some(addr)) => call(&device, addr, &args.sizes, args.iters).await,
@@ -55,7 +58,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 /// Serves until Ctrl-C or SIGTERM, then shuts down gracefully: every echo that reached the
 /// server is answered, and clients' later calls fail with `RpcError::ShuttingDown` (not run).
-async fn serve(device: &Device, addr: SocketAddr) -> Result<(), Box<dyn std::error::Error>> {
+async fn serve(device: &Device, addr: SocketAddr) -> common::Result<()> {
     let server = EchoServer::new(Echoer).bind(device, addr, Config::default())?;
     println!("listening on {} ({})", server.local_addr()?, device.provider());
     server.serve_with_shutdown(stop_signal()).await?;
@@ -81,12 +84,7 @@ async fn stop_signal() {
 }
 
 /// Echoes `iters` messages of each size, checks them, prints the median round trip.
-async fn call(
-    device: &Device,
-    addr: SocketAddr,
-    sizes: &[usize],
-    iters: usize,
-) -> Result<(), Box<dyn std::error::Error>> {
+async fn call(device: &Device, addr: SocketAddr, sizes: &[usize], iters: usize) -> common::Result<()> {
     let echo = EchoClient::connect(device, addr, Config::default()).await?;
     println!("{:>10} {:>8} {:>14}", "#bytes", "#echoes", "median[usec]");
     let mut total = 0;

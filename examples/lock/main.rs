@@ -69,7 +69,11 @@ enum Role {
 }
 
 #[tokio::main]
-async fn main() -> common::Result<()> {
+async fn main() -> std::process::ExitCode {
+    common::exit_code(run().await)
+}
+
+async fn run() -> common::Result<()> {
     let args = Args::parse();
     let device = common::device(args.provider.as_deref())?;
     match args.role {
