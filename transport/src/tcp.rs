@@ -35,6 +35,7 @@ mod engine;
 mod inbox;
 mod link;
 mod sender;
+mod watch;
 mod wire;
 
 use std::collections::{HashMap, VecDeque};
@@ -163,8 +164,9 @@ struct Sockets {
     epoll: OwnedFd,
     flags: Mutex<HashMap<u64, Weak<AtomicBool>>>,
     next: AtomicU64,
-    /// Sockets were added: polls ask the set.
+    /// Sockets were added: polls ask the set, and a waiter watches it too.
     any: AtomicBool,
+    watch: watch::Watch,
 }
 
 /// A source and a cheap look at whether it has anything (before waking the source up).
@@ -188,6 +190,7 @@ impl Cq {
                 flags: Mutex::new(HashMap::new()),
                 next: AtomicU64::new(0),
                 any: AtomicBool::new(false),
+                watch: watch::Watch::new(),
             },
         })
     }
@@ -289,6 +292,9 @@ impl Cq {
             }
         }
         self.queued.store(q.len(), Ordering::SeqCst);
+        if n > 0 {
+            self.sockets.watch.polled_some();
+        }
         n
     }
 
@@ -304,13 +310,48 @@ impl Cq {
         }
     }
 
-    /// Sleeps until the doorbell rings (arm first, then poll once more, then wait).
+    /// Sleeps until the doorbell rings, or (tcp QPs attached) until one of their sockets has
+    /// something to read, which the next poll may take itself (`watch.rs`). Arm first, then
+    /// poll once more, then wait; a wake-up may find nothing.
     pub(crate) async fn wait_bell(&self) -> crate::Result<()> {
-        self.bell.wait().await
+        let s = &self.sockets;
+        if s.any.load(Ordering::Acquire) {
+            s.watch.wait(&s.epoll, &self.bell).await
+        } else {
+            self.bell.wait().await
+        }
     }
 
     /// A duplicate of the doorbell for a peer process that delivers into our receives (shm).
     pub(crate) fn share_bell(&self) -> crate::Result<std::os::fd::OwnedFd> {
         self.bell.share()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::fd::AsFd;
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_waiter_on_a_cq_with_sockets_wakes_when_one_has_something_to_read() {
+        let cq = Cq::new(16).expect("cq");
+        let (ours, mut theirs) = std::os::unix::net::UnixStream::pair().expect("socket pair");
+        let flag = Arc::new(AtomicBool::new(false));
+        cq.add_socket(ours.as_fd(), &flag).expect("add");
+        cq.arm();
+        let waiting = tokio::time::timeout(Duration::from_millis(100), cq.wait_bell()).await;
+        assert!(waiting.is_err(), "nothing came, nothing rang");
+        theirs.write_all(b"x").expect("write");
+        // No completion and no ring: the socket alone wakes it, for the next poll to read.
+        tokio::time::timeout(Duration::from_secs(10), cq.wait_bell())
+            .await
+            .expect("woken by the socket")
+            .expect("no error");
+        cq.poll(&mut Vec::new(), 1);
+        assert!(flag.load(Ordering::Acquire), "the poll marks the socket readable");
     }
 }

@@ -50,11 +50,7 @@ impl Bell {
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(Error::NoRuntime);
         }
-        let dup = self.share()?;
-        // SAFETY: `dup` is an OwnedFd the AsyncFd owns from here on: open, the same descriptor
-        // for as long as the AsyncFd lives, closed only when it drops.
-        let w = unsafe { AsyncFd::register_with_interest(dup, Interest::READABLE) }
-            .map_err(|e| Error::io("registering a CQ doorbell with tokio", e.into()))?;
+        let w = readable_in_runtime(self.share()?, "registering a CQ doorbell with tokio")?;
         // Another waiter may have registered first; either registration works.
         Ok(self.waiter.get_or_init(|| w))
     }
@@ -76,6 +72,14 @@ impl Bell {
             Err(e) => Err(Error::io("reading a CQ doorbell", e.into())),
         }
     }
+}
+
+/// Registers `fd` with the current runtime's IO driver for readability (`what` names it in the
+/// error). The CQ doorbells, and tcp's socket sets (`tcp/watch.rs`).
+pub(crate) fn readable_in_runtime(fd: OwnedFd, what: &'static str) -> Result<AsyncFd<OwnedFd>> {
+    // SAFETY: `fd` is an OwnedFd the AsyncFd owns from here on: open, the same descriptor for
+    // as long as the AsyncFd lives, closed only when it drops.
+    unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(|e| Error::io(what, e.into()))
 }
 
 /// Rings a doorbell through a descriptor (ours, or a peer's duplicate).
