@@ -46,12 +46,17 @@ struct Server {
 }
 
 impl Server {
-    /// Waits for it to exit by itself; its remaining output, checked for success.
+    /// Waits for it to exit by itself; its remaining output, checked for success (a failure
+    /// shows what it wrote to stderr too: its error's message).
     fn finish(mut self, name: &str) -> String {
         let mut rest = String::new();
         self.out.read_to_string(&mut rest).expect("read output");
         let status = self.child.0.wait().expect("wait");
-        assert!(status.success(), "{name} failed: {rest}");
+        let mut err = String::new();
+        if let Some(e) = self.child.0.stderr.as_mut() {
+            let _ = e.read_to_string(&mut err);
+        }
+        assert!(status.success(), "{name} failed ({status}): {rest}{err}");
         rest
     }
 }
@@ -63,6 +68,7 @@ fn start(name: &str, args: &[&str]) -> (Server, String) {
         Command::new(example(name))
             .args(args)
             .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
             .spawn()
             .unwrap_or_else(|e| panic!("start {name}: {e}")),
     );
