@@ -800,6 +800,46 @@ async fn a_qp_dropped_while_a_peer_reads_memory_its_application_holds_goes_at_on
     drop((cq, pd, target, c));
 }
 
+/// Takes the next completion by polling back to back (an application spinning on its CQ).
+async fn spin_one(cq: &CompletionQueue) -> Completion {
+    let deadline = Instant::now() + WAIT;
+    let mut out = Vec::new();
+    while cq.poll(&mut out, 1).expect("poll") == 0 {
+        assert!(Instant::now() < deadline, "no completion while spinning");
+        std::hint::spin_loop();
+    }
+    out.pop().expect("one")
+}
+
+/// A NIC acknowledges a Send when it lands, whatever the application does next: a receiver
+/// that takes a message and drops its QP at once (a process that exits after its last message)
+/// leaves the sender's Send completed, not failed as if nobody had taken it. On tcp the
+/// acknowledgement of a message a spinning poll took may wait for this side's next request or
+/// poll: dropping the QP sends it first.
+#[tokio::test]
+async fn a_send_taken_just_before_its_receiver_drops_the_qp_completes() {
+    for round in 0..5 {
+        let (c, s) = pair();
+        s.recv(1, 64);
+        s.recv(2, 64);
+        // A first message while the receiver spins: on tcp its provider then leaves what comes
+        // to the spinning polls, which acknowledge later.
+        c.post(SendWr::send(1, c.filled(b"first", AccessFlags::NONE)));
+        ok(&spin_one(&s.cq).await);
+        ok(&c.one().await);
+        c.post(SendWr::send(2, c.filled(b"last", AccessFlags::NONE)));
+        let rc = spin_one(&s.cq).await;
+        ok(&rc);
+        drop(s);
+        let sc = c.one().await;
+        assert_eq!(
+            (sc.status, sc.wr_id),
+            (WcStatus::Success, 2),
+            "round {round}: the last Send, which the receiver took: {sc:?}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn receive_buffer_too_small_is_a_length_error() {
     let (c, s) = pair();

@@ -372,6 +372,11 @@ impl Qp {
     /// Stops the engine and waits for its threads, so that nothing touches the QP's buffers
     /// once this returns. No completions are generated for what was in flight.
     pub(crate) fn destroy(&mut self) {
+        // A NIC acknowledged what landed when it landed; one a poll left owed goes now, or the
+        // peer would fail a Send this side took (a process that exits after its last message).
+        if self.engine.ack_owed.load(Ordering::Acquire) {
+            self.engine.flush_ack(&mut self.engine.state.lock());
+        }
         self.engine.destroyed.store(true, Ordering::Release);
         self.engine.link.shutdown();
         self.engine.out.close();
