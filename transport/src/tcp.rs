@@ -3,8 +3,9 @@
 //! Each queue pair is one TCP connection with a progress engine in each process, in the spirit
 //! of libfabric's tcp provider: the engine reads the socket (acting as responder and completer)
 //! on whatever thread polls one of the QP's CQs while the application spins, and on a reader
-//! thread of its own otherwise (see `engine/progress.rs`); a writer thread sends what the socket
-//! did not take at once. The engine is a model of the NIC, not a shortcut: the target checks
+//! thread of its own otherwise (see `engine/progress.rs`; a task sleeping on a CQ is woken by
+//! the sockets too, and its next poll reads what came: `watch.rs`); a writer thread sends what
+//! the socket did not take at once. The engine is a model of the NIC, not a shortcut: the target checks
 //! rkey (random, per protection domain), bounds and access flags against its own region table; a
 //! Send finding no receive is held (RNR) and fails with RNR_RETRY_EXC_ERR when none is posted in
 //! time; any error moves the QP to the error state, flushes it and tells the peer; a dead peer
