@@ -1218,8 +1218,13 @@ impl super::CqSource for Engine {
         if let Some(rq) = &self.own_rq {
             rq.arm();
         }
-        // The waiter sleeps from now: the reader thread watches the socket again.
-        self.wake_reader();
+        // The waiter sleeps from now: the reader thread watches the socket again, unless its
+        // wait has no timeout, which watches the socket already (or waits out a stall). Missing
+        // a wait it is just entering with a timeout costs at most that timeout
+        // (`POLLER_GRACE`), and the waiter watches the socket itself meanwhile (`watch.rs`).
+        if !self.reader_untimed.load(Ordering::SeqCst) {
+            self.wake_reader();
+        }
     }
 
     fn drain(self: Arc<Self>) {
