@@ -44,15 +44,7 @@ impl Bell {
     }
 
     fn waiter(&self) -> Result<&AsyncFd<OwnedFd>> {
-        if let Some(w) = self.waiter.get() {
-            return Ok(w);
-        }
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err(Error::NoRuntime);
-        }
-        let w = readable_in_runtime(self.share()?, "registering a CQ doorbell with tokio")?;
-        // Another waiter may have registered first; either registration works.
-        Ok(self.waiter.get_or_init(|| w))
+        registered(&self.waiter, || self.share(), "registering a CQ doorbell with tokio")
     }
 
     /// Waits until rung (or spuriously); takes the rings so far.
@@ -74,12 +66,27 @@ impl Bell {
     }
 }
 
-/// Registers `fd` with the current runtime's IO driver for readability (`what` names it in the
-/// error). The CQ doorbells, and tcp's socket sets (`tcp/watch.rs`).
-pub(crate) fn readable_in_runtime(fd: OwnedFd, what: &'static str) -> Result<AsyncFd<OwnedFd>> {
+/// The registration in `slot` for readability with the runtime of the first call, made then
+/// from the descriptor `fd` gives (`what` names it in the error): the CQ doorbells, and tcp's
+/// socket sets (`tcp/watch.rs`).
+pub(crate) fn registered<'a>(
+    slot: &'a OnceLock<AsyncFd<OwnedFd>>,
+    fd: impl FnOnce() -> Result<OwnedFd>,
+    what: &'static str,
+) -> Result<&'a AsyncFd<OwnedFd>> {
+    if let Some(w) = slot.get() {
+        return Ok(w);
+    }
+    if tokio::runtime::Handle::try_current().is_err() {
+        return Err(Error::NoRuntime);
+    }
+    let fd = fd()?;
     // SAFETY: `fd` is an OwnedFd the AsyncFd owns from here on: open, the same descriptor for
     // as long as the AsyncFd lives, closed only when it drops.
-    unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(|e| Error::io(what, e.into()))
+    let w =
+        unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(|e| Error::io(what, e.into()))?;
+    // Another waiter may have registered first; either registration works.
+    Ok(slot.get_or_init(|| w))
 }
 
 /// Rings a doorbell through a descriptor (ours, or a peer's duplicate).

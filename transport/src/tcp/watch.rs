@@ -49,18 +49,11 @@ impl Watch {
     }
 
     fn registered(&self, set: &OwnedFd) -> Result<&AsyncFd<OwnedFd>> {
-        if let Some(w) = self.fd.get() {
-            return Ok(w);
-        }
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err(Error::NoRuntime);
-        }
-        let dup = set
-            .try_clone()
-            .map_err(|e| Error::io("duplicating a CQ's socket set", e))?;
-        let w = crate::shm::bell::readable_in_runtime(dup, "registering a CQ's socket set with tokio")?;
-        // Another waiter may have registered first; either registration works.
-        Ok(self.fd.get_or_init(|| w))
+        let dup = || {
+            set.try_clone()
+                .map_err(|e| Error::io("duplicating a CQ's socket set", e))
+        };
+        crate::shm::bell::registered(&self.fd, dup, "registering a CQ's socket set with tokio")
     }
 
     /// A poll returned completions: the next wait watches the sockets again.
