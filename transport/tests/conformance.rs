@@ -402,6 +402,43 @@ async fn thousand_pipelined_requests_complete_in_order() {
     }
 }
 
+/// One-sided requests are served while the target's application sleeps on its CQ, even more of
+/// them at once than one poll takes (on tcp a sleeping waiter's poll reads the socket itself,
+/// 64 frames at a time: what it reads ahead and leaves is the reader thread's, which no socket
+/// readiness calls).
+#[tokio::test]
+async fn a_burst_of_reads_is_served_while_the_targets_application_sleeps_on_its_cq() {
+    let (c, s) = pair();
+    let target = s.filled(&pattern(8 * 512, 11), RW);
+    let remote = target.remote();
+    let cq = s.cq.clone();
+    let sleeper = tokio::spawn(async move {
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(WAIT, cq.wait(&mut out, 1)).await;
+        out.len()
+    });
+    // Asleep on its CQ by now (the test's runtime has one thread: the sleeper ran first).
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let pool = BufferPool::new(&c.pd, 8, 1000, AccessFlags::LOCAL_WRITE).expect("pool");
+    for i in 0..1000u64 {
+        let remote = remote.at(8 * (i % 512));
+        c.post(SendWr::new(i, SendOp::Read { remote }).buf(pool.take().expect("buf")));
+    }
+    let got = c.take(1000).await;
+    let want = pattern(8 * 512, 11);
+    for w in &got {
+        ok(w);
+        let at = 8 * (w.wr_id % 512) as usize;
+        assert_eq!(
+            w.buf.as_ref().expect("buf").bytes()[..8],
+            want[at..at + 8],
+            "read {}",
+            w.wr_id
+        );
+    }
+    sleeper.abort();
+}
+
 #[tokio::test]
 async fn atomics_lose_nothing_under_two_contending_qps() {
     // Two clients, each with its own PD, CQ and QP, hit one word in the server's PD.

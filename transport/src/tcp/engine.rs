@@ -1219,10 +1219,11 @@ impl super::CqSource for Engine {
             rq.arm();
         }
         // The waiter sleeps from now: the reader thread watches the socket again, unless its
-        // wait has no timeout, which watches the socket already (or waits out a stall). Missing
-        // a wait it is just entering with a timeout costs at most that timeout
-        // (`POLLER_GRACE`), and the waiter watches the socket itself meanwhile (`watch.rs`).
-        if !self.reader_untimed.load(Ordering::SeqCst) {
+        // wait has no timeout, which watches the socket already (or waits out a stall), and no
+        // poll left frames read ahead, which no socket readiness announces. Missing a wait it
+        // is just entering with a timeout costs at most that timeout (`POLLER_GRACE`), and the
+        // waiter watches the socket itself meanwhile (`watch.rs`).
+        if !self.reader_untimed.load(Ordering::SeqCst) || self.buffered.load(Ordering::Acquire) {
             self.wake_reader();
         }
     }

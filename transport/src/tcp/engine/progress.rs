@@ -261,8 +261,15 @@ impl Engine {
                 Err(stop) => return self.stop(&mut r, stop),
             }
         }
-        // Frames read ahead and left (the cap): the next poll takes them, socket or not.
-        self.buffered.store(r.inbox.has_frame(), Ordering::Release);
+        // Frames read ahead and left (the cap): the next poll takes them, socket or not. With a
+        // waiter asleep there may be no next poll, and the socket that would wake the reader
+        // thread is empty: that thread takes them.
+        let left = r.inbox.has_frame();
+        self.buffered.store(left, Ordering::Release);
+        if left && self.waiter_sleeps() {
+            drop(r);
+            self.wake_reader();
+        }
     }
 
     /// Has the reader thread look again (a hand-off, an armed CQ, the end).
