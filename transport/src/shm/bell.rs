@@ -81,10 +81,9 @@ pub(crate) fn registered<'a>(
         return Err(Error::NoRuntime);
     }
     let fd = fd()?;
-    // SAFETY: `fd` is an OwnedFd the AsyncFd owns from here on: open, the same descriptor for
-    // as long as the AsyncFd lives, closed only when it drops.
-    let w =
-        unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(|e| Error::io(what, e.into()))?;
+    // SAFETY: the AsyncFd owns `fd` from here on: open, the same descriptor while it lives, closed when it drops.
+    let registration = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) };
+    let w = registration.map_err(|e| Error::io(what, e.into()))?;
     // Another waiter may have registered first; either registration works.
     Ok(slot.get_or_init(|| w))
 }
