@@ -196,6 +196,50 @@ fn a_failing_example_says_what_failed_in_words_and_exits_1() {
     }
 }
 
+#[test]
+fn an_echo_client_whose_server_is_killed_says_the_connection_is_lost_and_why() {
+    let (server, addr) = start("echo", &["--listen", &format!("{}:0", ip())]);
+    let mut client = Kill(
+        Command::new(example("echo"))
+            .args(["--connect", &addr, "--sizes", "64", "--iters", "1000000000"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start the echo client"),
+    );
+    // Its table's head: connected, and echoing from here on.
+    let mut out = BufReader::new(client.0.stdout.take().expect("stdout"));
+    let mut head = String::new();
+    out.read_line(&mut head).expect("read the client's first line");
+    assert!(head.contains("#bytes"), "{head}");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    drop(server); // SIGKILL, with calls in flight
+    let killed = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = client.0.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            killed.elapsed() < std::time::Duration::from_secs(30),
+            "the client still runs 30 s after its server was killed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    if let Some(e) = client.0.stderr.as_mut() {
+        e.read_to_string(&mut err).expect("read stderr");
+    }
+    assert_eq!(status.code(), Some(1), "{err}");
+    // In words, with the cause a user can act on: the peer is gone (a dead peer's QP flushes
+    // the requests in flight on shm and verbs; tcp's sees its retries run out).
+    let first = err.lines().next().unwrap_or_default();
+    assert!(first.starts_with("error: connection lost: "), "{err}");
+    assert!(
+        first.contains("the peer closed the connection or went away") || first.contains("the peer stopped answering"),
+        "{err}"
+    );
+}
+
 /// Runs a backup and a primary; returns both outputs after checking that the logs they wrote
 /// are the same bytes and that their digests agree.
 fn logsync(backup_args: &[&str], primary_args: &[&str], tag: &str) -> (String, String) {

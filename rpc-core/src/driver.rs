@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use rdma_rpc_transport::{
     BufferPool, Completion, CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair, RecvWr, SendOp, SendWr,
-    WcOpcode,
+    WcOpcode, WcStatus,
 };
 
 use crate::buf::{RegisteredBuf, SlotsBack};
@@ -48,6 +48,20 @@ const SIGNAL_EVERY: u32 = 8;
 /// about 50 µs; see `rpc-behind` in the README). Whoever drives the connection posts the rest
 /// before it sleeps ([`Conn::more_to_post`]).
 const FLUSH_BYTES: usize = crate::proto::FRAGMENT;
+
+/// Why the connection is lost when a work request of its QP failed with `status`. The first
+/// failure the driver sees ends the connection, so a flush seen first means nothing of this
+/// side's failed before it: the QP was moved to the error state from outside, by its peer.
+fn failed(status: WcStatus) -> String {
+    if status == WcStatus::WrFlushErr {
+        return format!(
+            "the peer closed the connection or went away (its process ended, or the link \
+             dropped), and the work requests in flight were flushed ({status}): connect again"
+        );
+    }
+    let hint = status.hint().map(|h| format!(" ({h})")).unwrap_or_default();
+    format!("work request failed: {status}{hint}")
+}
 
 /// The role-specific half of a driver: the client's call table or the server's handlers.
 pub(crate) trait Role {
@@ -328,8 +342,7 @@ impl Conn {
             }
         }
         if !c.status.is_success() {
-            let hint = c.status.hint().map(|h| format!(" ({h})")).unwrap_or_default();
-            self.lose(format!("work request failed: {}{hint}", c.status));
+            self.lose(failed(c.status));
             return;
         }
         let id = c.wr_id & ID_MASK;

@@ -119,6 +119,13 @@ impl WcStatus {
     }
 
     /// A hint for the operator, where the status has a usual cause.
+    ///
+    /// ```
+    /// use rdma_rpc_transport::WcStatus;
+    /// // Flushed: the request never ran, because the QP had failed or closed before it.
+    /// assert!(WcStatus::WrFlushErr.hint().is_some_and(|h| h.contains("not carried out")));
+    /// assert_eq!(WcStatus::Success.hint(), None);
+    /// ```
     pub fn hint(self) -> Option<&'static str> {
         match self {
             WcStatus::RetryExcErr => {
@@ -128,6 +135,10 @@ impl WcStatus {
                 Some("the receiver had no receive posted: post receives before the peer sends (credits)")
             }
             WcStatus::RemAccessErr => Some("check rkey, address range and the region's REMOTE_* access flags"),
+            WcStatus::WrFlushErr => Some(
+                "the QP is in the error state, so this request was not carried out: the connection was closed, \
+                 its peer's process ended, the link dropped, or an earlier request on the QP failed",
+            ),
             _ => None,
         }
     }
