@@ -2,6 +2,10 @@
 //! `RDMA_RPC_PROVIDER` (default `tcp`), and checks what they report and write.
 
 use std::io::{BufRead, BufReader, Read};
+
+#[path = "../examples/echo/service.rs"]
+#[allow(dead_code)] // the server's half
+mod echo_service;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Output, Stdio};
 
@@ -238,6 +242,63 @@ fn an_echo_client_whose_server_is_killed_says_the_connection_is_lost_and_why() {
         first.contains("the peer closed the connection or went away") || first.contains("the peer stopped answering"),
         "{err}"
     );
+}
+
+#[test]
+fn a_server_out_of_file_descriptors_tells_each_client_it_refuses_why() {
+    // The echo server under a limit of 64 open files, which a few connections use up.
+    let echo = example("echo");
+    let script = format!("ulimit -n 64 && exec '{}' --listen {}:0", echo.display(), ip());
+    let mut child = Kill(
+        Command::new("sh")
+            .args(["-c", &script])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start the echo server"),
+    );
+    let mut out = BufReader::new(child.0.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("read the server's first line");
+    let addr: std::net::SocketAddr = line
+        .strip_prefix("listening on ")
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"));
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let dev = rdma_rpc::transport::Device::open_default().expect("the provider");
+        let config = rdma_rpc::Config {
+            connect_timeout: std::time::Duration::from_secs(20),
+            ..rdma_rpc::Config::default()
+        };
+        let mut held = Vec::new();
+        let refused = loop {
+            assert!(held.len() < 60, "64 descriptors held {} connections", held.len());
+            match echo_service::EchoClient::connect(&dev, addr, config.clone()).await {
+                Ok(c) => {
+                    // Connected means served: no connection is lost to the limit later.
+                    c.hello("a client".into()).await.expect("a connected client is served");
+                    held.push(c);
+                }
+                Err(e) => break e,
+            }
+        };
+        // Told why, in words (by the transport, by the server's set-up, or by the acceptor's
+        // reserve descriptor), not left to see the connection close or time out.
+        let why = refused.to_string();
+        assert!(why.contains("connection rejected by the peer: "), "{why}");
+        assert!(
+            why.contains("Too many open files") || why.contains("out of file descriptors"),
+            "{why}"
+        );
+        assert!(!held.is_empty(), "not even one connection: {why}");
+        // The clients it holds are still served.
+        for c in &held {
+            c.hello("again".into()).await.expect("still served");
+        }
+        println!("{} connections, then: {why}", held.len());
+    });
 }
 
 /// Runs a backup and a primary; returns both outputs after checking that the logs they wrote

@@ -105,7 +105,10 @@ impl Client {
     /// # Errors
     /// [`RpcError::Config`] for a configuration outside what the protocol allows;
     /// [`RpcError::ConnectionRefused`] when the server refuses it (at its connection limit, or
-    /// shutting down); [`RpcError::Transport`] when it cannot be made; [`RpcError::Protocol`]
+    /// shutting down); [`RpcError::Transport`] when it cannot be made, including when the server
+    /// could not set it up and said why (its transport error is then
+    /// [`Error::RejectedWith`](rdma_rpc_transport::Error::RejectedWith), e.g. a server out of
+    /// file descriptors); [`RpcError::Protocol`]
     /// when the peer is not an rdma-rpc server of this version.
     pub async fn connect(device: &Device, addr: SocketAddr, config: Config) -> Result<Client, RpcError> {
         config.validate()?;

@@ -319,12 +319,28 @@ async fn serve_connection(
         |what: &'static str| move |e: rdma_rpc_transport::Error| RpcError::Transport(TransportError::with(what, e));
     // Isolation: a protection domain per connection, so an rkey of one connection's buffers is
     // worthless on any other connection's QP.
-    let pd = device.alloc_pd().map_err(tr("allocating a protection domain"))?;
-    let cq = device
-        .create_cq(config.ring * 4 + 64)
-        .map_err(tr("creating a completion queue"))?;
+    let resources = (|| {
+        let pd = device.alloc_pd().map_err(tr("allocating a protection domain"))?;
+        let cq = device
+            .create_cq(config.ring * 4 + 64)
+            .map_err(tr("creating a completion queue"))?;
+        let recvs = Conn::ring(&pd, config.ring, slot_size(&config))?;
+        Ok::<_, RpcError>((pd, cq, recvs))
+    })();
+    let (pd, cq, recvs) = match resources {
+        Ok(r) => r,
+        Err(e) => {
+            // Out of descriptors or memory, say: the client is told, not left to see the
+            // connection close (the accept below refuses it so on the transport's failures).
+            let why = match &e {
+                RpcError::Transport(t) => t.to_string(),
+                e => e.to_string(),
+            };
+            req.reject_with(&format!("its set-up failed: {why}"));
+            return Err(e);
+        }
+    };
     let slot = slot_size(&config);
-    let recvs = Conn::ring(&pd, config.ring, slot)?;
     let opts = QpOptions::new(&pd, &cq).caps(qp_caps(&device, &config));
     // A client in this process: pair with it, and offer this side back (see `colocate`).
     let mut link = Link::default();

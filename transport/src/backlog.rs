@@ -14,6 +14,17 @@ use crate::{Error, Result};
 /// Handshakes read at once; connections beyond are closed at once (a connect flood).
 const MAX_HANDSHAKES: usize = 256;
 
+/// Why a connection is refused that came while this process had no file descriptor left.
+pub(crate) const OUT_OF_FDS: &str = "its process is out of file descriptors (RLIMIT_NOFILE): raise its limit \
+                                     (`ulimit -n`) or have it hold fewer connections";
+
+const _: () = assert!(OUT_OF_FDS.len() <= crate::cm::MAX_REJECT_REASON);
+
+/// True for the errors of a process, or a system, out of file descriptors.
+fn out_of_fds(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
+}
+
 /// The queue between the acceptor and `accept`.
 pub(crate) struct Backlog<R> {
     queue: Mutex<VecDeque<R>>,
@@ -25,11 +36,19 @@ pub(crate) struct Backlog<R> {
 impl<R: Send + 'static> Backlog<R> {
     /// Starts the acceptor thread: `next` blocks for the next connection (`None` once the
     /// listener is shut down), `handshake` turns one into a request (on its own thread).
+    ///
+    /// A process out of file descriptors cannot take a connection, which would wait in the
+    /// kernel's queue until its peer gives up. The acceptor keeps one descriptor in reserve
+    /// for that: it lets it go, takes the connection, and hands it to `refuse` (which tells the
+    /// peer [`OUT_OF_FDS`]), then takes the reserve back.
     pub(crate) fn start<C: Send + 'static>(
         name: &str,
         mut next: impl FnMut() -> Option<std::io::Result<C>> + Send + 'static,
         handshake: impl Fn(C) -> Result<R> + Send + Sync + 'static,
+        refuse: impl Fn(C) + Send + 'static,
     ) -> Result<Arc<Self>> {
+        let open_spare = || std::fs::File::open("/dev/null").ok();
+        let mut spare = open_spare();
         let backlog = Arc::new(Backlog {
             queue: Mutex::new(VecDeque::new()),
             cv: Condvar::new(),
@@ -47,9 +66,19 @@ impl<R: Send + 'static> Backlog<R> {
                 let conn = match accepted {
                     None => return,
                     Some(Ok(c)) => c,
+                    Some(Err(e)) if out_of_fds(&e) && spare.is_some() => {
+                        tracing::warn!(%e, "out of file descriptors: refusing a connection");
+                        drop(spare.take()); // the reserve, for this connection
+                        if let Some(Ok(c)) = next() {
+                            refuse(c);
+                        }
+                        spare = open_spare();
+                        continue;
+                    }
                     Some(Err(e)) => {
                         tracing::warn!(%e, "accepting a connection failed");
                         std::thread::sleep(Duration::from_millis(50)); // e.g. out of descriptors
+                        spare = spare.or_else(open_spare);
                         continue;
                     }
                 };

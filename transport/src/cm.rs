@@ -11,6 +11,41 @@ use crate::{Device, Error, QpOptions, QueuePair, RecvWr, Result};
 /// The most private data either side may carry (the rdma_cm limit for an RC connect on IB/RoCE).
 pub const MAX_PRIVATE_DATA: usize = 56;
 
+/// The longest reason a rejection carries ([`ConnectRequest::reject_with`]): what IB CM's
+/// REJ message has room for, with a length byte. A longer reason keeps its first 40 bytes and
+/// its end, where an error chain's root cause is, with `...` between (cut at character
+/// boundaries).
+pub const MAX_REJECT_REASON: usize = 140;
+
+/// `reason`, within [`MAX_REJECT_REASON`] bytes: its start and its end when longer.
+pub(crate) fn reject_reason(reason: &str) -> Vec<u8> {
+    const HEAD: usize = 40;
+    if reason.len() <= MAX_REJECT_REASON {
+        return reason.as_bytes().to_vec();
+    }
+    let mut head = HEAD;
+    while !reason.is_char_boundary(head) {
+        head -= 1;
+    }
+    let mut tail = reason.len() - (MAX_REJECT_REASON - 3 - head);
+    while !reason.is_char_boundary(tail) {
+        tail += 1;
+    }
+    let mut out = reason.as_bytes()[..head].to_vec();
+    out.extend_from_slice(b"...");
+    out.extend_from_slice(&reason.as_bytes()[tail..]);
+    out
+}
+
+/// The error a connecting side gets for a rejection that carried `reason` (none: `Rejected`).
+pub(crate) fn rejected(reason: &[u8]) -> Error {
+    if reason.is_empty() {
+        Error::Rejected
+    } else {
+        Error::RejectedWith(String::from_utf8_lossy(reason).into_owned())
+    }
+}
+
 /// What a software provider's connect says when the peer's half of the handshake never came.
 pub(crate) const NO_HANDSHAKE: &str = "waiting for the peer's handshake (a peer that is not rdma-rpc on this provider never sends one: check the address and the provider)";
 
@@ -173,18 +208,37 @@ impl ConnectRequest {
     ///
     /// # Errors
     /// As [`ConnectRequest::accept`]; [`Error::QueueFull`] for more receives than the queue.
+    ///
+    /// When this side's set-up fails (out of file descriptors or memory, say), the peer is
+    /// refused with the error's message as the reason ([`ConnectRequest::reject_with`]), so
+    /// that its `connect` says what went wrong here instead of seeing the connection close.
     pub fn accept_with_recvs(self, opts: &QpOptions, private_data: &[u8], recvs: Vec<RecvWr>) -> Result<QueuePair> {
-        check_private(private_data)?;
-        opts.validate()?;
+        if let Err(e) = check_private(private_data).and_then(|()| opts.validate()) {
+            self.reject_with(&set_up_failed(&e));
+            return Err(e);
+        }
+        // Each provider refuses the peer itself when its part fails (it holds the reply's way).
         let (qp, pending) = match self.imp {
             RequestImpl::Tcp(r) => {
                 let (qp, num, p) = r.accept(opts)?;
                 (QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), Pending::Tcp(p))
             }
             RequestImpl::Shm(r) => {
-                let (j, p) = r.accept(crate::shm::side(opts)?)?;
-                let (qp, num) = crate::shm::start(j.link, j.peer, j.own_rq, opts)?;
-                (QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), Pending::Shm(p))
+                let side = match crate::shm::side(opts) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        r.reject(&reject_reason(&set_up_failed(&e)));
+                        return Err(e);
+                    }
+                };
+                let (j, p) = r.accept(side)?;
+                match crate::shm::start(j.link, j.peer, j.own_rq, opts) {
+                    Ok((qp, num)) => (QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), Pending::Shm(p)),
+                    Err(e) => {
+                        p.refuse(&reject_reason(&set_up_failed(&e)));
+                        return Err(e);
+                    }
+                }
             }
             #[cfg(feature = "verbs")]
             RequestImpl::Verbs(r) => {
@@ -192,18 +246,49 @@ impl ConnectRequest {
                 (QueuePair::new(QpImpl::Verbs(qp), num, opts.clone()), Pending::Verbs(p))
             }
         };
-        qp.post_recv_batch(recvs).map_err(|e| e.error)?;
+        if let Err(e) = qp.post_recv_batch(recvs) {
+            pending.refuse(&reject_reason(&set_up_failed(&e.error)));
+            return Err(e.error);
+        }
         pending.finish(private_data)?;
         Ok(qp)
     }
 
     /// Refuses the connection; the peer's `connect` fails with [`Error::Rejected`].
     pub fn reject(self) {
+        self.reject_with("");
+    }
+
+    /// Refuses the connection and says why; the peer's `connect` fails with
+    /// [`Error::RejectedWith`] carrying `reason` (at most [`MAX_REJECT_REASON`] bytes of it;
+    /// an empty one gives [`Error::Rejected`]). For a failure of this side's own set-up, which
+    /// the peer cannot fix but should not mistake for a network fault.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use rdma_rpc_transport::{connect, Device, Error, Listener, QpOptions};
+    /// let dev = Device::open("tcp")?;
+    /// let listener = Listener::bind(&dev, "127.0.0.1:0".parse().unwrap())?;
+    /// let addr = listener.local_addr()?;
+    /// let server = std::thread::spawn(move || -> rdma_rpc_transport::Result<()> {
+    ///     listener.accept(Some(Duration::from_secs(5)))?.reject_with("out of memory for rings");
+    ///     Ok(())
+    /// });
+    /// let (pd, cq) = (dev.alloc_pd()?, dev.create_cq(16)?);
+    /// match connect(addr, &QpOptions::new(&pd, &cq), b"", Duration::from_secs(5)) {
+    ///     Err(Error::RejectedWith(why)) => assert_eq!(why, "out of memory for rings"),
+    ///     other => panic!("{:?}", other.map(|_| ())),
+    /// }
+    /// server.join().unwrap()?;
+    /// # Ok::<(), rdma_rpc_transport::Error>(())
+    /// ```
+    pub fn reject_with(self, reason: &str) {
+        let reason = reject_reason(reason);
         match self.imp {
-            RequestImpl::Tcp(r) => r.reject(),
-            RequestImpl::Shm(r) => r.reject(),
+            RequestImpl::Tcp(r) => r.reject(&reason),
+            RequestImpl::Shm(r) => r.reject(&reason),
             #[cfg(feature = "verbs")]
-            RequestImpl::Verbs(r) => r.reject(),
+            RequestImpl::Verbs(r) => r.reject(&reason),
         }
     }
 }
@@ -216,7 +301,22 @@ enum Pending {
     Verbs(crate::verbs::Pending),
 }
 
+/// The reason a peer is refused with when this side's set-up of its connection failed.
+pub(crate) fn set_up_failed(e: &Error) -> String {
+    format!("its set-up failed: {e}")
+}
+
 impl Pending {
+    /// Refuses the peer instead of finishing (this side's set-up failed after all).
+    fn refuse(self, reason: &[u8]) {
+        match self {
+            Pending::Tcp(p) => p.refuse(reason),
+            Pending::Shm(p) => p.refuse(reason),
+            #[cfg(feature = "verbs")]
+            Pending::Verbs(p) => p.refuse(reason),
+        }
+    }
+
     fn finish(self, private_data: &[u8]) -> Result<Vec<u8>> {
         match self {
             Pending::Tcp(p) => p.finish(private_data),

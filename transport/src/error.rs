@@ -89,6 +89,11 @@ pub enum Error {
     /// The peer refused the connection.
     #[error("connection rejected by the peer")]
     Rejected,
+    /// The peer refused the connection and said why: typically its own set-up of the
+    /// connection failed (out of file descriptors or memory), which its operator can fix.
+    /// Nothing was connected.
+    #[error("connection rejected by the peer: {0}")]
+    RejectedWith(String),
     /// The peer did not answer in time.
     #[error("timed out while {0}")]
     Timeout(&'static str),

@@ -69,7 +69,7 @@ mod wc;
 mod wr;
 
 pub use access::AccessFlags;
-pub use cm::{connect, connect_with_recvs, ConnectRequest, Listener, MAX_PRIVATE_DATA};
+pub use cm::{connect, connect_with_recvs, ConnectRequest, Listener, MAX_PRIVATE_DATA, MAX_REJECT_REASON};
 pub use cq::{Completion, CompletionError, CompletionQueue};
 pub use device::{Device, DeviceCaps, ProviderSpec, PROVIDER_ENV};
 pub use error::{Error, Result};

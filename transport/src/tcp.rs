@@ -162,7 +162,8 @@ pub(crate) struct Cq {
 
 /// An epoll set of QP sockets, each with the flag its CQ source looks at.
 struct Sockets {
-    epoll: OwnedFd,
+    /// Shared with its registration in a waiter's runtime (`watch.rs`).
+    epoll: Arc<OwnedFd>,
     flags: Mutex<HashMap<u64, Weak<AtomicBool>>>,
     next: AtomicU64,
     /// Sockets were added: polls ask the set, and a waiter watches it too.
@@ -186,8 +187,10 @@ impl Cq {
             bell: crate::shm::bell::Bell::new()?,
             last_poll: AtomicU64::new(0),
             sockets: Sockets {
-                epoll: epoll::create(epoll::CreateFlags::CLOEXEC)
-                    .map_err(|e| crate::Error::io("creating a CQ's socket set (epoll)", e.into()))?,
+                epoll: Arc::new(
+                    epoll::create(epoll::CreateFlags::CLOEXEC)
+                        .map_err(|e| crate::Error::io("creating a CQ's socket set (epoll)", e.into()))?,
+                ),
                 flags: Mutex::new(HashMap::new()),
                 next: AtomicU64::new(0),
                 any: AtomicBool::new(false),

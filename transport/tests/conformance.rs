@@ -1070,6 +1070,59 @@ async fn connection_carries_private_data_and_can_be_rejected() {
 }
 
 #[tokio::test]
+async fn a_rejection_says_why_and_so_does_an_accept_that_fails() {
+    let dev = device();
+    let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(16).expect("cq"));
+    let listener = Listener::bind(&dev, SocketAddr::new(test_ip(), 0)).expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    // A long reason keeps its start and its end (an error chain's root cause), within the limit.
+    let long = format!("the frame: {}: the root cause", "context ".repeat(40));
+    let server = std::thread::spawn({
+        let (pd, long) = (dev.alloc_pd().expect("pd"), long.clone());
+        let scq = dev.create_cq(16).expect("cq");
+        move || {
+            listener
+                .accept(Some(WAIT))
+                .expect("accept")
+                .reject_with("no room — try later");
+            listener.accept(Some(WAIT)).expect("accept").reject_with(&long);
+            // This side's set-up fails (more receives than its queue holds): the peer is told.
+            let opts = QpOptions::new(&pd, &scq).caps(QpCaps {
+                max_recv_wr: 4,
+                ..QpCaps::default()
+            });
+            let recvs = (0..8)
+                .map(|i| RecvWr::new(i, pd.register(64, AccessFlags::LOCAL_WRITE).expect("buf")))
+                .collect();
+            let req = listener.accept(Some(WAIT)).expect("accept");
+            let e = req.accept_with_recvs(&opts, b"", recvs).expect_err("too many receives");
+            assert!(matches!(e, Error::QueueFull { .. }), "{e}");
+        }
+    });
+    let opts = QpOptions::new(&pd, &cq);
+    let why = |e: Error| match e {
+        Error::RejectedWith(why) => why,
+        e => panic!("not a rejection with a reason: {e}"),
+    };
+    let first = connect(addr, &opts, b"", WAIT).map(|_| ()).expect_err("rejected");
+    assert_eq!(
+        first.to_string(),
+        "connection rejected by the peer: no room — try later"
+    );
+    assert_eq!(why(first), "no room — try later");
+    let second = why(connect(addr, &opts, b"", WAIT).map(|_| ()).expect_err("rejected"));
+    assert!(second.len() <= MAX_REJECT_REASON, "{} bytes", second.len());
+    assert!(second.starts_with("the frame: context"), "{second}");
+    assert!(
+        second.contains("...") && second.ends_with("context : the root cause"),
+        "{second}"
+    );
+    let third = why(connect(addr, &opts, b"", WAIT).map(|_| ()).expect_err("refused"));
+    assert!(third.starts_with("its set-up failed: receive queue full"), "{third}");
+    server.join().expect("server");
+}
+
+#[tokio::test]
 async fn inline_sends_and_their_limit() {
     let (c, s) = pair();
     s.recv(1, 64);
@@ -1957,4 +2010,67 @@ async fn local_protection_is_checked_as_the_nic_checks_it() {
     assert!(rc.buf.expect("the buffer comes back").bytes().iter().all(|&b| b == 0));
     let sc = c.one().await;
     assert!(!sc.status.is_success(), "the sender sees the failure too: {sc:?}");
+}
+
+/// Not a test: the process of `a_cq_waits_without_opening_a_descriptor`, alone in its process
+/// so that nothing else opens or closes descriptors meanwhile (run with `--ignored --exact`).
+#[test]
+#[ignore = "helper process for a_cq_waits_without_opening_a_descriptor"]
+fn child_descriptors() {
+    if std::env::var(CHILD_ENV).is_err() {
+        return;
+    }
+    let open = || std::fs::read_dir("/proc/self/fd").expect("/proc/self/fd").count();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let (c, s) = pair();
+        // Each CQ's first wait registers it with the runtime; it must not need a descriptor:
+        // a process at its limit of open files would lose a live connection at its first
+        // sleep (tcp and shm duplicated the doorbell and the socket set for it before).
+        // Set-up's threads may still be closing what they used: count once nothing moves.
+        let mut before = open();
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let now = open();
+            if now == before {
+                break;
+            }
+            before = now;
+        }
+        for side in [&c, &s] {
+            let waited = tokio::time::timeout(Duration::from_millis(50), side.cq.ready()).await;
+            assert!(waited.is_err(), "nothing was sent, nothing completes");
+        }
+        let after = open();
+        assert_eq!(after, before, "descriptors open before and after the first waits");
+        // And the registration works: a Send wakes the waiting receiver.
+        s.recv(1, 64);
+        c.post(SendWr::send(1, c.filled(&[7; 8], AccessFlags::NONE)));
+        ok(&s.one().await);
+        println!("DESCRIPTORS OK {before} {after}");
+    });
+}
+
+#[test]
+fn a_cq_waits_without_opening_a_descriptor() {
+    let out = std::process::Command::new(std::env::current_exe().expect("exe"))
+        .args([
+            "--ignored",
+            "--exact",
+            "child_descriptors",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, "1")
+        .output()
+        .expect("run the child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("DESCRIPTORS OK"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -5,9 +5,10 @@
 //! or (shm) the peer process that delivered into one of our receives, which holds a duplicate
 //! of the descriptor. One ring wakes the waiting task directly: no thread in between.
 
-use std::os::fd::OwnedFd;
-use std::sync::OnceLock;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::{Arc, OnceLock};
 
+use parking_lot::Mutex;
 use rustix::event::{eventfd, EventfdFlags};
 use rustix::io::Errno;
 use tokio::io::unix::AsyncFd;
@@ -16,9 +17,9 @@ use tokio::io::Interest;
 use crate::{Error, Result};
 
 pub(crate) struct Bell {
-    fd: OwnedFd,
+    fd: Arc<OwnedFd>,
     /// Registered with the runtime of the first wait.
-    waiter: OnceLock<AsyncFd<OwnedFd>>,
+    waiter: Registration,
 }
 
 impl Bell {
@@ -26,8 +27,8 @@ impl Bell {
         let fd = eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC)
             .map_err(|e| Error::io("creating a CQ doorbell (eventfd)", e.into()))?;
         Ok(Bell {
-            fd,
-            waiter: OnceLock::new(),
+            fd: Arc::new(fd),
+            waiter: Registration::default(),
         })
     }
 
@@ -43,13 +44,9 @@ impl Bell {
         ring(&self.fd);
     }
 
-    fn waiter(&self) -> Result<&AsyncFd<OwnedFd>> {
-        registered(&self.waiter, || self.share(), "registering a CQ doorbell with tokio")
-    }
-
     /// Waits until rung (or spuriously); takes the rings so far.
     pub(crate) async fn wait(&self) -> Result<()> {
-        let waiter = self.waiter()?;
+        let waiter = self.waiter.get(&self.fd, "registering a CQ doorbell with tokio")?;
         let mut guard = waiter
             .readable()
             .await
@@ -66,26 +63,52 @@ impl Bell {
     }
 }
 
-/// The registration in `slot` for readability with the runtime of the first call, made then
-/// from the descriptor `fd` gives (`what` names it in the error): the CQ doorbells, and tcp's
-/// socket sets (`tcp/watch.rs`).
-pub(crate) fn registered<'a>(
-    slot: &'a OnceLock<AsyncFd<OwnedFd>>,
-    fd: impl FnOnce() -> Result<OwnedFd>,
-    what: &'static str,
-) -> Result<&'a AsyncFd<OwnedFd>> {
-    if let Some(w) = slot.get() {
-        return Ok(w);
+/// A descriptor shared with tokio's registration of it: open while either holds it, so the
+/// registration needs no duplicate (no descriptor more per CQ, and no `EMFILE` at a first wait
+/// of a process at its limit of open files).
+pub(crate) struct SharedFd(Arc<OwnedFd>);
+
+impl AsRawFd for SharedFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
     }
-    if tokio::runtime::Handle::try_current().is_err() {
-        return Err(Error::NoRuntime);
+}
+
+impl AsFd for SharedFd {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
     }
-    let fd = fd()?;
-    // SAFETY: the AsyncFd owns `fd` from here on: open, the same descriptor while it lives, closed when it drops.
-    let registration = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) };
-    let w = registration.map_err(|e| Error::io(what, e.into()))?;
-    // Another waiter may have registered first; either registration works.
-    Ok(slot.get_or_init(|| w))
+}
+
+/// A descriptor's registration for readability with the runtime of the first wait: the CQ
+/// doorbells, and tcp's socket sets (`tcp/watch.rs`).
+#[derive(Default)]
+pub(crate) struct Registration {
+    slot: OnceLock<AsyncFd<SharedFd>>,
+    /// One registration at a time: a descriptor registers with a runtime once.
+    making: Mutex<()>,
+}
+
+impl Registration {
+    /// The registration of `fd` (`what` names it in the error), made at the first call.
+    pub(crate) fn get(&self, fd: &Arc<OwnedFd>, what: &'static str) -> Result<&AsyncFd<SharedFd>> {
+        if let Some(w) = self.slot.get() {
+            return Ok(w);
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::NoRuntime);
+        }
+        let _making = self.making.lock();
+        if let Some(w) = self.slot.get() {
+            return Ok(w);
+        }
+        let shared = SharedFd(Arc::clone(fd));
+        // SAFETY: the AsyncFd owns a reference to the descriptor, which stays open and the same
+        // while any reference lives, so for the whole life of the registration.
+        let registration = unsafe { AsyncFd::register_with_interest(shared, Interest::READABLE) };
+        let w = registration.map_err(|e| Error::io(what, e.into()))?;
+        Ok(self.slot.get_or_init(|| w))
+    }
 }
 
 /// Rings a doorbell through a descriptor (ours, or a peer's duplicate).

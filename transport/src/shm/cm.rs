@@ -165,6 +165,7 @@ impl Listener {
             "rdma-rpc-shm",
             move || Some(s.accept()),
             |(stream, _)| handshake(stream),
+            |(stream, _)| refuse(&stream, crate::backlog::OUT_OF_FDS.as_bytes()),
         )?;
         Ok(Listener {
             addr: try_addr,
@@ -194,8 +195,15 @@ fn handshake(stream: UnixStream) -> Result<Request> {
     stream
         .set_read_timeout(Some(HANDSHAKE))
         .map_err(|e| Error::io("handshake timeout", e))?;
-    let (m, fds) =
-        sys::recv_with_fds(&stream, 10 + MAX_PRIVATE_DATA).map_err(|e| Error::io("reading the handshake", e))?;
+    let (m, fds) = sys::recv_with_fds(&stream, 10 + MAX_PRIVATE_DATA).map_err(|e| {
+        let e = Error::io("reading the handshake", e);
+        // Out of descriptors for the peer's (this process at its limit of open files): the
+        // peer is told so, not left to see the socket close.
+        if matches!(&e, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::InvalidData) {
+            refuse(&stream, &crate::cm::reject_reason(&crate::cm::set_up_failed(&e)));
+        }
+        e
+    })?;
     let private_data = parse_hello(&m)?;
     let _ = stream.set_read_timeout(None);
     Ok(Request {
@@ -214,6 +222,13 @@ pub(crate) enum Pending {
 }
 
 impl Pending {
+    /// Refuses the peer instead of finishing (the accepting side's set-up failed).
+    pub(crate) fn refuse(self, reason: &[u8]) {
+        if let Pending::Reply { stream, .. } = self {
+            refuse(&stream, reason);
+        }
+    }
+
     pub(crate) fn finish(self, private_data: &[u8]) -> Result<Vec<u8>> {
         match self {
             Pending::Reply { stream, side } => {
@@ -229,18 +244,35 @@ impl Pending {
 
 impl Request {
     /// Joins the link from the peer's descriptors; the reply goes out with [`Pending::finish`].
+    /// When this fails the peer is refused, with the error as the reason.
     pub(crate) fn accept(self, mut side: Side) -> Result<(Joined, Pending)> {
-        let reply = self
-            .stream
-            .try_clone()
-            .map_err(|e| Error::io("cloning the socket", e))?;
-        let joined = side.join(self.stream, self.fds)?;
-        Ok((joined, Pending::Reply { stream: reply, side }))
+        let reply = match self.stream.try_clone() {
+            Ok(r) => r,
+            Err(e) => {
+                let e = Error::io("cloning the socket", e);
+                refuse(&self.stream, &crate::cm::reject_reason(&crate::cm::set_up_failed(&e)));
+                return Err(e);
+            }
+        };
+        match side.join(self.stream, self.fds) {
+            Ok(joined) => Ok((joined, Pending::Reply { stream: reply, side })),
+            Err(e) => {
+                refuse(&reply, &crate::cm::reject_reason(&crate::cm::set_up_failed(&e)));
+                Err(e)
+            }
+        }
     }
 
-    pub(crate) fn reject(self) {
-        let _ = sys::send_with_fds(&self.stream, &[0u8], &[]);
+    pub(crate) fn reject(self, reason: &[u8]) {
+        refuse(&self.stream, reason);
     }
+}
+
+/// The refusal, with its reason (an empty one for none): `[0][reason]`.
+fn refuse(stream: &UnixStream, reason: &[u8]) {
+    let mut m = vec![0u8];
+    m.extend_from_slice(reason);
+    let _ = sys::send_with_fds(stream, &m, &[]);
 }
 
 /// Connects to the endpoint named after `addr`; returns the link, the peer's arena and the
@@ -257,7 +289,8 @@ pub(crate) fn connect(
         .map_err(|e| Error::io("setting a handshake timeout", e))?;
     sys::send_with_fds(&stream, &hello(private_data), &side.fds())
         .map_err(|e| Error::io("sending the handshake", e))?;
-    let (reply, fds) = sys::recv_with_fds(&stream, 1 + MAX_PRIVATE_DATA).map_err(|e| match e.kind() {
+    let longest = 1 + MAX_PRIVATE_DATA.max(crate::cm::MAX_REJECT_REASON);
+    let (reply, fds) = sys::recv_with_fds(&stream, longest).map_err(|e| match e.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout(crate::cm::NO_HANDSHAKE),
         _ => Error::io("reading the handshake", e),
     })?;
@@ -269,7 +302,7 @@ pub(crate) fn connect(
             drop(side);
             Ok((joined, data))
         }
-        Some((0, _)) => Err(Error::Rejected),
+        Some((0, reason)) => Err(crate::cm::rejected(reason)),
         _ => Err(Error::Protocol("malformed connection reply".into())),
     }
 }

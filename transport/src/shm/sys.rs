@@ -212,7 +212,11 @@ pub(crate) fn recv_with_fds(sock: &UnixStream, max: usize) -> io::Result<(Vec<u8
         }
     }
     if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "descriptors truncated"));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "the descriptors that came with it were cut short: this process is likely at its limit of open files \
+             (RLIMIT_NOFILE: raise it with `ulimit -n`, or hold fewer connections)",
+        ));
     }
     Ok((buf, fds))
 }

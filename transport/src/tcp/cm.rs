@@ -45,6 +45,13 @@ impl Listener {
             "rdma-rpc-tcp",
             move || Some(s.accept()),
             |(stream, peer)| handshake(stream, peer),
+            |(stream, _)| {
+                // Its hello first: closing a TCP socket with unread bytes resets the connection,
+                // which could discard the refusal before the peer reads it.
+                let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+                let _ = read_msg(&mut &stream);
+                refuse(&stream, crate::backlog::OUT_OF_FDS.as_bytes());
+            },
         )?;
         Ok(Self { addr, socket, backlog })
     }
@@ -112,6 +119,13 @@ pub(crate) enum Pending {
 }
 
 impl Pending {
+    /// Refuses the peer instead of finishing (the accepting side's set-up failed).
+    pub(crate) fn refuse(self, reason: &[u8]) {
+        if let Pending::Reply(stream) = self {
+            refuse(&stream, reason);
+        }
+    }
+
     pub(crate) fn finish(self, private_data: &[u8]) -> Result<Vec<u8>> {
         match self {
             Pending::Reply(stream) => {
@@ -128,19 +142,36 @@ impl Pending {
 impl Request {
     /// Starts the QP's engine; the reply goes out with [`Pending::finish`], after the caller
     /// posted its first receives, so the peer's first Send always finds one.
+    /// When this fails the peer is refused, with the error as the reason.
     pub(crate) fn accept(self, opts: &QpOptions) -> Result<(Qp, u32, Pending)> {
         let qp_num = random_u32();
-        let reply = self
-            .stream
-            .try_clone()
-            .map_err(|e| Error::io("cloning the socket", e))?;
-        let (qp, n) = start(self.stream, opts, qp_num)?;
-        Ok((qp, n, Pending::Reply(reply)))
+        let reply = match self.stream.try_clone() {
+            Ok(r) => r,
+            Err(e) => {
+                let e = Error::io("cloning the socket", e);
+                refuse(&self.stream, &crate::cm::reject_reason(&crate::cm::set_up_failed(&e)));
+                return Err(e);
+            }
+        };
+        match start(self.stream, opts, qp_num) {
+            Ok((qp, n)) => Ok((qp, n, Pending::Reply(reply))),
+            Err(e) => {
+                refuse(&reply, &crate::cm::reject_reason(&crate::cm::set_up_failed(&e)));
+                Err(e)
+            }
+        }
     }
 
-    pub(crate) fn reject(self) {
-        let _ = write_msg(&mut &self.stream, &[0u8]);
+    pub(crate) fn reject(self, reason: &[u8]) {
+        refuse(&self.stream, reason);
     }
+}
+
+/// The refusal, with its reason (an empty one for none): `[0][reason]`.
+fn refuse(stream: &TcpStream, reason: &[u8]) {
+    let mut m = vec![0u8];
+    m.extend_from_slice(reason);
+    let _ = write_msg(&mut &*stream, &m);
 }
 
 pub(crate) fn connect(
@@ -169,7 +200,7 @@ pub(crate) fn connect(
             let (qp, n) = start(stream, opts, qp_num)?;
             Ok((qp, n, Pending::Done(data)))
         }
-        Some((0, _)) => Err(Error::Rejected),
+        Some((0, reason)) => Err(crate::cm::rejected(reason)),
         Some((&REFUSED_VERSION, v)) => match v.try_into() {
             Ok(v) => Err(version_mismatch(u16::from_le_bytes(v))),
             Err(_) => Err(Error::Protocol("malformed connection reply".into())),
@@ -208,7 +239,9 @@ fn start(stream: TcpStream, opts: &QpOptions, qp_num: u32) -> Result<(Qp, u32)> 
 }
 
 fn write_msg(w: &mut impl Write, payload: &[u8]) -> Result<()> {
-    if payload.len() > MAX_PRIVATE_DATA + 2 {
+    // A hello or an accept (a version or a kind byte, then private data), or a refusal and its
+    // reason; the length goes in one byte.
+    if payload.len() > (MAX_PRIVATE_DATA + 2).max(1 + crate::cm::MAX_REJECT_REASON) {
         return Err(Error::PrivateDataTooLong {
             len: payload.len(),
             max: MAX_PRIVATE_DATA,

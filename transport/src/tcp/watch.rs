@@ -16,20 +16,20 @@
 //! serves one-sided requests whatever the task does.
 
 use std::mem::MaybeUninit;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::Arc;
 
 use rustix::event::epoll;
-use tokio::io::unix::AsyncFd;
 
+use crate::shm::bell::Registration;
 use crate::{Error, Result};
 
 /// The runtime's view of a CQ's socket set (an epoll descriptor, readable while any of its
 /// sockets is).
 pub(super) struct Watch {
     /// Registered with the runtime of the first wait.
-    fd: OnceLock<AsyncFd<OwnedFd>>,
+    fd: Registration,
     /// The last wait ended because a socket was readable, and no poll has returned a
     /// completion since. The next wait then sleeps on the doorbell alone: what arrived is part
     /// of a longer message, or something a poll may not take (the reader thread's to handle,
@@ -43,17 +43,9 @@ pub(super) struct Watch {
 impl Watch {
     pub(super) fn new() -> Self {
         Self {
-            fd: OnceLock::new(),
+            fd: Registration::default(),
             woke_on_sockets: AtomicBool::new(false),
         }
-    }
-
-    fn registered(&self, set: &OwnedFd) -> Result<&AsyncFd<OwnedFd>> {
-        let dup = || {
-            set.try_clone()
-                .map_err(|e| Error::io("duplicating a CQ's socket set", e))
-        };
-        crate::shm::bell::registered(&self.fd, dup, "registering a CQ's socket set with tokio")
     }
 
     /// A poll returned completions: the next wait watches the sockets again.
@@ -66,8 +58,8 @@ impl Watch {
 
     /// Waits until the doorbell rings or one of the sockets in `set` has something to read
     /// (or spuriously): the caller polls the CQ next.
-    pub(super) async fn wait(&self, set: &OwnedFd, bell: &crate::shm::bell::Bell) -> Result<()> {
-        let fd = self.registered(set)?;
+    pub(super) async fn wait(&self, set: &Arc<OwnedFd>, bell: &crate::shm::bell::Bell) -> Result<()> {
+        let fd = self.fd.get(set, "registering a CQ's socket set with tokio")?;
         if self.woke_on_sockets.swap(false, Ordering::Relaxed) {
             return bell.wait().await;
         }
@@ -80,7 +72,7 @@ impl Watch {
                 // tokio's readiness is edge-triggered: cleared only when the set has nothing,
                 // so that a later arrival wakes this task again.
                 match ready.try_io(|fd| {
-                    if readable(fd.get_ref()) {
+                    if readable(fd.get_ref().as_fd()) {
                         Ok(())
                     } else {
                         Err(std::io::ErrorKind::WouldBlock.into())
@@ -105,7 +97,7 @@ impl Watch {
 
 /// Whether a socket of the epoll set `set` has something to read now (level-triggered: looking
 /// takes nothing). An error counts as readable: the caller's poll finds out.
-fn readable(set: &OwnedFd) -> bool {
+fn readable(set: BorrowedFd<'_>) -> bool {
     let mut one = [MaybeUninit::<epoll::Event>::uninit(); 1];
     let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
     !matches!(epoll::wait(set, &mut one[..], Some(&zero)), Ok((events, _)) if events.is_empty())
@@ -122,8 +114,8 @@ mod tests {
     use crate::shm::bell::Bell;
 
     /// An epoll set holding the reading end of a socket pair, as a CQ's set holds its QPs'.
-    fn set_with_socket() -> (OwnedFd, UnixStream, UnixStream) {
-        let set = epoll::create(epoll::CreateFlags::CLOEXEC).expect("epoll set");
+    fn set_with_socket() -> (Arc<OwnedFd>, UnixStream, UnixStream) {
+        let set = Arc::new(epoll::create(epoll::CreateFlags::CLOEXEC).expect("epoll set"));
         let (ours, theirs) = UnixStream::pair().expect("socket pair");
         ours.set_nonblocking(true).expect("non-blocking");
         epoll::add(&set, ours.as_fd(), epoll::EventData::new_u64(0), epoll::EventFlags::IN).expect("add");
@@ -131,13 +123,13 @@ mod tests {
     }
 
     /// Whether `wait` is still waiting after a while: it returns only on a ring or an arrival.
-    async fn still_waiting(w: &Watch, set: &OwnedFd, bell: &Bell) -> bool {
+    async fn still_waiting(w: &Watch, set: &Arc<OwnedFd>, bell: &Bell) -> bool {
         tokio::time::timeout(Duration::from_millis(100), w.wait(set, bell))
             .await
             .is_err()
     }
 
-    async fn returns(w: &Watch, set: &OwnedFd, bell: &Bell) {
+    async fn returns(w: &Watch, set: &Arc<OwnedFd>, bell: &Bell) {
         tokio::time::timeout(Duration::from_secs(10), w.wait(set, bell))
             .await
             .expect("the wait returned")

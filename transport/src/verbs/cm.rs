@@ -191,7 +191,9 @@ pub(super) fn expect(ev: Event, want: u32, what: &'static str) -> Result<Event> 
             context: "connecting: nothing listens at that address",
             source: io::ErrorKind::ConnectionRefused.into(),
         },
-        RDMA_CM_EVENT_REJECTED => Error::Rejected,
+        // A consumer's reject carries its reason in the private data (framed; the CM's own
+        // rejects carry zeros, so none).
+        RDMA_CM_EVENT_REJECTED => crate::cm::rejected(&unframe(&ev.private_data)),
         _ => Error::Verbs {
             call: what,
             source: io::Error::other(format!("rdma_cm event {} (status {})", ev.kind, ev.status)),
@@ -359,7 +361,7 @@ pub(crate) fn connect(
     )?;
     create_qp(&id, opts)?;
     let raw = id.raw();
-    let (qp, num, setup) = Qp::new(id.into_raw(), ch.into_raw(), &opts.send_cq, &opts.recv_cq)?;
+    let (qp, num, setup) = Qp::new(id.into_raw(), ch.into_raw(), &opts.send_cq, &opts.recv_cq, false)?;
     let pending = Pending {
         id: raw,
         connect: true,
@@ -382,6 +384,15 @@ pub(crate) struct Pending {
 }
 
 impl Pending {
+    /// Refuses the peer instead of accepting (this side's set-up failed after the QP was made).
+    /// A connecting side has nobody to refuse.
+    pub(crate) fn refuse(self, reason: &[u8]) {
+        if !self.connect {
+            // SAFETY: the id is live (its Qp is held by the caller) and not accepted yet.
+            unsafe { reject(self.id, reason) };
+        }
+    }
+
     pub(crate) fn finish(self, private_data: &[u8]) -> Result<Vec<u8>> {
         let framed = frame(private_data);
         let mut param = rdma_conn_param {
@@ -416,6 +427,22 @@ impl Pending {
         )?;
         Ok(unframe(&ev.private_data))
     }
+}
+
+/// Refuses the connect request of `id`, `reason` (if any) framed in the REJ's private data.
+///
+/// # Safety
+/// `id` must be a live rdma_cm id of a connect request not answered yet.
+pub(super) unsafe fn reject(id: *mut rdma_cm_id, reason: &[u8]) {
+    let framed = frame(reason);
+    let (data, len) = if reason.is_empty() {
+        (std::ptr::null(), 0)
+    } else {
+        (framed.as_ptr().cast(), framed.len() as u8)
+    };
+    // SAFETY: the caller promises a live, unanswered id; the private data lives across the
+    // call (`framed`), and `reject_reason` keeps it within the REJ's 148 bytes.
+    unsafe { rdma_reject(id, data, len) };
 }
 
 /// A listening rdma_cm id.
@@ -476,11 +503,23 @@ impl Listener {
                 unsafe { rdma_reject(child.raw(), std::ptr::null(), 0) };
                 continue;
             }
-            let ch = Channel::new()?;
-            // SAFETY: both are live; the child moves to its own channel for its later events.
-            check("rdma_migrate_id", unsafe {
-                rdma_migrate_id(child.raw(), ch.0.as_ptr())
-            })?;
+            // Its own channel for its later events; a failure (out of file descriptors, say)
+            // refuses the peer with the reason, which would otherwise time out.
+            let ch = Channel::new().and_then(|ch| {
+                // SAFETY: both are live; the child moves to the channel.
+                check("rdma_migrate_id", unsafe {
+                    rdma_migrate_id(child.raw(), ch.0.as_ptr())
+                })
+                .map(|()| ch)
+            });
+            let ch = match ch {
+                Ok(ch) => ch,
+                Err(e) => {
+                    // SAFETY: the child id is live (dropped after this) and unanswered.
+                    unsafe { reject(child.raw(), &crate::cm::reject_reason(&crate::cm::set_up_failed(&e))) };
+                    return Err(e);
+                }
+            };
             // SAFETY: the child id is live; its route holds the peer's address.
             let peer = unsafe { socket_addr(rdma_get_peer_addr(&*child.raw()) as *const libc::sockaddr) };
             return Ok(Request {
@@ -513,17 +552,24 @@ impl Request {
         self.peer
     }
 
+    /// When the QP cannot be made the peer is refused, with the error as the reason.
     pub(crate) fn accept(mut self, opts: &QpOptions) -> Result<(Qp, u32, Pending)> {
+        let crate::device::DeviceImpl::Verbs(ctx) = &opts.pd.device().inner.imp else {
+            let e = Error::InvalidArgument("a verbs QP needs a verbs device".into());
+            self.reject(&crate::cm::reject_reason(&crate::cm::set_up_failed(&e)));
+            return Err(e);
+        };
+        if let Some(id) = &self.id {
+            if let Err(e) = id.check_device(ctx).and_then(|()| create_qp(id, opts)) {
+                self.reject(&crate::cm::reject_reason(&crate::cm::set_up_failed(&e)));
+                return Err(e);
+            }
+        }
         let (Some(id), Some(ch)) = (self.id.take(), self.ch.take()) else {
             return Err(Error::Protocol("request already answered".into()));
         };
-        let crate::device::DeviceImpl::Verbs(ctx) = &opts.pd.device().inner.imp else {
-            return Err(Error::InvalidArgument("a verbs QP needs a verbs device".into()));
-        };
-        id.check_device(ctx)?;
-        create_qp(&id, opts)?;
         let raw = id.raw();
-        let (qp, num, setup) = Qp::new(id.into_raw(), ch.into_raw(), &opts.send_cq, &opts.recv_cq)?;
+        let (qp, num, setup) = Qp::new(id.into_raw(), ch.into_raw(), &opts.send_cq, &opts.recv_cq, true)?;
         let pending = Pending {
             id: raw,
             connect: false,
@@ -534,10 +580,11 @@ impl Request {
         Ok((qp, num, pending))
     }
 
-    pub(crate) fn reject(mut self) {
+    /// Refuses the request, `reason` (if any) in the REJ's private data.
+    pub(crate) fn reject(mut self, reason: &[u8]) {
         if let Some(id) = self.id.take() {
-            // SAFETY: the id is live and unanswered.
-            unsafe { rdma_reject(id.raw(), std::ptr::null(), 0) };
+            // SAFETY: the id is live (held until the end of this block) and unanswered.
+            unsafe { reject(id.raw(), reason) };
         }
     }
 }

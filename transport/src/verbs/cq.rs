@@ -41,6 +41,9 @@ pub(crate) struct Cq {
     cq: NonNull<ibv_cq>,
     channel: NonNull<ibv_comp_channel>,
     async_fd: OnceLock<AsyncFd<ChannelFd>>,
+    /// One registration at a time: a descriptor registers with a runtime once (a second
+    /// registration of the same one fails with EEXIST).
+    registering: Mutex<()>,
     unacked: AtomicU32,
     pub(crate) qps: Mutex<HashMap<u32, Weak<dyn OnQpError>>>,
 }
@@ -67,6 +70,7 @@ impl Cq {
             cq,
             channel,
             async_fd: OnceLock::new(),
+            registering: Mutex::new(()),
             unacked: AtomicU32::new(0),
             qps: Mutex::new(HashMap::new()),
         };
@@ -163,6 +167,10 @@ impl Cq {
         }
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(Error::NoRuntime);
+        }
+        let _registering = self.registering.lock();
+        if let Some(a) = self.async_fd.get() {
+            return Ok(a);
         }
         // SAFETY: the fd is the completion channel's, open until Drop, where the AsyncFd is
         // dropped first; ChannelFd always returns that same fd.

@@ -62,13 +62,24 @@ fn verbs_cq(cq: &CompletionQueue) -> Option<&super::Cq> {
 }
 
 impl Qp {
-    /// Takes ownership of a connected id (with its QP) and its own event channel.
+    /// Takes ownership of a connected id (with its QP) and its own event channel. `accepting`:
+    /// the id is a connect request not answered yet, which a failure here refuses with the
+    /// reason (before the id is destroyed).
     pub(super) fn new(
         id: NonNull<rdma_cm_id>,
         channel: NonNull<rdma_event_channel>,
         send_cq: &CompletionQueue,
         recv_cq: &CompletionQueue,
+        accepting: bool,
     ) -> Result<(Self, u32, std::sync::mpsc::Receiver<super::cm::Event>)> {
+        let refuse = |e: Error| {
+            if accepting {
+                let reason = crate::cm::reject_reason(&crate::cm::set_up_failed(&e));
+                // SAFETY: the id is live until `inner` drops, after this, and unanswered.
+                unsafe { super::cm::reject(id.as_ptr(), &reason) };
+            }
+            e
+        };
         let inner = Arc::new(QpInner {
             id,
             channel,
@@ -79,7 +90,10 @@ impl Qp {
         let mut wake = [-1; 2];
         // SAFETY: wake is a valid 2-element out-array.
         if unsafe { libc::pipe2(wake.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-            return Err(Error::io("creating the QP's wake pipe", io::Error::last_os_error()));
+            return Err(refuse(Error::io(
+                "creating the QP's wake pipe",
+                io::Error::last_os_error(),
+            )));
         }
         for cq in [send_cq, recv_cq] {
             if let Some(c) = verbs_cq(cq) {
@@ -93,7 +107,7 @@ impl Qp {
         let events = std::thread::Builder::new()
             .name(format!("rdma-cm-{qp_num:x}"))
             .spawn(move || event_loop(&ev_inner, wake_rd, &setup_tx))
-            .map_err(|e| Error::io("spawning the connection event thread", e))?;
+            .map_err(|e| refuse(Error::io("spawning the connection event thread", e)))?;
         Ok((
             Self {
                 inner,
