@@ -200,14 +200,39 @@ pub fn region_from(bytes: &[u8]) -> Result<RemoteRegion> {
     Ok(postcard::from_bytes(bytes).map_err(|e| format!("the peer's private data is not a region: {e}"))?)
 }
 
-/// p50 and p99 of `samples`, in microseconds.
-pub fn p50_p99(samples: &mut [Duration]) -> (f64, f64) {
-    if samples.is_empty() {
-        return (0.0, 0.0);
+/// Round-trip times kept in a histogram (1 ns to an hour, 3 significant digits) rather than a
+/// list, so a run of any length uses the same few tens of KiB.
+pub struct Latencies(hdrhistogram::Histogram<u64>);
+
+impl Latencies {
+    /// An empty record.
+    pub fn new() -> Result<Self> {
+        Ok(Self(hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000_000, 3)?))
     }
-    samples.sort();
-    let at = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize].as_secs_f64() * 1e6;
-    (at(0.50), at(0.99))
+
+    /// Records one time (longer than an hour counts as an hour).
+    pub fn record(&mut self, d: Duration) {
+        self.0
+            .saturating_record(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).max(1));
+    }
+
+    /// How many times were recorded.
+    pub fn len(&self) -> u64 {
+        self.0.len()
+    }
+
+    /// The `q` quantile (0.5 is the median) in microseconds; 0 when nothing was recorded.
+    pub fn quantile_us(&self, q: f64) -> f64 {
+        if self.0.is_empty() {
+            return 0.0;
+        }
+        self.0.value_at_quantile(q) as f64 / 1e3
+    }
+
+    /// p50 and p99 in microseconds.
+    pub fn p50_p99(&self) -> (f64, f64) {
+        (self.quantile_us(0.50), self.quantile_us(0.99))
+    }
 }
 
 /// FNV-1a 64 over `bytes`, continuing from `h` (start with [`FNV64`]).

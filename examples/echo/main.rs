@@ -14,7 +14,7 @@ mod common;
 mod service;
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use clap::Parser;
 use rdma_rpc::transport::Device;
@@ -90,18 +90,16 @@ async fn call(device: &Device, addr: SocketAddr, sizes: &[usize], iters: usize) 
     let mut total = 0;
     for &size in sizes {
         let data: Vec<u8> = (0..size).map(|i| (i * 7 + size) as u8).collect();
-        let mut times = Vec::with_capacity(iters);
+        let mut times = common::Latencies::new()?;
         for _ in 0..iters {
             let t = Instant::now();
             let back = echo.echo(Bulk::from(data.clone())).await?;
-            times.push(t.elapsed());
+            times.record(t.elapsed());
             if back[..] != data[..] {
                 return Err(format!("echo of {size} bytes came back different").into());
             }
         }
-        times.sort();
-        let median = times.get(times.len() / 2).copied().unwrap_or(Duration::ZERO);
-        println!("{size:>10} {iters:>8} {:>14.2}", median.as_secs_f64() * 1e6);
+        println!("{size:>10} {iters:>8} {:>14.2}", times.quantile_us(0.5));
         total += iters;
     }
     let greeting = echo.hello("echo client".into()).await?;

@@ -120,21 +120,21 @@ async fn bench(
         kv.put(key(i), value(i)).await??;
     }
     let mut reader = client::OneSided::connect(device, one_sided).await?;
-    let (mut rpc, mut direct) = (Vec::with_capacity(gets), Vec::with_capacity(gets));
+    let (mut rpc, mut direct) = (common::Latencies::new()?, common::Latencies::new()?);
     for n in 0..gets {
         let i = n * 7919 % keys;
         let t = Instant::now();
         let v = kv.get(key(i)).await?;
-        rpc.push(t.elapsed());
+        rpc.record(t.elapsed());
         let t = Instant::now();
         let w = reader.get(&key(i)).await?;
-        direct.push(t.elapsed());
+        direct.record(t.elapsed());
         if v.as_deref() != Some(&value(i)[..]) || w != v {
             return Err(format!("key {i}: RPC and one-sided GETs disagree with what was put").into());
         }
     }
-    let (r50, r99) = common::p50_p99(&mut rpc);
-    let (d50, d99) = common::p50_p99(&mut direct);
+    let (r50, r99) = rpc.p50_p99();
+    let (d50, d99) = direct.p50_p99();
     println!(
         "{keys} keys, {value_size} B values, {gets} GETs each, provider {}",
         device.provider()

@@ -120,7 +120,7 @@ async fn client(
         return Err("--id 0 is the free lock's value: give 1 or more".into());
     }
     let mut w = Words::connect(device, addr).await?;
-    let (mut acquire, mut faa, mut tries) = (Vec::new(), Vec::new(), 0u64);
+    let (mut acquire, mut faa, mut tries) = (common::Latencies::new()?, common::Latencies::new()?, 0u64);
     let mut tickets = Vec::with_capacity(increments as usize);
     for _ in 0..increments {
         if !unlocked {
@@ -134,7 +134,7 @@ async fn client(
                 std::thread::sleep(backoff.mul_f64(0.5 + fastrand_half(tries)));
                 backoff = (backoff * 2).min(Duration::from_millis(1));
             }
-            acquire.push(t.elapsed());
+            acquire.record(t.elapsed());
         }
         let n = w.read(COUNTER).await?;
         w.write(COUNTER, n + 1).await?;
@@ -146,7 +146,7 @@ async fn client(
         }
         let t = Instant::now();
         tickets.push(w.fetch_add(SEQUENCER, 1).await?);
-        faa.push(t.elapsed());
+        faa.record(t.elapsed());
     }
     if let Some(path) = tickets_out {
         let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
@@ -155,8 +155,8 @@ async fn client(
         }
         f.flush()?;
     }
-    let (a50, a99) = common::p50_p99(&mut acquire);
-    let (f50, f99) = common::p50_p99(&mut faa);
+    let (a50, a99) = acquire.p50_p99();
+    let (f50, f99) = faa.p50_p99();
     println!(
         "client {id}: {increments} increments, {tries} CAS attempts for {} acquisitions",
         acquire.len()

@@ -12,7 +12,7 @@ use rdma_rpc::transport::{
 };
 use rdma_rpc::{Bulk, Config};
 
-use crate::common::{self, fnv64, p50_p99, Peer, FNV64};
+use crate::common::{self, fnv64, Peer, FNV64};
 use crate::record::{self, END};
 use crate::sink::LogSinkClient;
 use crate::Offer;
@@ -77,12 +77,12 @@ pub async fn run(
 
     // The same append as an RPC, first (the backup's RPC side is then idle for the rest).
     let sink = LogSinkClient::connect(device, SocketAddr::new(backup.ip(), offer.rpc_port), Config::default()).await?;
-    let mut rpc_times = Vec::new();
+    let mut rpc_times = common::Latencies::new()?;
     for seq in 0..rpc_appends {
         let rec = record::encode(seq, 0, &record::payload(seq));
         let t = Instant::now();
         let n = sink.append(Bulk::from(rec)).await??;
-        rpc_times.push(t.elapsed());
+        rpc_times.record(t.elapsed());
         if n != seq + 1 {
             return Err(format!("RPC append {seq}: the backup counts {n}").into());
         }
@@ -100,7 +100,7 @@ pub async fn run(
     };
     let mut out = out.map(std::fs::File::create).transpose()?.map(std::io::BufWriter::new);
     let (mut bytes, mut digest, mut stalls) = (0u64, FNV64, 0u64);
-    let mut times = Vec::new();
+    let mut times = common::Latencies::new()?;
     let mut seq = 0u64;
     let started = Instant::now();
     loop {
@@ -142,7 +142,7 @@ pub async fn run(
             }
             on_credit(&mut peer, &mut w, c)?;
         }
-        times.push(t.elapsed());
+        times.record(t.elapsed());
         if last {
             break;
         }
@@ -168,8 +168,8 @@ pub async fn run(
         bytes as f64 / elapsed.as_secs_f64() / 1e6,
         w.ring.len >> 10
     );
-    let (w50, w99) = p50_p99(&mut times);
-    let (r50, r99) = p50_p99(&mut rpc_times);
+    let (w50, w99) = times.p50_p99();
+    let (r50, r99) = rpc_times.p50_p99();
     println!(
         "{:<28} {:>8} {:>10} {:>10}",
         "append (records 16..4111 B)", "#appends", "p50[usec]", "p99[usec]"
