@@ -965,7 +965,7 @@ async fn random_drops_never_expose_a_reused_buffer() {
                     THRESHOLD + (r % (300 << 10)) as usize
                 };
                 let call = c.call(CHECK, tagged(len, seed));
-                let wait = Duration::from_micros(r % span);
+                let wait = common::drop_wait(i, r, span);
                 match tokio::time::timeout(wait, call).await {
                     Ok(r) => {
                         assert_eq!(r.expect("call"), seed.to_le_bytes());

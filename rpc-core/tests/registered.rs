@@ -534,7 +534,7 @@ async fn dropped_calls_never_expose_a_lent_buffer_and_leak_nothing() {
                 };
                 fill(&mut b.bytes_mut(), caller << 32 | i);
                 let want = b.to_vec();
-                let wait = Duration::from_micros(r % span);
+                let wait = common::drop_wait(i, r, span);
                 match tokio::time::timeout(wait, c.call_buf(SLOW_SUM, b)).await {
                     Ok(r) => {
                         let (got, back) = r.expect("call_buf");
@@ -696,7 +696,7 @@ async fn dropped_small_buffer_calls_leak_nothing() {
                 let mut b = c.buffer(4096).expect("buffer");
                 fill(&mut b.bytes_mut(), caller << 32 | i);
                 let want = b.to_vec();
-                let wait = Duration::from_micros(r % span);
+                let wait = common::drop_wait(i, r, span);
                 match tokio::time::timeout(wait, c.call_buf_body(SLOW_SUM, b)).await {
                     Ok(r) => {
                         let (got, back) = r.expect("call_buf_body");
