@@ -97,6 +97,10 @@ pub(crate) struct Conn {
     next_read: u64,
     /// Largest single RDMA message on this device: longer transfers go in pieces.
     chunk: usize,
+    /// Pieces of Reads and Writes posted and not completed, and how many the send queue
+    /// takes beside its Sends ([`rdma_room`]).
+    rdma_posted: usize,
+    rdma_room: usize,
     backlog: VecDeque<Transmit>,
     scratch: Vec<Completion>,
     /// Sends posted without a completion since the last signaled one.
@@ -163,6 +167,7 @@ impl Conn {
         let max_inline = qp.caps().max_inline_data as usize;
         let yield_cpu = qp.pd().device().caps().progress_threads;
         let chunk = qp.pd().device().caps().max_msg_size.clamp(4096, 1 << 30) as usize;
+        let room = rdma_room(qp.caps().max_send_wr, ring);
         Ok(Self {
             session,
             stash: Stash::new(pd, isolation),
@@ -175,6 +180,8 @@ impl Conn {
             writes: HashMap::default(),
             next_read: 0,
             chunk,
+            rdma_posted: 0,
+            rdma_room: room,
             backlog: VecDeque::new(),
             scratch: Vec::with_capacity(64),
             unsignaled: 0,
@@ -340,6 +347,9 @@ impl Conn {
             if let Some(mr) = c.buf.take() {
                 self.placed_back(c.wr_id & ID_MASK, mr);
             }
+        }
+        if matches!(c.wr_id & !ID_MASK, READ | WRITE) {
+            self.rdma_posted = self.rdma_posted.saturating_sub(1);
         }
         if !c.status.is_success() {
             self.lose(failed(c.status));
@@ -565,6 +575,9 @@ impl Conn {
             }
             Transmit::Read { token, remote } => {
                 let len = remote.len as usize;
+                if !self.rdma_fits(len) {
+                    return Err(Transmit::Read { token, remote });
+                }
                 // Into a vector of its own where that is cheap, unless the handler takes the
                 // request in registered memory.
                 let target = if self.session.reads_in_place(token) {
@@ -596,6 +609,9 @@ impl Conn {
                 return self.post_all(wrs);
             }
             Transmit::WriteImm { buf, len, remote, imm } => {
+                if !self.rdma_fits(LANDING_PREFIX + len) {
+                    return Err(Transmit::WriteImm { buf, len, remote, imm });
+                }
                 let Some(mr) = self.stash.take_out(buf) else {
                     return Ok(());
                 };
@@ -669,12 +685,30 @@ impl Conn {
         (wrs, job)
     }
 
+    /// Whether a Read or Write of `len` bytes may be posted now: its pieces fit the send
+    /// queue's room beside the Sends, or nothing else is in flight (then a completion of its
+    /// own frees the room for what waits behind it).
+    fn rdma_fits(&self, len: usize) -> bool {
+        let pieces = len.div_ceil(self.chunk).max(1);
+        self.rdma_posted == 0 || self.rdma_posted + pieces <= self.rdma_room
+    }
+
     fn post_all(&mut self, wrs: Vec<SendWr>) -> Result<(), Transmit> {
+        self.rdma_posted += wrs.len();
         if let Err(e) = self.qp.post_send_batch(wrs) {
             self.lose(format!("posting: {}", e.error));
         }
         Ok(())
     }
+}
+
+/// Pieces of Reads and Writes a send queue of `depth` takes at once beside its Sends: a Send
+/// holds a send buffer (`ring + 8` of them) or a credit (`ring`), so at most about `2 * ring`
+/// are outstanding, and [`qp_caps`](crate::client::qp_caps) makes the queue 64 deeper than
+/// that. Transfers beyond wait, in order, for earlier ones to complete: posted, they would
+/// overflow the queue and lose the connection.
+fn rdma_room(depth: u32, ring: usize) -> usize {
+    (depth as usize).saturating_sub(2 * ring).max(1)
 }
 
 /// An RDMA Read or Write in flight, possibly in several pieces.

@@ -359,6 +359,7 @@ async fn serve_connection(
         config.max_concurrent_requests as usize,
         config.max_request_bytes_in_flight,
     );
+    session.limit_reading(config.max_request_bytes_reading);
     let mut conn = Conn::new(session, &pd, qp, cq, (slot, config.ring), config.isolation)?;
     conn.link = link;
     let role = ServerRole {

@@ -304,6 +304,41 @@ async fn sixty_four_callers_a_thousand_calls_each() {
     }
 }
 
+/// More rendezvous transfers at once than a send queue holds (192 work requests with the
+/// default ring): sixteen callers start sixty 1 MiB calls each and drop each soon after, so the server
+/// is told of new requests while the Reads of dropped ones still run, with a read limit that
+/// lets it post them all. Those beyond the queue's room wait their turn, and the connection
+/// lives on (it was lost with "send queue full" when every Read given was posted at once; on
+/// tcp, with the driver's check taken out, this test failed in about one run of four).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_rendezvous_transfers_than_the_send_queue_holds_wait_their_turn() {
+    let cfg = Config {
+        max_request_bytes_reading: 1 << 30,
+        ..config()
+    };
+    let (client, probe) = start(cfg).await;
+    let len = 1 << 20;
+    let callers = (0..16u64).map(|caller| {
+        let c = client.clone();
+        let body = tagged(len, caller);
+        async move {
+            for _ in 0..60 {
+                let call = c.call(CHECK, body.clone());
+                // Most are dropped; one that finishes must be right.
+                if let Ok(r) = tokio::time::timeout(Duration::from_micros(100), call).await {
+                    assert_eq!(r.expect("a call that finished"), caller.to_le_bytes());
+                }
+            }
+        }
+    });
+    bounded(spawn_all(callers)).await;
+    assert_eq!(probe.corrupt.load(Ordering::SeqCst), 0);
+    let got = bounded(client.call(CHECK, tagged(len, 7)))
+        .await
+        .expect("the connection lives on");
+    assert_eq!(got, 7u64.to_le_bytes());
+}
+
 /// Concurrent callers in each completion mode: in event mode every call sleeps and the
 /// connection's task must watch the CQ for all of them; in spin mode none sleeps; the default
 /// (adaptive) mixes both. A lost wake-up hangs a caller (and fails `bounded`); the one found
@@ -639,6 +674,13 @@ async fn configurations_outside_the_protocol_are_refused_naming_the_field() {
             "Config::max_request_bytes_in_flight",
             Config {
                 max_request_bytes_in_flight: 0,
+                ..d()
+            },
+        ),
+        (
+            "Config::max_request_bytes_reading",
+            Config {
+                max_request_bytes_reading: 0,
                 ..d()
             },
         ),

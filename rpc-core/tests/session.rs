@@ -1150,6 +1150,7 @@ proptest! {
         let (limited, max_requests, max_bytes) = limits;
         if limited > 0 {
             b.s.limit_serving(max_requests, max_bytes);
+            b.s.limit_reading(max_bytes / 2 + 1);
         }
         if limited == 1 {
             a.s.limit_calls(max_requests);
@@ -1187,6 +1188,7 @@ proptest! {
             if limited > 0 {
                 prop_assert!(b.s.unanswered() <= max_requests, "{} requests unanswered, limit {}", b.s.unanswered(), max_requests);
                 prop_assert!(b.s.held_request_bytes() <= max_bytes.max(400), "{} request bytes held, limit {}", b.s.held_request_bytes(), max_bytes);
+                prop_assert!(b.s.reading_request_bytes() <= (max_bytes / 2 + 1).max(400), "{} request bytes being read, limit {}", b.s.reading_request_bytes(), max_bytes / 2 + 1);
             }
         }
         settle(&mut a, &mut b, now, resp_for);
@@ -1209,7 +1211,7 @@ proptest! {
         prop_assert!(b.reading.is_empty(), "server read buffers neither handed out nor released: {:?}", b.reading);
         prop_assert_eq!(a.s.pending_calls(), 0);
         prop_assert_eq!(b.s.serving(), 0);
-        prop_assert_eq!((b.s.unanswered(), b.s.held_request_bytes(), a.s.held_back_calls()), (0, 0, 0));
+        prop_assert_eq!((b.s.unanswered(), b.s.held_request_bytes(), b.s.reading_request_bytes(), a.s.held_back_calls()), (0, 0, 0, 0));
         prop_assert!(a.slots.is_empty() && b.slots.is_empty(), "receive slots still held");
         prop_assert!(a.sending.is_empty() && b.sending.is_empty(), "placed buffers neither sent nor released");
     }
@@ -1831,5 +1833,66 @@ proptest! {
             prop_assert_eq!(reply_bytes(&a, &r), expected_response(len, len));
         }
         prop_assert_eq!((a.s.pending_calls(), a.s.held_back_calls(), a.rnr, b.rnr), (0, 0, 0, 0));
+    }
+}
+
+/// Moves messages both ways and delivers them, without running any RDMA operation.
+fn talk(a: &mut Side, b: &mut Side, now: Instant) {
+    for _ in 0..64 {
+        pump(a, b);
+        pump(b, a);
+        deliver(b, now).expect("server accepts");
+        deliver(a, now).expect("client accepts");
+        a.drain_events();
+        b.drain_events();
+    }
+}
+
+#[test]
+fn reads_beyond_the_read_limit_wait_and_a_cancel_answers_them_at_once() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    b.s.limit_reading(600);
+    let ids: Vec<u32> = (0..5).map(|_| a.call(300, None, None, now)).collect();
+    talk(&mut a, &mut b, now);
+    assert_eq!(b.rdma.len(), 2, "two 300-byte Reads fit 600 bytes, three do not");
+    assert_eq!(b.s.reading_request_bytes(), 600);
+    assert_eq!(b.s.unanswered(), 5, "the three waiting count as requests");
+    // A cancel answers a request that waits at once: its buffer comes back unread.
+    a.s.cancel(ids[4]);
+    talk(&mut a, &mut b, now);
+    assert_eq!(a.lent.len(), 4, "the waiting request's buffer came back");
+    assert_eq!(b.s.unanswered(), 4);
+    // One being read is answered only once the Read is done: its memory is still read.
+    a.s.cancel(ids[0]);
+    talk(&mut a, &mut b, now);
+    assert_eq!(a.lent.len(), 4, "a request being read keeps its buffer lent");
+    run_rdma(&mut b, &mut a, now);
+    talk(&mut a, &mut b, now);
+    assert_eq!(b.rdma.len(), 2, "the finished Read let the next one go, no more");
+    assert_eq!(b.s.reading_request_bytes(), 600);
+    settle(&mut a, &mut b, now, |n| n);
+    for &id in &ids[1..4] {
+        let r = a.done.remove(&id).expect("answered").expect("ok");
+        assert_eq!(reply_bytes(&a, &r), expected_response(300, 300));
+    }
+    assert!(a.done.is_empty(), "the cancelled calls report nothing");
+    assert!(!b.ran.contains(&ids[0]) && !b.ran.contains(&ids[4]));
+    assert!(a.lent.is_empty());
+    assert_eq!((b.s.unanswered(), b.s.reading_request_bytes()), (0, 0));
+}
+
+#[test]
+fn one_read_alone_goes_whatever_the_read_limit() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    b.s.limit_reading(1);
+    let ids = [a.call(900, None, None, now), a.call(300, None, None, now)];
+    talk(&mut a, &mut b, now);
+    assert_eq!(b.rdma.len(), 1, "the first alone, the second after it");
+    settle(&mut a, &mut b, now, |n| n);
+    for (id, len) in [(ids[0], 900), (ids[1], 300)] {
+        let r = a.done.remove(&id).expect("answered").expect("ok");
+        assert_eq!(reply_bytes(&a, &r), expected_response(len, len));
     }
 }

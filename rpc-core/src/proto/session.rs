@@ -431,6 +431,10 @@ pub struct Session {
     /// Served requests not answered yet ([`Serving::is_active`]), and the bytes they hold.
     active: usize,
     held_bytes: u64,
+    /// Bytes of rendezvous request bodies whose Reads are posted and not done, and how many
+    /// may be at once ([`Session::limit_reading`]).
+    reading_bytes: u64,
+    read_limit: u64,
     /// Rendezvous requests waiting for bytes, in arrival order.
     deferred: VecDeque<u32>,
     /// Calls of ours the peer serves at once ([`Session::limit_calls`]); calls beyond wait
@@ -493,6 +497,8 @@ impl Session {
             byte_limit: u64::MAX,
             active: 0,
             held_bytes: 0,
+            reading_bytes: 0,
+            read_limit: u64::MAX,
             deferred: VecDeque::new(),
             call_limit: usize::MAX,
             held_back: VecDeque::new(),
@@ -512,6 +518,16 @@ impl Session {
     pub fn limit_serving(&mut self, requests: usize, bytes: u64) {
         self.serve_limit = requests;
         self.byte_limit = bytes;
+    }
+
+    /// Bounds the bytes of rendezvous request bodies this side reads at once (no bound by
+    /// default), within those [`Session::limit_serving`] lets it hold. A Read cannot be called
+    /// back once posted: a request cancelled while its body is being read is answered only when
+    /// the Read ends, and Reads posted for many requests keep the link busy for all of them
+    /// before anything behind. A request beyond waits its turn, unread, where a Cancel answers
+    /// it at once. One alone is always read.
+    pub fn limit_reading(&mut self, bytes: u64) {
+        self.read_limit = bytes;
     }
 
     /// Bounds how many calls of ours are sent and not answered at once: the peer's
@@ -555,6 +571,11 @@ impl Session {
     /// Bytes of rendezvous request bodies being read or run ([`Session::limit_serving`]).
     pub fn held_request_bytes(&self) -> u64 {
         self.held_bytes
+    }
+
+    /// Bytes of rendezvous request bodies being read ([`Session::limit_reading`]).
+    pub fn reading_request_bytes(&self) -> u64 {
+        self.reading_bytes
     }
 
     /// How many calls of ours are sent at once ([`Session::limit_calls`]); `None` without a limit.
@@ -990,6 +1011,7 @@ impl Session {
             self.active += 1;
             if self.deferred.is_empty() && self.bytes_fit(desc.len) {
                 self.held_bytes += desc.len;
+                self.reading_bytes += desc.len;
                 sc.bytes = desc.len;
                 sc.state = Serving::Reading;
                 self.served.insert(call, sc);
@@ -1034,10 +1056,18 @@ impl Session {
         Ok(())
     }
 
-    /// Whether a rendezvous body of `len` bytes may be read now: within the byte limit, or
-    /// alone.
+    /// Whether a rendezvous body of `len` bytes may be read now: within the bytes held and the
+    /// bytes being read, or alone in each.
     fn bytes_fit(&self, len: u64) -> bool {
-        self.held_bytes == 0 || self.held_bytes.saturating_add(len) <= self.byte_limit
+        let held = self.held_bytes == 0 || self.held_bytes.saturating_add(len) <= self.byte_limit;
+        let read = self.reading_bytes == 0 || self.reading_bytes.saturating_add(len) <= self.read_limit;
+        held && read
+    }
+
+    /// A request's body is no longer being read (`bytes` of it): those waiting may be.
+    fn read_ended(&mut self, bytes: u64) {
+        self.reading_bytes = self.reading_bytes.saturating_sub(bytes);
+        self.read_deferred();
     }
 
     /// Served request `call` is answered (or dropped): it no longer counts against the limits,
@@ -1045,6 +1075,9 @@ impl Session {
     #[inline]
     fn unserve(&mut self, call: u32) {
         let Some(sc) = self.served.remove(call) else { return };
+        if matches!(sc.state, Serving::Reading) {
+            self.reading_bytes = self.reading_bytes.saturating_sub(sc.bytes);
+        }
         if sc.state.is_active() {
             self.settle(sc.bytes);
         }
@@ -1077,6 +1110,7 @@ impl Session {
             }
             self.deferred.pop_front();
             self.held_bytes += desc.len;
+            self.reading_bytes += desc.len;
             if let Some(sc) = self.served.get_mut(call) {
                 sc.bytes = desc.len;
                 sc.state = Serving::Reading;
@@ -1449,7 +1483,11 @@ impl Session {
     fn request_fetched(&mut self, call: u32, result: Result<RequestBody, RpcError>, now: Instant) {
         let Some(sc) = self.served.get_mut(call) else { return };
         let (cancelled, method) = (sc.cancelled, sc.method);
-        sc.state = Serving::Running;
+        let was_read = std::mem::replace(&mut sc.state, Serving::Running);
+        if matches!(was_read, Serving::Reading) {
+            let bytes = sc.bytes;
+            self.read_ended(bytes);
+        }
         match result {
             _ if cancelled => self.reply_error(call, &RpcError::Cancelled),
             Err(e) => self.reply_error(call, &RpcError::Internal(format!("fetching the request: {e}"))),
@@ -1619,6 +1657,7 @@ impl Session {
         self.deferred.clear();
         self.active = 0;
         self.held_bytes = 0;
+        self.reading_bytes = 0;
     }
 
     /// True once the connection was declared lost.
