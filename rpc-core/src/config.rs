@@ -160,7 +160,9 @@ pub struct Config {
     /// answered. The server tells its clients when they connect, and a
     /// [`Client`](crate::Client) holds an eager request that would go beyond back, unsent,
     /// likewise (the server cannot leave a Send's bytes unread). One alone always goes, so a
-    /// request up to [`max_payload`](Config::max_payload) is served whatever this limit.
+    /// request up to [`max_payload`](Config::max_payload) is served whatever this limit. Of
+    /// these bytes, [`max_request_bytes_reading`](Config::max_request_bytes_reading) bounds
+    /// those being read at once.
     pub max_request_bytes_in_flight: u64,
     /// Server side: bytes of rendezvous request bodies one connection has the server read
     /// at once (RDMA Reads posted and not done), at least 1; 8 MiB by default. A Read cannot

@@ -227,7 +227,7 @@ impl ConnectRequest {
                 let side = match crate::shm::side(opts) {
                     Ok(s) => s,
                     Err(e) => {
-                        r.reject(&reject_reason(&set_up_failed(&e)));
+                        r.reject(&set_up_reason(&e));
                         return Err(e);
                     }
                 };
@@ -235,7 +235,7 @@ impl ConnectRequest {
                 match crate::shm::start(j.link, j.peer, j.own_rq, opts) {
                     Ok((qp, num)) => (QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), Pending::Shm(p)),
                     Err(e) => {
-                        p.refuse(&reject_reason(&set_up_failed(&e)));
+                        p.refuse(&set_up_reason(&e));
                         return Err(e);
                     }
                 }
@@ -247,7 +247,7 @@ impl ConnectRequest {
             }
         };
         if let Err(e) = qp.post_recv_batch(recvs) {
-            pending.refuse(&reject_reason(&set_up_failed(&e.error)));
+            pending.refuse(&set_up_reason(&e.error));
             return Err(e.error);
         }
         pending.finish(private_data)?;
@@ -306,6 +306,11 @@ pub(crate) fn set_up_failed(e: &Error) -> String {
     format!("its set-up failed: {e}")
 }
 
+/// [`set_up_failed`]'s reason as the bytes a refusal carries ([`reject_reason`]).
+pub(crate) fn set_up_reason(e: &Error) -> Vec<u8> {
+    reject_reason(&set_up_failed(e))
+}
+
 impl Pending {
     /// Refuses the peer instead of finishing (this side's set-up failed after all).
     fn refuse(self, reason: &[u8]) {
@@ -331,8 +336,10 @@ impl Pending {
 /// Returns the QP and the private data of the peer's accept.
 ///
 /// # Errors
-/// [`Error::Rejected`], [`Error::Timeout`], [`Error::PrivateDataTooLong`], invalid options,
-/// provider errors (address or route resolution on verbs).
+/// [`Error::Rejected`] when the listener refused without a reason, [`Error::RejectedWith`] when
+/// it said why (a server whose own set-up of the connection failed says what failed),
+/// [`Error::Timeout`], [`Error::PrivateDataTooLong`], invalid options, provider errors
+/// (address or route resolution on verbs).
 pub fn connect(
     addr: impl ToSocketAddrs,
     opts: &QpOptions,

@@ -200,7 +200,7 @@ fn handshake(stream: UnixStream) -> Result<Request> {
         // Out of descriptors for the peer's (this process at its limit of open files): the
         // peer is told so, not left to see the socket close.
         if matches!(&e, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::InvalidData) {
-            refuse(&stream, &crate::cm::reject_reason(&crate::cm::set_up_failed(&e)));
+            refuse(&stream, &crate::cm::set_up_reason(&e));
         }
         e
     })?;
@@ -250,14 +250,14 @@ impl Request {
             Ok(r) => r,
             Err(e) => {
                 let e = Error::io("cloning the socket", e);
-                refuse(&self.stream, &crate::cm::reject_reason(&crate::cm::set_up_failed(&e)));
+                refuse(&self.stream, &crate::cm::set_up_reason(&e));
                 return Err(e);
             }
         };
         match side.join(self.stream, self.fds) {
             Ok(joined) => Ok((joined, Pending::Reply { stream: reply, side })),
             Err(e) => {
-                refuse(&reply, &crate::cm::reject_reason(&crate::cm::set_up_failed(&e)));
+                refuse(&reply, &crate::cm::set_up_reason(&e));
                 Err(e)
             }
         }

@@ -149,14 +149,14 @@ impl Request {
             Ok(r) => r,
             Err(e) => {
                 let e = Error::io("cloning the socket", e);
-                refuse(&self.stream, &crate::cm::reject_reason(&crate::cm::set_up_failed(&e)));
+                refuse(&self.stream, &crate::cm::set_up_reason(&e));
                 return Err(e);
             }
         };
         match start(self.stream, opts, qp_num) {
             Ok((qp, n)) => Ok((qp, n, Pending::Reply(reply))),
             Err(e) => {
-                refuse(&reply, &crate::cm::reject_reason(&crate::cm::set_up_failed(&e)));
+                refuse(&reply, &crate::cm::set_up_reason(&e));
                 Err(e)
             }
         }

@@ -516,7 +516,7 @@ impl Listener {
                 Ok(ch) => ch,
                 Err(e) => {
                     // SAFETY: the child id is live (dropped after this) and unanswered.
-                    unsafe { reject(child.raw(), &crate::cm::reject_reason(&crate::cm::set_up_failed(&e))) };
+                    unsafe { reject(child.raw(), &crate::cm::set_up_reason(&e)) };
                     return Err(e);
                 }
             };
@@ -556,12 +556,12 @@ impl Request {
     pub(crate) fn accept(mut self, opts: &QpOptions) -> Result<(Qp, u32, Pending)> {
         let crate::device::DeviceImpl::Verbs(ctx) = &opts.pd.device().inner.imp else {
             let e = Error::InvalidArgument("a verbs QP needs a verbs device".into());
-            self.reject(&crate::cm::reject_reason(&crate::cm::set_up_failed(&e)));
+            self.reject(&crate::cm::set_up_reason(&e));
             return Err(e);
         };
         if let Some(id) = &self.id {
             if let Err(e) = id.check_device(ctx).and_then(|()| create_qp(id, opts)) {
-                self.reject(&crate::cm::reject_reason(&crate::cm::set_up_failed(&e)));
+                self.reject(&crate::cm::set_up_reason(&e));
                 return Err(e);
             }
         }

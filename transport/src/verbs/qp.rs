@@ -74,7 +74,7 @@ impl Qp {
     ) -> Result<(Self, u32, std::sync::mpsc::Receiver<super::cm::Event>)> {
         let refuse = |e: Error| {
             if accepting {
-                let reason = crate::cm::reject_reason(&crate::cm::set_up_failed(&e));
+                let reason = crate::cm::set_up_reason(&e);
                 // SAFETY: the id is live until `inner` drops, after this, and unanswered.
                 unsafe { super::cm::reject(id.as_ptr(), &reason) };
             }
