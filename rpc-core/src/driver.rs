@@ -101,6 +101,9 @@ pub(crate) struct Conn {
     /// takes beside its Sends ([`rdma_room`]).
     rdma_posted: usize,
     rdma_room: usize,
+    /// Pieces of a started Read or Write not posted yet: one transfer of more pieces than
+    /// the room goes in turns.
+    rdma_waiting: VecDeque<SendWr>,
     backlog: VecDeque<Transmit>,
     scratch: Vec<Completion>,
     /// Sends posted without a completion since the last signaled one.
@@ -182,6 +185,7 @@ impl Conn {
             chunk,
             rdma_posted: 0,
             rdma_room: room,
+            rdma_waiting: VecDeque::new(),
             backlog: VecDeque::new(),
             scratch: Vec::with_capacity(64),
             unsignaled: 0,
@@ -273,7 +277,10 @@ impl Conn {
     /// True once this side's Close went out and every Send is complete
     /// ([`Session::go_away`]): nothing is left to deliver, and the connection may close.
     pub(crate) fn closed(&self) -> bool {
-        self.session.is_closed() && self.backlog.is_empty() && self.qp.outstanding_sends() == 0
+        self.session.is_closed()
+            && self.backlog.is_empty()
+            && self.rdma_waiting.is_empty()
+            && self.qp.outstanding_sends() == 0
     }
 
     /// Why the connection was lost, once it is.
@@ -485,6 +492,9 @@ impl Conn {
         let mut any = false;
         let mut bytes = 0;
         self.cut_short = false;
+        if !self.rdma_waiting.is_empty() {
+            any = self.post_waiting();
+        }
         loop {
             if bytes >= FLUSH_BYTES {
                 self.cut_short = true;
@@ -690,15 +700,37 @@ impl Conn {
     /// own frees the room for what waits behind it).
     fn rdma_fits(&self, len: usize) -> bool {
         let pieces = len.div_ceil(self.chunk).max(1);
-        self.rdma_posted == 0 || self.rdma_posted + pieces <= self.rdma_room
+        self.rdma_waiting.is_empty() && (self.rdma_posted == 0 || self.rdma_posted + pieces <= self.rdma_room)
     }
 
+    /// Posts the pieces of a transfer, as many as the room takes now; the rest go as earlier
+    /// pieces complete ([`Conn::post_waiting`]).
     fn post_all(&mut self, wrs: Vec<SendWr>) -> Result<(), Transmit> {
-        self.rdma_posted += wrs.len();
-        if let Err(e) = self.qp.post_send_batch(wrs) {
+        self.rdma_waiting.extend(wrs);
+        self.post_waiting();
+        Ok(())
+    }
+
+    /// Posts waiting pieces of a transfer within the room; true when it posted any.
+    fn post_waiting(&mut self) -> bool {
+        if self.lost.is_some() {
+            // Never posted: their buffers go with the connection, as flushed pieces' do.
+            self.rdma_waiting.clear();
+            return false;
+        }
+        let n = self
+            .rdma_room
+            .saturating_sub(self.rdma_posted)
+            .min(self.rdma_waiting.len());
+        if n == 0 {
+            return false;
+        }
+        let batch: Vec<SendWr> = self.rdma_waiting.drain(..n).collect();
+        self.rdma_posted += n;
+        if let Err(e) = self.qp.post_send_batch(batch) {
             self.lose(format!("posting: {}", e.error));
         }
-        Ok(())
+        true
     }
 }
 
@@ -929,11 +961,57 @@ mod tests {
     use crate::proto::{Header, Payload, SessionConfig, FRAGMENT};
     use rdma_rpc_transport::{Device, Listener, QpOptions};
 
+    /// A connection over the tcp provider, its peer a raw QP on ring `peer_recvs` whose CQ is
+    /// returned: `(conn's pd, conn's qp, conn's cq, peer's qp, peer's pd, peer's cq)`. The
+    /// connection's send queue is as deep as a client's or a server's ([`qp_caps`]).
+    ///
+    /// [`qp_caps`]: crate::client::qp_caps
+    fn raw_pair(
+        cfg: &SessionConfig,
+    ) -> (
+        ProtectionDomain,
+        QueuePair,
+        CompletionQueue,
+        QueuePair,
+        ProtectionDomain,
+        CompletionQueue,
+    ) {
+        let dev = Device::open("tcp").expect("the tcp provider");
+        let slot = cfg.slot_size();
+        let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(1024).expect("cq"));
+        let (ppd, pcq) = (dev.alloc_pd().expect("pd"), dev.create_cq(1024).expect("cq"));
+        let listener = Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let peer_recvs = Conn::ring(&ppd, cfg.ring, slot).expect("the peer's ring");
+        let popts = QpOptions::new(&ppd, &pcq);
+        let peer = std::thread::spawn(move || {
+            let req = listener.accept(Some(Duration::from_secs(30))).expect("accept");
+            req.accept_with_recvs(&popts, b"", peer_recvs).expect("the peer's qp")
+        });
+        let recvs = Conn::ring(&pd, cfg.ring, slot).expect("our ring");
+        let caps = crate::client::qp_caps(
+            &dev,
+            &crate::Config {
+                ring: cfg.ring,
+                ..crate::Config::default()
+            },
+        );
+        let (qp, _) = rdma_rpc_transport::connect_with_recvs(
+            addr,
+            &QpOptions::new(&pd, &cq).caps(caps),
+            b"",
+            Duration::from_secs(30),
+            recvs,
+        )
+        .expect("connect");
+        let peer_qp = peer.join().expect("the peer's thread");
+        (pd, qp, cq, peer_qp, ppd, pcq)
+    }
+
     /// The order a short call and the pieces of a long eager one leave a connection in, when
     /// the short call is made after the first flush: its place among the long one's pieces
     /// (0 = before the first), as the peer receives them. A raw QP stands in for the peer.
     fn short_call_place(pieces: usize) -> usize {
-        let dev = Device::open("tcp").expect("the tcp provider");
         let cfg = SessionConfig {
             ring: 16,
             eager_max: 1 << 20,
@@ -941,26 +1019,7 @@ mod tests {
             max_payload: 1 << 20,
         };
         let slot = cfg.slot_size();
-        let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(64).expect("cq"));
-        let (ppd, pcq) = (dev.alloc_pd().expect("pd"), dev.create_cq(64).expect("cq"));
-        let listener = Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let peer_recvs = Conn::ring(&ppd, 16, slot).expect("the peer's ring");
-        let popts = QpOptions::new(&ppd, &pcq);
-        let peer = std::thread::spawn(move || {
-            let req = listener.accept(Some(Duration::from_secs(30))).expect("accept");
-            req.accept_with_recvs(&popts, b"", peer_recvs).expect("the peer's qp")
-        });
-        let recvs = Conn::ring(&pd, 16, slot).expect("our ring");
-        let (qp, _) = rdma_rpc_transport::connect_with_recvs(
-            addr,
-            &QpOptions::new(&pd, &cq),
-            b"",
-            Duration::from_secs(30),
-            recvs,
-        )
-        .expect("connect");
-        let peer_qp = peer.join().expect("the peer's thread");
+        let (pd, qp, cq, peer_qp, _ppd, pcq) = raw_pair(&cfg);
         let mut session = Session::new(cfg);
         session.interleave(true);
         let mut conn = Conn::new(session, &pd, qp, cq, (slot, 16), crate::Isolation::Connection).expect("conn");
@@ -1006,6 +1065,132 @@ mod tests {
         // piece (`FLUSH_BYTES`), so the short call goes right after the second.
         let place = short_call_place(6);
         assert!(place <= 2, "the short request left after {place} of 6 pieces");
+    }
+
+    /// A server connection told of `n` rendezvous requests of `len` bytes in one go, its
+    /// device's largest RDMA message `chunk` bytes (so each Read goes in `len / chunk`
+    /// pieces): the requests' bodies as it read them, and the most Read pieces it had posted
+    /// at once, or why the connection was lost. A raw QP and a session stand in for the caller.
+    fn read_many(n: usize, len: usize, chunk: usize) -> Result<(Vec<Vec<u8>>, usize), String> {
+        let cfg = SessionConfig {
+            ring: 16,
+            eager_max: 1024,
+            fragment: FRAGMENT,
+            max_payload: 1 << 20,
+        };
+        // The first credits: the ring less the one a side keeps for a Credit message.
+        assert!(n < cfg.ring as usize, "requests sent on the first credits");
+        let slot = cfg.slot_size();
+        let (pd, qp, cq, peer_qp, ppd, pcq) = raw_pair(&cfg);
+        let mut conn = Conn::new(
+            Session::new(cfg.clone()),
+            &pd,
+            qp,
+            cq,
+            (slot, 16),
+            crate::Isolation::Connection,
+        )
+        .expect("conn");
+        conn.chunk = chunk;
+        // The caller: `n` bodies in one registration its peer may read, and their requests.
+        let bodies: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8 + 1; len]).collect();
+        let lent = ppd
+            .register_vec(
+                bodies.concat(),
+                rdma_rpc_transport::AccessFlags::LOCAL_WRITE | rdma_rpc_transport::AccessFlags::REMOTE_READ,
+            )
+            .expect("the bodies' registration");
+        let whole = lent.remote();
+        let mut caller = Session::new(cfg);
+        for i in 0..n {
+            let desc = rdma_rpc_transport::RemoteRegion {
+                addr: whole.addr + (i * len) as u64,
+                len: len as u64,
+                rkey: whole.rkey,
+            };
+            caller
+                .start_call(7, Payload::Lent { desc, buf: i as BufId }, None, None, Instant::now())
+                .expect("a rendezvous call");
+        }
+        let mut sent = 0;
+        while let Some(t) = caller.poll_transmit() {
+            let Transmit::Send(m) = t else { continue };
+            let mr = ppd
+                .register_vec(m.to_vec(), rdma_rpc_transport::AccessFlags::LOCAL_WRITE)
+                .expect("a request's registration");
+            peer_qp
+                .post_send(SendWr::send(sent, mr).len(m.len()))
+                .expect("a request's Send");
+            sent += 1;
+        }
+        assert_eq!(sent, n as u64, "one Send per request");
+        // All of them arrive before the server posts anything, as when requests come faster
+        // than Reads end.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while conn.session.serving() < n {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {n} requests came",
+                conn.session.serving()
+            );
+            conn.poll_cq();
+        }
+        let (mut got, mut most) = (vec![Vec::new(); n], 0);
+        let mut read = 0;
+        let mut out = Vec::new();
+        while read < n {
+            assert!(Instant::now() < deadline, "{read} of {n} requests were read");
+            conn.progress();
+            most = most.max(conn.rdma_posted);
+            if let Some(why) = conn.lost() {
+                return Err(why.to_owned());
+            }
+            while let Some(ev) = conn.session.poll_event() {
+                if let Event::Request {
+                    call,
+                    payload: crate::proto::RequestBody::Held { buf, len },
+                    ..
+                } = ev
+                {
+                    got[call as usize - 1] = conn.take_bytes(buf, len);
+                    read += 1;
+                }
+            }
+            // The caller's side: its send completions and any credits (nothing to do with them).
+            pcq.poll(&mut out, 64).expect("the caller's CQ");
+            out.clear();
+        }
+        drop(peer_qp);
+        Ok((got, most))
+    }
+
+    #[test]
+    fn reads_beyond_the_send_queues_room_wait_for_it_instead_of_overflowing_it() {
+        // Fifteen requests of 64 KiB in 4 KiB pieces: 240 Read work requests, against a send
+        // queue of 2 x 16 + 64 = 96 (the room beside the Sends: 64). Posted at once, they
+        // overflowed it and lost the connection ("send queue full").
+        let (got, most) = read_many(15, 64 << 10, 4096).expect("the connection stays up");
+        assert!(most <= 64, "{most} Read pieces posted at once, beyond the room of 64");
+        assert!(most >= 32, "only {most} pieces at once: the room goes unused");
+        for (i, body) in got.iter().enumerate() {
+            assert!(
+                body.len() == 64 << 10 && body.iter().all(|&b| b == i as u8 + 1),
+                "request {} read wrong ({} bytes)",
+                i + 1,
+                body.len()
+            );
+        }
+    }
+
+    #[test]
+    fn one_read_of_more_pieces_than_the_room_goes_in_turns() {
+        // 512 KiB in 4 KiB pieces: 128 Read work requests, more than the whole queue of 96.
+        let (got, most) = read_many(1, 512 << 10, 4096).expect("the connection stays up");
+        assert!(most <= 64, "{most} Read pieces posted at once, beyond the room of 64");
+        assert!(
+            got[0].len() == 512 << 10 && got[0].iter().all(|&b| b == 1),
+            "read wrong"
+        );
     }
 
     #[test]
