@@ -309,7 +309,9 @@ async fn sixty_four_callers_a_thousand_calls_each() {
 /// is told of new requests while the Reads of dropped ones still run, with a read limit that
 /// lets it post them all. Those beyond the queue's room wait their turn, and the connection
 /// lives on (it was lost with "send queue full" when every Read given was posted at once; on
-/// tcp, with the driver's check taken out, this test failed in about one run of four).
+/// tcp, with the driver's check taken out, this test failed in three runs of nine; the driver's
+/// unit test `reads_beyond_the_send_queues_room_wait_for_it_instead_of_overflowing_it` forces
+/// the same overflow every time).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_rendezvous_transfers_than_the_send_queue_holds_wait_their_turn() {
     let cfg = Config {
