@@ -1067,31 +1067,55 @@ mod tests {
         assert!(place <= 2, "the short request left after {place} of 6 pieces");
     }
 
+    /// A server connection on a device whose largest RDMA message the test sets, and its
+    /// caller: a raw QP (with its protection domain and CQ) and a session that makes the
+    /// requests.
+    struct Rig {
+        conn: Conn,
+        peer_qp: QueuePair,
+        ppd: ProtectionDomain,
+        pcq: CompletionQueue,
+        caller: Session,
+    }
+
+    impl Rig {
+        /// For `n` requests at once, on a device whose largest RDMA message is `chunk` bytes.
+        fn new(n: usize, chunk: usize) -> Self {
+            let cfg = SessionConfig {
+                ring: 16,
+                eager_max: 1024,
+                fragment: FRAGMENT,
+                max_payload: 1 << 20,
+            };
+            // The first credits: the ring less the one a side keeps for a Credit message.
+            assert!(n < cfg.ring as usize, "requests sent on the first credits");
+            let slot = cfg.slot_size();
+            let (pd, qp, cq, peer_qp, ppd, pcq) = raw_pair(&cfg);
+            let session = Session::new(cfg.clone());
+            let mut conn = Conn::new(session, &pd, qp, cq, (slot, 16), crate::Isolation::Connection).expect("conn");
+            conn.chunk = chunk;
+            Self {
+                conn,
+                peer_qp,
+                ppd,
+                pcq,
+                caller: Session::new(cfg),
+            }
+        }
+    }
+
     /// A server connection told of `n` rendezvous requests of `len` bytes in one go, its
     /// device's largest RDMA message `chunk` bytes (so each Read goes in `len / chunk`
     /// pieces): the requests' bodies as it read them, and the most Read pieces it had posted
     /// at once, or why the connection was lost. A raw QP and a session stand in for the caller.
     fn read_many(n: usize, len: usize, chunk: usize) -> Result<(Vec<Vec<u8>>, usize), String> {
-        let cfg = SessionConfig {
-            ring: 16,
-            eager_max: 1024,
-            fragment: FRAGMENT,
-            max_payload: 1 << 20,
-        };
-        // The first credits: the ring less the one a side keeps for a Credit message.
-        assert!(n < cfg.ring as usize, "requests sent on the first credits");
-        let slot = cfg.slot_size();
-        let (pd, qp, cq, peer_qp, ppd, pcq) = raw_pair(&cfg);
-        let mut conn = Conn::new(
-            Session::new(cfg.clone()),
-            &pd,
-            qp,
-            cq,
-            (slot, 16),
-            crate::Isolation::Connection,
-        )
-        .expect("conn");
-        conn.chunk = chunk;
+        let Rig {
+            mut conn,
+            peer_qp,
+            ppd,
+            pcq,
+            mut caller,
+        } = Rig::new(n, chunk);
         // The caller: `n` bodies in one registration its peer may read, and their requests.
         let bodies: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8 + 1; len]).collect();
         let lent = ppd
@@ -1101,40 +1125,17 @@ mod tests {
             )
             .expect("the bodies' registration");
         let whole = lent.remote();
-        let mut caller = Session::new(cfg);
         for i in 0..n {
-            let desc = rdma_rpc_transport::RemoteRegion {
-                addr: whole.addr + (i * len) as u64,
-                len: len as u64,
-                rkey: whole.rkey,
-            };
+            let desc = nth(&whole, len, i);
             caller
                 .start_call(7, Payload::Lent { desc, buf: i as BufId }, None, None, Instant::now())
                 .expect("a rendezvous call");
         }
-        let mut sent = 0;
-        while let Some(t) = caller.poll_transmit() {
-            let Transmit::Send(m) = t else { continue };
-            let mr = ppd
-                .register_vec(m.to_vec(), rdma_rpc_transport::AccessFlags::LOCAL_WRITE)
-                .expect("a request's registration");
-            peer_qp
-                .post_send(SendWr::send(sent, mr).len(m.len()))
-                .expect("a request's Send");
-            sent += 1;
-        }
-        assert_eq!(sent, n as u64, "one Send per request");
+        send_requests(&mut caller, &peer_qp, &ppd, n);
         // All of them arrive before the server posts anything, as when requests come faster
         // than Reads end.
         let deadline = Instant::now() + Duration::from_secs(30);
-        while conn.session.serving() < n {
-            assert!(
-                Instant::now() < deadline,
-                "{} of {n} requests came",
-                conn.session.serving()
-            );
-            conn.poll_cq();
-        }
+        await_requests(&mut conn, n, deadline);
         let (mut got, mut most) = (vec![Vec::new(); n], 0);
         let mut read = 0;
         let mut out = Vec::new();
@@ -1160,6 +1161,117 @@ mod tests {
             pcq.poll(&mut out, 64).expect("the caller's CQ");
             out.clear();
         }
+        drop(peer_qp);
+        Ok((got, most))
+    }
+
+    /// The `i`-th `each` bytes of `whole`.
+    fn nth(whole: &rdma_rpc_transport::RemoteRegion, each: usize, i: usize) -> rdma_rpc_transport::RemoteRegion {
+        rdma_rpc_transport::RemoteRegion {
+            addr: whole.addr + (i * each) as u64,
+            len: each as u64,
+            rkey: whole.rkey,
+        }
+    }
+
+    /// Posts the `n` requests `caller` has to send, each a Send from a registration of its own.
+    fn send_requests(caller: &mut Session, peer_qp: &QueuePair, ppd: &ProtectionDomain, n: usize) {
+        let mut sent = 0;
+        while let Some(t) = caller.poll_transmit() {
+            let Transmit::Send(m) = t else { continue };
+            let mr = ppd
+                .register_vec(m.to_vec(), rdma_rpc_transport::AccessFlags::LOCAL_WRITE)
+                .expect("a request's registration");
+            peer_qp
+                .post_send(SendWr::send(sent, mr).len(m.len()))
+                .expect("a request's Send");
+            sent += 1;
+        }
+        assert_eq!(sent, n as u64, "one Send per request");
+    }
+
+    /// Reaps `conn`'s completions, posting nothing, until it serves `n` requests.
+    fn await_requests(conn: &mut Conn, n: usize, deadline: Instant) {
+        while conn.session.serving() < n {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {n} requests came",
+                conn.session.serving()
+            );
+            conn.poll_cq();
+        }
+    }
+
+    /// As [`read_many`] for responses: a server connection answers `n` calls at once with
+    /// `len` bytes each, written into the landing buffers the calls gave (RDMA Write with
+    /// immediate, in `len / chunk` pieces). The responses as they landed, and the most Write
+    /// pieces it had posted at once, or why the connection was lost.
+    fn write_many(n: usize, len: usize, chunk: usize) -> Result<(Vec<Vec<u8>>, usize), String> {
+        let Rig {
+            mut conn,
+            peer_qp,
+            ppd,
+            pcq,
+            mut caller,
+        } = Rig::new(n, chunk);
+        let each = LANDING_PREFIX + len;
+        let landing = ppd
+            .register_zeroed_vec(
+                n * each,
+                rdma_rpc_transport::AccessFlags::LOCAL_WRITE | rdma_rpc_transport::AccessFlags::REMOTE_WRITE,
+            )
+            .expect("the landing buffers' registration");
+        let whole = landing.remote();
+        for i in 0..n {
+            let desc = nth(&whole, each, i);
+            caller
+                .start_call(
+                    7,
+                    Payload::Eager(vec![i as u8]),
+                    Some((desc, i as BufId)),
+                    None,
+                    Instant::now(),
+                )
+                .expect("a call with a landing buffer");
+        }
+        send_requests(&mut caller, &peer_qp, &ppd, n);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        await_requests(&mut conn, n, deadline);
+        // Every response given before the server posts any.
+        while let Some(ev) = conn.session.poll_event() {
+            if let Event::Request { call, .. } = ev {
+                let (desc, buf) = conn.stash.lend(&vec![call as u8; len]).expect("a response buffer");
+                assert!(
+                    conn.session.lands(call, len),
+                    "the response goes into the landing buffer"
+                );
+                conn.session.respond(call, Ok(Payload::Lent { desc, buf }));
+            }
+        }
+        let (mut landed, mut most, mut out) = (0, 0, Vec::new());
+        while landed < n {
+            assert!(Instant::now() < deadline, "{landed} of {n} responses landed");
+            conn.progress();
+            most = most.max(conn.rdma_posted);
+            if let Some(why) = conn.lost() {
+                return Err(why.to_owned());
+            }
+            pcq.poll(&mut out, 64).expect("the caller's CQ");
+            for wc in out.drain(..) {
+                let wc = wc.ok().expect("the caller's completion");
+                if wc.opcode == WcOpcode::RecvRdmaWithImm {
+                    landed += 1;
+                }
+                if let Some(buf) = wc.buf.filter(|_| wc.wr_id & !ID_MASK == RECV) {
+                    // The Credit messages and immediates keep coming: post the slot again.
+                    peer_qp.post_recv(RecvWr::new(wc.wr_id, buf)).expect("a repost");
+                }
+            }
+        }
+        let bytes = landing.bytes();
+        let got = (0..n)
+            .map(|i| bytes[i * each + LANDING_PREFIX..(i + 1) * each].to_vec())
+            .collect();
         drop(peer_qp);
         Ok((got, most))
     }
@@ -1191,6 +1303,21 @@ mod tests {
             got[0].len() == 512 << 10 && got[0].iter().all(|&b| b == 1),
             "read wrong"
         );
+    }
+
+    #[test]
+    fn writes_beyond_the_send_queues_room_wait_for_it_instead_of_overflowing_it() {
+        // Fifteen responses of 64 KiB in 4 KiB pieces, written into their callers' landing
+        // buffers: 255 Write work requests (the landing prefix makes each 17) against 96.
+        let (got, most) = write_many(15, 64 << 10, 4096).expect("the connection stays up");
+        assert!(most <= 64, "{most} Write pieces posted at once, beyond the room of 64");
+        for (i, body) in got.iter().enumerate() {
+            assert!(
+                body.iter().all(|&b| b == i as u8 + 1),
+                "response {} landed wrong",
+                i + 1
+            );
+        }
     }
 
     #[test]
