@@ -585,7 +585,7 @@ impl Conn {
             }
             Transmit::Read { token, remote } => {
                 let len = remote.len as usize;
-                if !self.rdma_fits(len) {
+                if !self.rdma_fits() {
                     return Err(Transmit::Read { token, remote });
                 }
                 // Into a vector of its own where that is cheap, unless the handler takes the
@@ -619,7 +619,7 @@ impl Conn {
                 return self.post_all(wrs);
             }
             Transmit::WriteImm { buf, len, remote, imm } => {
-                if !self.rdma_fits(LANDING_PREFIX + len) {
+                if !self.rdma_fits() {
                     return Err(Transmit::WriteImm { buf, len, remote, imm });
                 }
                 let Some(mr) = self.stash.take_out(buf) else {
@@ -695,19 +695,23 @@ impl Conn {
         (wrs, job)
     }
 
-    /// Whether a Read or Write of `len` bytes may be posted now: its pieces fit the send
-    /// queue's room beside the Sends, or nothing else is in flight (then a completion of its
-    /// own frees the room for what waits behind it).
-    fn rdma_fits(&self, len: usize) -> bool {
-        let pieces = len.div_ceil(self.chunk).max(1);
-        self.rdma_waiting.is_empty() && (self.rdma_posted == 0 || self.rdma_posted + pieces <= self.rdma_room)
+    /// Whether a Read or Write may start now: the send queue has room beside its Sends and
+    /// no earlier transfer still waits for some. Its pieces beyond the room go in turns
+    /// ([`Conn::post_waiting`]), so at most one transfer waits part-posted.
+    fn rdma_fits(&self) -> bool {
+        self.rdma_waiting.is_empty() && self.rdma_posted < self.rdma_room
     }
 
     /// Posts the pieces of a transfer, as many as the room takes now; the rest go as earlier
     /// pieces complete ([`Conn::post_waiting`]).
     fn post_all(&mut self, wrs: Vec<SendWr>) -> Result<(), Transmit> {
-        self.rdma_waiting.extend(wrs);
-        self.post_waiting();
+        if self.rdma_posted + wrs.len() <= self.rdma_room {
+            // Nearly always (a transfer is one piece below the device's largest message).
+            self.post_pieces(wrs);
+        } else {
+            self.rdma_waiting.extend(wrs);
+            self.post_waiting();
+        }
         Ok(())
     }
 
@@ -725,12 +729,17 @@ impl Conn {
         if n == 0 {
             return false;
         }
-        let batch: Vec<SendWr> = self.rdma_waiting.drain(..n).collect();
-        self.rdma_posted += n;
-        if let Err(e) = self.qp.post_send_batch(batch) {
+        let batch = self.rdma_waiting.drain(..n).collect();
+        self.post_pieces(batch);
+        true
+    }
+
+    /// Posts pieces of Reads or Writes, counted until their completions.
+    fn post_pieces(&mut self, wrs: Vec<SendWr>) {
+        self.rdma_posted += wrs.len();
+        if let Err(e) = self.qp.post_send_batch(wrs) {
             self.lose(format!("posting: {}", e.error));
         }
-        true
     }
 }
 
