@@ -69,12 +69,14 @@ else
     # The lane's own budget: the unoptimized RPC suite took 591-863 s of it under emulation
     # (2026-12-03), the whole lane 808-1,088 s; built with the `vm` profile the lane took 163 s.
     # 900 s leaves room for a machine five times slower and keeps the whole run under 40
-    # minutes even if the VM hangs; each binary's time is printed (vm-lane.sh).
+    # minutes even if the VM hangs; each binary's time is printed (vm-lane.sh), with the least
+    # memory the guest had available while it ran and, for one ended by a signal, the guest
+    # kernel's lines on it (an out-of-memory kill names itself there).
     # 4 GiB of guest RAM, not the recipe's 2: the guest holds every binary above (about
     # 200 MB) in its initramfs, and the RPC suite alone left as little as 0.7 of 2 GiB
     # available (sampled every 2 s, 2026-12-04); one run of the lane that night had its
-    # 64 MiB payload test killed midway (SIGKILL, no reason printed: out of memory is the
-    # likely one), with nothing else failing.
+    # 64 MiB payload test killed midway (SIGKILL, no reason printed then: out of memory is
+    # the likely one), with nothing else failing.
     RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-900} RXE_VM_MEM=${RXE_VM_MEM:-4G} \
         scripts/rxe-vm.sh -e RDMA_RPC_PROVIDER=verbs -e RDMA_RPC_TEST_IP=10.10.0.1 "${vm_files[@]}" \
         scripts/vm-lane.sh "${vm_names[@]}" 2>&1 | tee "$LOG/verbs.log"
