@@ -150,7 +150,7 @@ impl Client {
             session.limit_call_bytes(theirs.max_request_bytes);
         }
         session.interleave(config.interleave && theirs.flags & Hello::TAKES_INTERLEAVED != 0);
-        let mut conn = Conn::new(session, &pd, qp, cq, (slot, config.ring), config.isolation)?;
+        let mut conn = Conn::configured(session, &pd, qp, cq, slot, &config)?;
         link.pair(reply.get(Hello::LEN..));
         link.withdraw();
         conn.link = link;

@@ -175,7 +175,8 @@ pub struct Config {
     /// idle between Reads; lower it if cancelled calls should let go of the link sooner.
     pub max_request_bytes_reading: u64,
     /// Server side: connections served at once, at least 1. Each holds its receive ring, send
-    /// buffers and rendezvous pools (a few MiB with the default ring); a connection request
+    /// buffers and free rendezvous buffers (a few MiB with the default ring, plus up to
+    /// [`max_cached_buffer_bytes`](Config::max_cached_buffer_bytes)); a connection request
     /// beyond is refused, and the client gets [`RpcError::ConnectionRefused`](crate::RpcError).
     pub max_connections: u32,
     /// Whether a message that goes out in pieces (an eager payload longer than one
@@ -187,6 +188,19 @@ pub struct Config {
     /// and `rpc-behind-fifo` modes measure the difference). Peers built before this existed
     /// never interleave towards anyone.
     pub interleave: bool,
+    /// Bytes of free rendezvous buffers each side of a connection keeps registered for its
+    /// next calls; 64 MiB by default, 0 keeps none. Where registering memory is more than
+    /// bookkeeping (`verbs`, `shm`), a large `Vec` payload goes through a buffer registered
+    /// for the connection, and one kept spares the next call of that size a registration.
+    /// Beyond this, a buffer a call is done with is deregistered: on `verbs` its memory is
+    /// unpinned and goes back to the allocator. Without a bound, eight concurrent 32 MiB
+    /// echoes left 1.06 GiB registered on an idle connection (both sides; `shm` with the
+    /// 16 KiB threshold `verbs` suggests); with this default, 93 MiB. Keeping fewer costs
+    /// throughput where registering is slow: see NOTES.md. It counts
+    /// per connection and side, so a server holds up to
+    /// [`max_connections`](Config::max_connections) times this; buffers the application
+    /// holds ([`Client::buffer`](crate::Client::buffer)) count only once dropped.
+    pub max_cached_buffer_bytes: u64,
 }
 
 /// The switch point verbs suggests, and the one a configuration falls back to where no device
@@ -208,6 +222,7 @@ impl Default for Config {
             max_request_bytes_reading: 8 << 20,
             max_connections: 1024,
             interleave: true,
+            max_cached_buffer_bytes: 64 << 20,
         }
     }
 }
@@ -280,6 +295,11 @@ impl Config {
     pub(crate) fn on(mut self, device: &rdma_rpc_transport::Device) -> Config {
         self.eager_threshold = Some(self.eager_threshold_on(device));
         self
+    }
+
+    /// [`Config::max_cached_buffer_bytes`] as a size in memory.
+    pub(crate) fn cached_buffer_bytes(&self) -> usize {
+        usize::try_from(self.max_cached_buffer_bytes).unwrap_or(usize::MAX)
     }
 
     /// The threshold (of a configuration fixed with [`Config::on`]).

@@ -150,14 +150,36 @@ impl Conn {
             .collect()
     }
 
-    /// A connection over `qp`, whose receive ring holds `own_ring` slots of `slot` bytes.
+    /// A connection over `qp` as this side's `config` asks: its receive ring holds
+    /// `config.ring` slots of `slot` bytes, its free rendezvous buffers stay registered up to
+    /// `config.max_cached_buffer_bytes`.
+    pub(crate) fn configured(
+        session: Session,
+        pd: &ProtectionDomain,
+        qp: QueuePair,
+        cq: CompletionQueue,
+        slot: usize,
+        config: &crate::Config,
+    ) -> Result<Self, RpcError> {
+        Self::new(
+            session,
+            pd,
+            qp,
+            cq,
+            (slot, config.ring),
+            (config.isolation, config.cached_buffer_bytes()),
+        )
+    }
+
+    /// A connection over `qp`, whose receive ring holds `own_ring` slots of `slot` bytes and
+    /// whose free rendezvous buffers stay registered up to `cached` bytes.
     pub(crate) fn new(
         session: Session,
         pd: &ProtectionDomain,
         qp: QueuePair,
         cq: CompletionQueue,
         (slot, own_ring): (usize, u32),
-        isolation: crate::Isolation,
+        (isolation, cached): (crate::Isolation, usize),
     ) -> Result<Self, RpcError> {
         let ring = session.config().ring as usize;
         let send_pool =
@@ -173,7 +195,7 @@ impl Conn {
         let room = rdma_room(qp.caps().max_send_wr, ring);
         Ok(Self {
             session,
-            stash: Stash::new(pd, isolation),
+            stash: Stash::new(pd, isolation, cached),
             qp,
             cq,
             send_pool,
@@ -970,6 +992,18 @@ mod tests {
     use crate::proto::{Header, Payload, SessionConfig, FRAGMENT};
     use rdma_rpc_transport::{Device, Listener, QpOptions};
 
+    /// A connection with a 16-slot ring whose free buffers are kept without a bound.
+    fn test_conn(
+        session: Session,
+        pd: &ProtectionDomain,
+        qp: QueuePair,
+        cq: CompletionQueue,
+        slot: usize,
+    ) -> Result<Conn, RpcError> {
+        let isolation = crate::Isolation::Connection;
+        Conn::new(session, pd, qp, cq, (slot, 16), (isolation, usize::MAX))
+    }
+
     /// A connection over the tcp provider, its peer a raw QP on ring `peer_recvs` whose CQ is
     /// returned: `(conn's pd, conn's qp, conn's cq, peer's qp, peer's pd, peer's cq)`. The
     /// connection's send queue is as deep as a client's or a server's ([`qp_caps`]).
@@ -1031,7 +1065,7 @@ mod tests {
         let (pd, qp, cq, peer_qp, _ppd, pcq) = raw_pair(&cfg);
         let mut session = Session::new(cfg);
         session.interleave(true);
-        let mut conn = Conn::new(session, &pd, qp, cq, (slot, 16), crate::Isolation::Connection).expect("conn");
+        let mut conn = test_conn(session, &pd, qp, cq, slot).expect("conn");
         let now = Instant::now();
         let long = conn
             .session
@@ -1101,7 +1135,7 @@ mod tests {
             let slot = cfg.slot_size();
             let (pd, qp, cq, peer_qp, ppd, pcq) = raw_pair(&cfg);
             let session = Session::new(cfg.clone());
-            let mut conn = Conn::new(session, &pd, qp, cq, (slot, 16), crate::Isolation::Connection).expect("conn");
+            let mut conn = test_conn(session, &pd, qp, cq, slot).expect("conn");
             conn.chunk = chunk;
             Self {
                 conn,

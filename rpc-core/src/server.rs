@@ -360,7 +360,7 @@ async fn serve_connection(
         config.max_request_bytes_in_flight,
     );
     session.limit_reading(config.max_request_bytes_reading);
-    let mut conn = Conn::new(session, &pd, qp, cq, (slot, config.ring), config.isolation)?;
+    let mut conn = Conn::configured(session, &pd, qp, cq, slot, &config)?;
     conn.link = link;
     let role = ServerRole {
         buffers: conn.stash.buffers(),

@@ -55,18 +55,34 @@ impl Entry {
 /// protection domain new ones are registered with (here, so that [`Buffers`] is one `Arc`).
 pub(crate) struct Free {
     lists: Vec<Vec<MemoryRegion>>,
+    /// Bytes of the buffers in `lists`.
+    kept: usize,
+    /// The most `kept` may reach ([`Config::max_cached_buffer_bytes`](crate::Config)).
+    cap: usize,
     isolation: Isolation,
     pd: ProtectionDomain,
 }
 
 impl Free {
+    fn new(pd: &ProtectionDomain, isolation: Isolation, cap: usize) -> Self {
+        Self {
+            lists: Vec::new(),
+            kept: 0,
+            cap,
+            isolation,
+            pd: pd.clone(),
+        }
+    }
+
     fn pop(&mut self, class: usize) -> Option<MemoryRegion> {
-        self.lists.get_mut(class_index(class)?).and_then(Vec::pop)
+        let mr = self.lists.get_mut(class_index(class)?).and_then(Vec::pop)?;
+        self.kept -= mr.len();
+        Some(mr)
     }
 
     /// A buffer no peer can reach through the session any more: kept for reuse, or (with
-    /// [`Isolation::Transfer`], beyond [`KEEP`], or of no class's size) deregistered, so
-    /// that its rkey dies.
+    /// [`Isolation::Transfer`], beyond [`KEEP`] of its class or the byte cap, or of no class's
+    /// size) deregistered, so that its rkey dies and its memory goes back.
     pub(crate) fn put(&mut self, mr: MemoryRegion) {
         // Only what `fresh` registers: a buffer with other access flags would fail whoever
         // takes it next.
@@ -74,10 +90,14 @@ impl Free {
             return;
         }
         let Some(i) = class_index(mr.len()) else { return };
+        if self.kept.saturating_add(mr.len()) > self.cap {
+            return;
+        }
         if self.lists.len() <= i {
             self.lists.resize_with(i + 1, Vec::new);
         }
         if self.lists[i].len() < KEEP {
+            self.kept += mr.len();
             self.lists[i].push(mr);
         }
     }
@@ -103,13 +123,10 @@ fn class(len: usize) -> Option<usize> {
 }
 
 impl Stash {
-    pub(crate) fn new(pd: &ProtectionDomain, isolation: Isolation) -> Self {
+    /// The buffers of a connection in `pd` whose free lists keep at most `cap` bytes.
+    pub(crate) fn new(pd: &ProtectionDomain, isolation: Isolation, cap: usize) -> Self {
         Self {
-            free: Arc::new(Mutex::new(Free {
-                lists: Vec::new(),
-                isolation,
-                pd: pd.clone(),
-            })),
+            free: Arc::new(Mutex::new(Free::new(pd, isolation, cap))),
             entries: CallMap::default(),
             next: 1,
             isolation,
@@ -485,7 +502,7 @@ mod tests {
     fn stash() -> Stash {
         let dev = rdma_rpc_transport::Device::open("tcp").expect("the tcp provider");
         let pd = dev.alloc_pd().expect("a protection domain");
-        Stash::new(&pd, Isolation::Connection)
+        Stash::new(&pd, Isolation::Connection, usize::MAX)
     }
 
     fn free_count(s: &Stash) -> usize {
@@ -601,11 +618,7 @@ mod tests {
     fn free_lists_keep_only_class_sized_buffers_and_at_most_keep_each() {
         let dev = rdma_rpc_transport::Device::open("tcp").expect("the tcp provider");
         let pd = dev.alloc_pd().expect("a protection domain");
-        let mut f = Free {
-            lists: Vec::new(),
-            isolation: Isolation::Connection,
-            pd: pd.clone(),
-        };
+        let mut f = Free::new(&pd, Isolation::Connection, usize::MAX);
         f.put(pd.register(5000, ACCESS).expect("reg"));
         assert!(f.lists.iter().all(Vec::is_empty), "5000 bytes is no class");
         f.put(pd.register(16384, AccessFlags::LOCAL_WRITE).expect("reg"));
@@ -616,5 +629,28 @@ mod tests {
         }
         assert_eq!(f.lists.get(2).map(Vec::len), Some(KEEP));
         assert!(f.pop(16384).is_some() && f.pop(4096).is_none() && f.pop(1 << 40).is_none());
+    }
+
+    #[test]
+    fn free_lists_keep_at_most_their_cap_in_bytes() {
+        let dev = rdma_rpc_transport::Device::open("tcp").expect("the tcp provider");
+        let pd = dev.alloc_pd().expect("a protection domain");
+        let mut f = Free::new(&pd, Isolation::Connection, 3 * 16384 + 4096);
+        for _ in 0..5 {
+            f.put(pd.register(16384, ACCESS).expect("reg"));
+        }
+        assert_eq!((f.lists.get(2).map(Vec::len), f.kept), (Some(3), 3 * 16384));
+        f.put(pd.register(4096, ACCESS).expect("reg"));
+        f.put(pd.register(4096, ACCESS).expect("reg"));
+        assert_eq!(f.kept, 3 * 16384 + 4096, "a smaller class fills what is left");
+        assert!(f.pop(16384).is_some());
+        assert_eq!(f.kept, 2 * 16384 + 4096, "a buffer taken out no longer counts");
+        f.put(pd.register(16384, ACCESS).expect("reg"));
+        assert_eq!(f.kept, 3 * 16384 + 4096, "its room is there again");
+        // What the lists let go of is deregistered: only what they keep stays counted.
+        assert_eq!(dev.registered_bytes(), f.kept as u64);
+        let mut none = Free::new(&pd, Isolation::Connection, 0);
+        none.put(pd.register(4096, ACCESS).expect("reg"));
+        assert_eq!((none.kept, none.lists.iter().map(Vec::len).sum::<usize>()), (0, 0));
     }
 }

@@ -1179,6 +1179,75 @@ async fn large_vec_calls_leave_registered_only_what_the_provider_promises() {
     }
 }
 
+/// The device's registered bytes once they are at most `bound`, or after 3 s of waiting for
+/// that (buffers are let go when the peer's last word on them arrives, after a call returns).
+async fn registered_settling_to(dev: &Device, bound: u64) -> u64 {
+    let mut now = dev.registered_bytes();
+    for _ in 0..150 {
+        if now <= bound {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        now = dev.registered_bytes();
+    }
+    now
+}
+
+/// What a connection keeps registered for its next calls stays within
+/// `Config::max_cached_buffer_bytes` on each side: eight callers' 1 MiB echoes at once go
+/// through some 48 MiB of buffers where registering is more than bookkeeping (each side lends
+/// 2 MiB and reads 1 MiB per call), and once they are done at most the bound per side stays
+/// registered; with 0 nothing does. Where registering is cheap (tcp) the vectors themselves
+/// are lent and read into, and nothing is kept whatever the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn free_buffers_kept_for_reuse_stay_within_the_configured_bytes() {
+    const LEN: usize = 1 << 20;
+    for cache in [3u64 << 20, 0] {
+        let cfg = Config {
+            max_cached_buffer_bytes: cache,
+            ..config()
+        };
+        let dev = device();
+        let server = Server::builder(cfg.clone())
+            .handler(ECHO, |req| async move { Ok(req) })
+            .bind(&dev, SocketAddr::new(test_ip(), 0))
+            .expect("bind");
+        let addr = server.local_addr().expect("addr");
+        tokio::spawn(server.serve());
+        let client = Client::connect(&dev, addr, cfg).await.expect("connect");
+        bounded(client.call(ECHO, vec![1; 10])).await.expect("a small call");
+        let before = dev.registered_bytes();
+        let callers: Vec<_> = (0..8u64)
+            .map(|caller| {
+                let c = client.clone();
+                tokio::spawn(async move {
+                    for i in 0..3u64 {
+                        let req = pattern(LEN, caller << 8 | i);
+                        let got = bounded(c.call(ECHO, req.clone())).await.expect("echo");
+                        assert!(got == req, "an echo came back changed");
+                    }
+                })
+            })
+            .collect();
+        for c in callers {
+            c.await.expect("a caller");
+        }
+        // Each side's bound; the server lets go of its last lent response when the client's
+        // ReadDone arrives, after the call returned.
+        let bound = before + if dev.caps().cheap_registration { 0 } else { 2 * cache };
+        let after = registered_settling_to(&dev, bound).await;
+        assert!(
+            after <= bound,
+            "with max_cached_buffer_bytes {cache}: {} bytes stay registered after the calls, beyond the {} allowed",
+            after - before,
+            bound - before
+        );
+        if cache > 0 && !dev.caps().cheap_registration {
+            assert!(after > before, "buffers within the bound are kept for reuse");
+        }
+    }
+}
+
 /// Large `Vec` echoes by rendezvous, dropped at random points by four callers at once: every
 /// echo that completes is intact (a request buffer is let go when its response comes, and
 /// must never be reused while the server reads it), and once the drops settle no lent or
@@ -1236,14 +1305,7 @@ async fn dropped_large_vec_calls_stay_intact_and_leak_nothing() {
         })
         .collect();
     common::tally(callers).await;
-    let mut settled = dev.registered_bytes();
-    for _ in 0..150 {
-        if settled <= at_rest {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        settled = dev.registered_bytes();
-    }
+    let settled = registered_settling_to(&dev, at_rest).await;
     assert!(
         settled <= at_rest,
         "registered memory after the drops settled: {settled} > {at_rest} (a buffer leaked)"
