@@ -107,6 +107,14 @@ for p in shm tcp; do
         echo "provider $p: $rows rows, host line, summary, JSON and SVG written"
     fi
 done
+# The buffer-cache bench: one short row per bound on shm (a run, not a measurement), each
+# with its figures.
+cache=$(cargo bench --quiet --bench buffer_cache -- --provider shm --sizes 65536 --caps 1048576,0 --rounds 1 2>&1)
+if (($(grep -c 'MB/s (rounds [0-9]*); registered at rest [0-9.]* MiB$' <<< "$cache") == 2)); then
+    echo "buffer_cache bench: a row per bound on shm"
+else
+    echo "the buffer_cache bench failed:"; echo "$cache"; fail=1
+fi
 # A bad argument: exit 1 and the error's message (its Display, which says what to use), not its
 # Debug form.
 if [[ -n $bench_bin ]]; then

@@ -51,7 +51,7 @@ impl Entry {
     }
 }
 
-/// Free buffers by size class: list `i` holds buffers of `MIN_CLASS << i` bytes; and the
+/// Free buffers by size class: list `i` holds buffers of `(MIN_CLASS << i) + SLACK` bytes; and the
 /// protection domain new ones are registered with (here, so that [`Buffers`] is one `Arc`).
 pub(crate) struct Free {
     lists: Vec<Vec<MemoryRegion>>,
@@ -105,10 +105,16 @@ impl Free {
 
 /// The free list of buffers of `len` bytes, when that is a class's size.
 fn class_index(len: usize) -> Option<usize> {
-    (len >= MIN_CLASS && len.is_power_of_two()).then(|| (len / MIN_CLASS).trailing_zeros() as usize)
+    let p = len.checked_sub(SLACK)?;
+    (p >= MIN_CLASS && p.is_power_of_two()).then(|| (p / MIN_CLASS).trailing_zeros() as usize)
 }
 
 const MIN_CLASS: usize = 4096;
+/// Bytes a class holds past its power of two: a lent or landed payload of a power-of-two
+/// length has its length prefix in front, and with this it takes the class of its own
+/// length, not one twice as large (1 MiB and 24 bytes, not 2 MiB). Buffers read into (no
+/// prefix) share the class.
+const SLACK: usize = LANDING_PREFIX;
 /// The access of every buffer of the free lists: lent (read by the peer), landed into
 /// (written by it), read into.
 const ACCESS: AccessFlags = AccessFlags::LOCAL_WRITE
@@ -117,9 +123,13 @@ const ACCESS: AccessFlags = AccessFlags::LOCAL_WRITE
 /// Free buffers kept per size class; more are deregistered.
 const KEEP: usize = 8;
 
-/// The size class of a buffer of `len` bytes; `None` beyond the largest power of two.
+/// The size class of a buffer of `len` bytes: the least power of two (at least [`MIN_CLASS`])
+/// that holds `len` with [`SLACK`] to spare, plus [`SLACK`]; `None` beyond the largest.
 fn class(len: usize) -> Option<usize> {
-    len.max(MIN_CLASS).checked_next_power_of_two()
+    len.saturating_sub(SLACK)
+        .max(MIN_CLASS)
+        .checked_next_power_of_two()?
+        .checked_add(SLACK)
 }
 
 impl Stash {
@@ -465,8 +475,21 @@ fn fresh(free: &Mutex<Free>, len: usize) -> Result<MemoryRegion, RpcError> {
         }
         f.pd.clone()
     };
-    pd.register(c, ACCESS)
-        .map_err(|e| RpcError::Transport(TransportError::with(format!("registering a {c}-byte buffer"), e)))
+    let n = registered_len(c, len, pd.device().caps().max_mr_size);
+    pd.register(n, ACCESS)
+        .map_err(|e| RpcError::Transport(TransportError::with(format!("registering a {n}-byte buffer"), e)))
+}
+
+/// The bytes to register for a buffer of `len` bytes whose class is `class`, on a device whose
+/// largest registration is `max_mr`: the class, or `len` alone where only the class is beyond
+/// it (a class holds [`SLACK`] past its power of two). Such a buffer is of no class's size,
+/// so it is deregistered when done with, not kept.
+fn registered_len(class: usize, len: usize, max_mr: u64) -> usize {
+    if class as u64 > max_mr {
+        len
+    } else {
+        class
+    }
 }
 
 /// Registered buffers of the connection a request came on, for a handler that answers from
@@ -596,11 +619,15 @@ mod tests {
         assert!(s.entries.len() == 0);
     }
 
+    /// The sizes of the classes of 4 KiB and 16 KiB.
+    const C4: usize = 4096 + SLACK;
+    const C16: usize = 16384 + SLACK;
+
     #[test]
     fn session_buffers_are_released_and_reused_by_class() {
         let mut s = stash();
         let (id, _) = s.take(5000).expect("a buffer");
-        assert!(s.get(id).is_some_and(|m| m.len() == 8192));
+        assert!(s.get(id).is_some_and(|m| m.len() == 8192 + SLACK));
         let mr = s.take_out(id).expect("held");
         s.put_back(id, mr);
         s.release(id);
@@ -621,36 +648,59 @@ mod tests {
         let mut f = Free::new(&pd, Isolation::Connection, usize::MAX);
         f.put(pd.register(5000, ACCESS).expect("reg"));
         assert!(f.lists.iter().all(Vec::is_empty), "5000 bytes is no class");
-        f.put(pd.register(16384, AccessFlags::LOCAL_WRITE).expect("reg"));
-        f.put(pd.register_vec(vec![0; 16384], AccessFlags::REMOTE_READ).expect("reg"));
+        f.put(pd.register(C4 - SLACK, ACCESS).expect("reg"));
+        assert!(f.lists.iter().all(Vec::is_empty), "a power of two alone is no class");
+        f.put(pd.register(C16, AccessFlags::LOCAL_WRITE).expect("reg"));
+        f.put(pd.register_vec(vec![0; C16], AccessFlags::REMOTE_READ).expect("reg"));
         assert!(f.lists.iter().all(Vec::is_empty), "other access flags than the stash's");
         for _ in 0..KEEP + 2 {
-            f.put(pd.register(16384, ACCESS).expect("reg"));
+            f.put(pd.register(C16, ACCESS).expect("reg"));
         }
         assert_eq!(f.lists.get(2).map(Vec::len), Some(KEEP));
-        assert!(f.pop(16384).is_some() && f.pop(4096).is_none() && f.pop(1 << 40).is_none());
+        assert!(f.pop(C16).is_some() && f.pop(C4).is_none() && f.pop((1 << 40) + SLACK).is_none());
     }
 
     #[test]
     fn free_lists_keep_at_most_their_cap_in_bytes() {
         let dev = rdma_rpc_transport::Device::open("tcp").expect("the tcp provider");
         let pd = dev.alloc_pd().expect("a protection domain");
-        let mut f = Free::new(&pd, Isolation::Connection, 3 * 16384 + 4096);
+        let mut f = Free::new(&pd, Isolation::Connection, 3 * C16 + C4);
         for _ in 0..5 {
-            f.put(pd.register(16384, ACCESS).expect("reg"));
+            f.put(pd.register(C16, ACCESS).expect("reg"));
         }
-        assert_eq!((f.lists.get(2).map(Vec::len), f.kept), (Some(3), 3 * 16384));
-        f.put(pd.register(4096, ACCESS).expect("reg"));
-        f.put(pd.register(4096, ACCESS).expect("reg"));
-        assert_eq!(f.kept, 3 * 16384 + 4096, "a smaller class fills what is left");
-        assert!(f.pop(16384).is_some());
-        assert_eq!(f.kept, 2 * 16384 + 4096, "a buffer taken out no longer counts");
-        f.put(pd.register(16384, ACCESS).expect("reg"));
-        assert_eq!(f.kept, 3 * 16384 + 4096, "its room is there again");
+        assert_eq!((f.lists.get(2).map(Vec::len), f.kept), (Some(3), 3 * C16));
+        f.put(pd.register(C4, ACCESS).expect("reg"));
+        f.put(pd.register(C4, ACCESS).expect("reg"));
+        assert_eq!(f.kept, 3 * C16 + C4, "a smaller class fills what is left");
+        assert!(f.pop(C16).is_some());
+        assert_eq!(f.kept, 2 * C16 + C4, "a buffer taken out no longer counts");
+        f.put(pd.register(C16, ACCESS).expect("reg"));
+        assert_eq!(f.kept, 3 * C16 + C4, "its room is there again");
         // What the lists let go of is deregistered: only what they keep stays counted.
         assert_eq!(dev.registered_bytes(), f.kept as u64);
         let mut none = Free::new(&pd, Isolation::Connection, 0);
-        none.put(pd.register(4096, ACCESS).expect("reg"));
+        none.put(pd.register(C4, ACCESS).expect("reg"));
         assert_eq!((none.kept, none.lists.iter().map(Vec::len).sum::<usize>()), (0, 0));
+    }
+
+    #[test]
+    fn a_power_of_two_payload_and_its_prefix_take_the_class_of_its_own_length() {
+        for p in [4096usize, 1 << 20, 1 << 30] {
+            assert_eq!(class(p + LANDING_PREFIX), Some(p + SLACK), "lent or landed");
+            assert_eq!(class(p), Some(p + SLACK), "read into");
+            assert_eq!(class(p + LANDING_PREFIX + 1), Some(2 * p + SLACK));
+            assert_eq!(class_index(p + SLACK).map(|i| MIN_CLASS << i), Some(p));
+            assert_eq!(class_index(p), None);
+        }
+        assert_eq!(class(1), Some(C4));
+        // On a device whose largest registration is 4 GiB (shm's), a 3 GiB payload's class
+        // (4 GiB and the slack) is beyond it: the payload's own length is registered instead.
+        let (len, max) = (3usize << 30, 4u64 << 30);
+        assert_eq!(class(len), Some((4 << 30) + SLACK));
+        assert_eq!(class(len).map(|c| registered_len(c, len, max)), Some(len));
+        assert_eq!(class_index(len), None, "kept by no free list");
+        assert_eq!(registered_len(C4, 100, max), C4);
+        assert_eq!(class(usize::MAX - 10), None);
+        assert_eq!(class_index(0), None);
     }
 }

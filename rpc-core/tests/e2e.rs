@@ -12,6 +12,7 @@ mod common;
 
 use common::{bounded, device, test_ip};
 
+use rdma_rpc_core::proto::HEADER_LEN;
 use rdma_rpc_core::transport::Device;
 use rdma_rpc_core::{
     context, Body, Buffers, CallOptions, Client, CompletionMode, Config, RpcError, Server, ServerBuilder,
@@ -1193,6 +1194,35 @@ async fn registered_settling_to(dev: &Device, bound: u64) -> u64 {
     now
 }
 
+/// A `Vec` payload of a power-of-two length by rendezvous goes through buffers of about its
+/// own size, not twice it: a lent buffer holds the payload after its length prefix, and the
+/// buffer classes leave room for that prefix. One 1 MiB echo registers at most four buffers
+/// of 1 MiB and a page (the client's request and response, the server's request and
+/// response); with classes of plain powers of two each lent one was 2 MiB, at least 5 MiB in
+/// all. Where registering is cheap (tcp) nothing is kept at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_power_of_two_payload_registers_about_its_own_size() {
+    const LEN: usize = 1 << 20;
+    let dev = device();
+    let client = echo_client(&dev).await;
+    bounded(client.call(ECHO, vec![1; 10])).await.expect("a small call");
+    let before = dev.registered_bytes();
+    let req = pattern(LEN, 7);
+    let got = bounded(client.call(ECHO, req.clone())).await.expect("echo");
+    assert!(got == req, "the echo came back changed");
+    // The server's lent response is let go when the client's ReadDone arrives.
+    let most = if dev.caps().cheap_registration {
+        0
+    } else {
+        4 * (LEN as u64 + 4096)
+    };
+    let grown = registered_settling_to(&dev, before + most).await - before;
+    assert!(
+        grown <= most,
+        "one {LEN}-byte echo left {grown} bytes registered, beyond {most}"
+    );
+}
+
 /// What a connection keeps registered for its next calls stays within
 /// `Config::max_cached_buffer_bytes` on each side: eight callers' 1 MiB echoes at once go
 /// through some 48 MiB of buffers where registering is more than bookkeeping (each side lends
@@ -1259,12 +1289,13 @@ async fn dropped_large_vec_calls_stay_intact_and_leak_nothing() {
     let dev = device();
     let client = echo_client(&dev).await;
     bounded(client.call(ECHO, vec![1; 10])).await.expect("a small call");
-    // Each side's free lists keep at most 8 buffers of a size class: lent buffers of 1 MiB
-    // (512 KiB and the length prefix) and read buffers of 512 KiB, on both sides.
+    // Each side's free lists keep at most 8 buffers of a size class, and its lent buffers
+    // (512 KiB after the length prefix) and read buffers (512 KiB) share one: 512 KiB and
+    // the prefix.
     let kept = if dev.caps().cheap_registration {
         0
     } else {
-        2 * 8 * ((1u64 << 20) + LEN as u64)
+        2 * 8 * (LEN as u64 + HEADER_LEN as u64)
     };
     let at_rest = dev.registered_bytes() + kept;
     // One call in three waits for its echo; the others are dropped after a random number of

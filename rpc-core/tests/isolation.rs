@@ -273,7 +273,8 @@ async fn forged_bounds_and_random_keys_are_refused() {
     let addr = server(Isolation::Connection).await;
     let dev = device();
     // Past the end of our own lent buffer: the registration's bounds, not the descriptor's,
-    // are what a NIC checks, so go past the registration (a power-of-two size class).
+    // are what a NIC checks, so go past the registration (a size class: a power of two and
+    // the length prefix).
     let mut peer = Raw::connect(&dev, addr).await;
     let (_, lent) = peer.lent_response(2).await;
     let beyond = RemoteAddr {

@@ -510,12 +510,12 @@ async fn with_transfer_isolation_buffers_come_back_intact_without_piling_up() {
 async fn dropped_calls_never_expose_a_lent_buffer_and_leak_nothing() {
     let (s, _serial) = setup(config()).await;
     let client = s.client.clone();
-    // At rest, each side's free lists keep at most 8 buffers of a size class: the client's of
-    // 256 KiB (128 KiB and the length prefix), the server's read buffers of 128 KiB. Every
-    // other buffer is deregistered; a lent buffer that leaked would stay registered.
+    // At rest, each side's free lists keep at most 8 buffers of a size class: the client's
+    // lent ones and the server's read buffers, of 128 KiB and the length prefix. Every other
+    // buffer is deregistered; a lent buffer that leaked would stay registered.
     // One small call first: the server's side of the connection is then fully set up.
     bounded(client.call(SUM, vec![1; 8])).await.expect("first call");
-    let at_rest = s.dev.registered_bytes() + 8 * (256 << 10) + 8 * (128 << 10);
+    let at_rest = s.dev.registered_bytes() + 2 * 8 * ((128 << 10) + HEADER_LEN as u64);
     // Measured after `at_rest`: its buffers end in the free lists that `at_rest` allows for.
     let span = drop_span(&client, THRESHOLD * 8).await;
     let handled_before = s.handled.load(Ordering::SeqCst);
@@ -681,8 +681,8 @@ async fn dropped_small_buffer_calls_leak_nothing() {
     let (s, _serial) = setup(config()).await;
     let client = s.client.clone();
     bounded(client.call(SUM, vec![1; 8])).await.expect("first call");
-    // Each side keeps at most 8 free buffers of a size class (here 8 KiB: 4 KiB and the prefix).
-    let at_rest = s.dev.registered_bytes() + 2 * 8 * (8 << 10);
+    // Each side keeps at most 8 free buffers of a size class (here 4 KiB and the prefix).
+    let at_rest = s.dev.registered_bytes() + 2 * 8 * (4096 + HEADER_LEN as u64);
     let span = drop_span(&client, 4096).await;
     let handled_before = s.handled.load(Ordering::SeqCst);
     let mut tasks = Vec::new();
