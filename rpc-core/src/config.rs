@@ -194,8 +194,10 @@ pub struct Config {
     /// for the connection, and one kept spares the next call of that size a registration.
     /// Beyond this, a buffer a call is done with is deregistered: on `verbs` its memory is
     /// unpinned and goes back to the allocator. Without a bound, eight concurrent 32 MiB
-    /// echoes left 1.06 GiB registered on an idle connection (both sides; `shm` with the
-    /// 16 KiB threshold `verbs` suggests); with this default, 93 MiB. Keeping fewer costs
+    /// echoes left 452 MiB registered on an idle connection (both sides, rings included;
+    /// `shm` with the 16 KiB threshold `verbs` suggests); with this default, 68 MiB
+    /// (`cargo bench --bench buffer_cache -- --sizes 33554432 --caps
+    /// 18446744073709551615,67108864`). Keeping fewer costs
     /// throughput where registering is slow: see NOTES.md. It counts
     /// per connection and side, so a server holds up to
     /// [`max_connections`](Config::max_connections) times this; buffers the application
