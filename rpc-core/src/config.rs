@@ -201,7 +201,10 @@ pub struct Config {
     /// throughput where registering is slow: see NOTES.md. It counts
     /// per connection and side, so a server holds up to
     /// [`max_connections`](Config::max_connections) times this; buffers the application
-    /// holds ([`Client::buffer`](crate::Client::buffer)) count only once dropped.
+    /// holds ([`Client::buffer`](crate::Client::buffer)) count only once dropped. A buffer
+    /// for an n-byte payload takes the least power of two that holds n, and 24 bytes more (its
+    /// length prefix): 1 MiB and 24 bytes for a 1 MiB payload. So a bound of exactly 2^k keeps
+    /// no buffer for a 2^k-byte payload: to keep eight for 64 MiB calls, give 8 x (64 MiB + 24).
     pub max_cached_buffer_bytes: u64,
 }
 

@@ -1225,8 +1225,8 @@ async fn a_power_of_two_payload_registers_about_its_own_size() {
 
 /// What a connection keeps registered for its next calls stays within
 /// `Config::max_cached_buffer_bytes` on each side: eight callers' 1 MiB echoes at once go
-/// through some 48 MiB of buffers where registering is more than bookkeeping (each side lends
-/// 2 MiB and reads 1 MiB per call), and once they are done at most the bound per side stays
+/// through some 32 MiB of buffers where registering is more than bookkeeping (each side lends
+/// 1 MiB and its prefix and reads 1 MiB per call), and once they are done at most the bound per side stays
 /// registered; with 0 nothing does. Where registering is cheap (tcp) the vectors themselves
 /// are lent and read into, and nothing is kept whatever the bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
