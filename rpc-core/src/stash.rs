@@ -51,8 +51,8 @@ impl Entry {
     }
 }
 
-/// Free buffers by size class: list `i` holds buffers of `(MIN_CLASS << i) + SLACK` bytes; and the
-/// protection domain new ones are registered with (here, so that [`Buffers`] is one `Arc`).
+/// Free buffers by size class: list `i` holds buffers of `(MIN_CLASS << i) + SLACK` bytes; and
+/// the protection domain new ones are registered with (here, so that [`Buffers`] is one `Arc`).
 pub(crate) struct Free {
     lists: Vec<Vec<MemoryRegion>>,
     /// Bytes of the buffers in `lists`.
