@@ -622,6 +622,49 @@ async fn large_buffer_responses_are_lent_or_written_and_foreign_ones_copied() {
     }
 }
 
+/// Rendezvous bodies of lengths around the edges of the buffer size classes (a power of two
+/// and the 24-byte length prefix a lent or landed payload has in front): a payload of
+/// exactly a power of two fills its class to the byte, one byte more takes the next. Every way
+/// a body goes, the bytes arrive intact: a `Vec` lent through a copy, an application's
+/// buffer lent as it is, a handler's buffer read by the client or written into its landing
+/// buffer, and a request read into a buffer the handler answers from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_at_the_edges_of_the_buffer_classes_arrive_intact_every_way() {
+    let (s, _serial) = setup(config()).await;
+    for p in [32usize << 10, 64 << 10, 1 << 20] {
+        for len in [p - HEADER_LEN - 1, p - HEADER_LEN, p - 1, p, p + 1, p + HEADER_LEN + 1] {
+            let mut data = vec![0u8; len];
+            fill(&mut data, len as u64);
+            let got = bounded(s.client.call(SUM, data.clone())).await.expect("a Vec lent");
+            expect_answer(&got, &data, true);
+            let mut buf = s.client.buffer(len).expect("a buffer");
+            assert_eq!(buf.len(), len);
+            buf.bytes_mut().copy_from_slice(&data);
+            let (got, back) = bounded(s.client.call_buf(SUM, buf)).await.expect("a buffer lent");
+            expect_answer(&got, &data, true);
+            assert!(back.bytes()[..] == data[..], "the {len}-byte buffer came back changed");
+            let req = (len as u64).to_le_bytes().to_vec();
+            let got = bounded(s.client.call(MAKE_BUF, req.clone())).await.expect("read");
+            assert!(got == data, "{len} bytes read from the handler's buffer");
+            let hinted = CallOptions {
+                response_hint: Some(len),
+                ..CallOptions::default()
+            };
+            let got = bounded(s.client.call_with(MAKE_BUF, req, hinted))
+                .await
+                .expect("written");
+            assert!(got == data, "{len} bytes written into the landing buffer");
+            let got = bounded(s.client.call(REVERSE_BUF, data.clone()))
+                .await
+                .expect("reversed");
+            assert!(
+                got.iter().rev().eq(data.iter()),
+                "{len} bytes reversed from a handler's buffer"
+            );
+        }
+    }
+}
+
 /// A call refused before it starts (its payload above `max_payload`) after its buffer was
 /// staged to be lent: the buffer goes back to the connection, so refusing again and again
 /// registers nothing more, and the connection goes on.
