@@ -4,6 +4,7 @@
 //! ```text
 //! cargo bench --bench buffer_cache -- --provider shm
 //! cargo bench --bench buffer_cache -- --provider shm --sizes 1048576,4194304 --caps 67108864,16777216,0
+//! cargo bench --bench buffer_cache -- --provider verbs --ip 10.10.0.1   # soft-RoCE: see the README
 //! ```
 //!
 //! Per payload size and bound: eight tasks each echo `256 MiB / size / 8` (at least 4) calls
@@ -14,6 +15,7 @@
 //! The bounds alternate within a size, so compare them within one run. Where registering is
 //! bookkeeping (`tcp`), large payloads are registered where they are and nothing is cached.
 
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
@@ -24,6 +26,9 @@ struct Args {
     /// Provider: tcp, shm or verbs.
     #[arg(long, default_value = "shm")]
     provider: String,
+    /// The address the server listens on (on `verbs`, one of an RDMA device's).
+    #[arg(long, default_value = "127.0.0.1")]
+    ip: IpAddr,
     /// Payload sizes, in bytes (each sent by rendezvous: above the 16 KiB threshold used).
     #[arg(long, value_delimiter = ',', default_value = "1048576,4194304")]
     sizes: Vec<usize>,
@@ -59,7 +64,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         for &cap in &args.caps {
             // A device per connection: its registered bytes are this connection's alone.
             let dev = Device::open(&args.provider)?;
-            let client = connect(&dev, cap).await?;
+            let client = connect(&dev, args.ip, cap).await?;
             let mut rounds = Vec::with_capacity(args.rounds);
             for _ in 0..args.rounds {
                 rounds.push(echoes(&client, size).await?);
@@ -79,9 +84,9 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// An echo server and a client of it on `dev`, each side keeping at most `cap` bytes of free
+/// An echo server on `ip` and a client of it on `dev`, each side keeping at most `cap` bytes of free
 /// rendezvous buffers.
-async fn connect(dev: &Device, cap: u64) -> Result<Client, Box<dyn std::error::Error>> {
+async fn connect(dev: &Device, ip: IpAddr, cap: u64) -> Result<Client, Box<dyn std::error::Error>> {
     let cfg = Config {
         eager_threshold: Some(16 << 10),
         max_cached_buffer_bytes: cap,
@@ -89,7 +94,7 @@ async fn connect(dev: &Device, cap: u64) -> Result<Client, Box<dyn std::error::E
     };
     let server = Server::builder(cfg.clone())
         .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
-        .bind(dev, "127.0.0.1:0".parse()?)?;
+        .bind(dev, SocketAddr::new(ip, 0))?;
     let addr = server.local_addr()?;
     tokio::spawn(server.serve());
     Ok(Client::connect(dev, addr, cfg).await?)
