@@ -167,6 +167,25 @@ impl Warm {
     }
 }
 
+/// `want` (pattern `want.len()`) made by `MAKE_BUF` in a handler's buffer, twice: read by the
+/// client, then written into its landing buffer (a response hint of that length). Gives the
+/// request and the hinted options, for a further call.
+async fn made_read_and_written(client: &Client, want: &[u8]) -> (Vec<u8>, CallOptions) {
+    let len = want.len();
+    let req = (len as u64).to_le_bytes().to_vec();
+    let got = bounded(client.call(MAKE_BUF, req.clone())).await.expect("read");
+    assert!(got == want, "{len} bytes read from the handler's buffer");
+    let hinted = CallOptions {
+        response_hint: Some(len),
+        ..CallOptions::default()
+    };
+    let got = bounded(client.call_with(MAKE_BUF, req.clone(), hinted.clone()))
+        .await
+        .expect("written");
+    assert!(got == want, "{len} bytes written into the landing buffer");
+    (req, hinted)
+}
+
 /// Another connection to the same server.
 async fn second_client(s: &Setup) -> Client {
     Client::connect(&s.dev, s.addr, s.cfg.clone())
@@ -605,18 +624,8 @@ async fn large_buffer_responses_are_lent_or_written_and_foreign_ones_copied() {
     for len in [0usize, 100, 4096, THRESHOLD, THRESHOLD + 1, FRAGMENT + 1, 1 << 20] {
         let mut want = vec![0u8; len];
         fill(&mut want, len as u64);
-        let req = (len as u64).to_le_bytes().to_vec();
         // The first client's connection owns the handler's buffers: no copy there.
-        let got = bounded(s.client.call(MAKE_BUF, req.clone())).await.expect("read");
-        assert!(got == want, "{len} bytes read");
-        let hinted = CallOptions {
-            response_hint: Some(len),
-            ..CallOptions::default()
-        };
-        let got = bounded(s.client.call_with(MAKE_BUF, req.clone(), hinted.clone()))
-            .await
-            .expect("written");
-        assert!(got == want, "{len} bytes written into the landing buffer");
+        let (req, hinted) = made_read_and_written(&s.client, &want).await;
         let got = bounded(other.call_with(MAKE_BUF, req, hinted)).await.expect("copied");
         assert!(got == want, "{len} bytes from another connection's buffer");
     }
@@ -643,17 +652,7 @@ async fn bodies_at_the_edges_of_the_buffer_classes_arrive_intact_every_way() {
             let (got, back) = bounded(s.client.call_buf(SUM, buf)).await.expect("a buffer lent");
             expect_answer(&got, &data, true);
             assert!(back.bytes()[..] == data[..], "the {len}-byte buffer came back changed");
-            let req = (len as u64).to_le_bytes().to_vec();
-            let got = bounded(s.client.call(MAKE_BUF, req.clone())).await.expect("read");
-            assert!(got == data, "{len} bytes read from the handler's buffer");
-            let hinted = CallOptions {
-                response_hint: Some(len),
-                ..CallOptions::default()
-            };
-            let got = bounded(s.client.call_with(MAKE_BUF, req, hinted))
-                .await
-                .expect("written");
-            assert!(got == data, "{len} bytes written into the landing buffer");
+            made_read_and_written(&s.client, &data).await;
             let got = bounded(s.client.call(REVERSE_BUF, data.clone()))
                 .await
                 .expect("reversed");
