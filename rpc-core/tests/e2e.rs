@@ -1226,8 +1226,8 @@ async fn a_power_of_two_payload_registers_about_its_own_size() {
 /// What a connection keeps registered for its next calls stays within
 /// `Config::max_cached_buffer_bytes` on each side: eight callers' 1 MiB echoes at once go
 /// through some 32 MiB of buffers where registering is more than bookkeeping (each side lends
-/// 1 MiB and its prefix and reads 1 MiB per call), and once they are done at most the bound per side stays
-/// registered; with 0 nothing does. Where registering is cheap (tcp) the vectors themselves
+/// 1 MiB and its prefix and reads 1 MiB per call), and once they are done at most the bound
+/// per side stays registered; with 0 nothing does. Where registering is cheap (tcp) the vectors themselves
 /// are lent and read into, and nothing is kept whatever the bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn free_buffers_kept_for_reuse_stay_within_the_configured_bytes() {
