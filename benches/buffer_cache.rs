@@ -4,7 +4,7 @@
 //! ```text
 //! cargo bench --bench buffer_cache -- --provider shm
 //! cargo bench --bench buffer_cache -- --provider shm --sizes 1048576,4194304 --caps 67108864,16777216,0
-//! cargo bench --bench buffer_cache -- --provider verbs --ip 10.10.0.1   # soft-RoCE: see the README
+//! cargo bench --bench buffer_cache -- --provider verbs --ip 10.10.0.1   # soft-RoCE: docs/rdma.md
 //! ```
 //!
 //! Per payload size and bound: eight tasks each echo `256 MiB / size / 8` (at least 4) calls

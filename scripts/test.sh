@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: lints, every test on the default software provider (tcp), the same
+# The whole test suite: lints, every test on the default software provider (tcp; the docs check
+# among them: README.md within 250 lines, its and docs/guide.md's Rust blocks run as doctests,
+# every relative link in the Markdown resolving, tests/docs.rs), the same
 # provider-neutral suites on the shared-memory provider (shm), then the
 # transport conformance suite and the RPC end-to-end suite on real verbs: soft-RoCE (rdma_rxe,
 # device rxe0) inside a qemu VM booted from Debian's kernel (scripts/rxe-vm.sh), and a smoke run
@@ -48,9 +50,8 @@ read -r shmc_pass shmc_fail < <(count "$LOG/shm-conf.log")
 step "conformance, RPC end-to-end, registered buffers, shutdown, isolation, #[service] and examples suites on provider verbs (rxe0, soft-RoCE in a qemu VM)"
 # One boot runs every test binary below (scripts/vm-lane.sh inside the guest); the examples'
 # binaries go to /examples, where tests/examples.rs looks for them (next to its own directory).
-# They are built with the `vm` profile (Cargo.toml: dev's checks, optimized): under emulation the
-# RPC suite took 712 s unoptimized and 166 s so (2026-12-03), for about 6 minutes more building
-# from a clean clone.
+# They are built with the `vm` profile (Cargo.toml: dev's checks, optimized): under emulation an
+# unoptimized build runs several times slower (docs/decisions.md).
 cargo build --quiet --profile vm --examples || fail=1
 vm_tests=(conformance e2e registered shutdown isolation service examples)
 bins=$(cargo test --profile vm -p rdma-rpc-transport -p rdma-rpc-core -p rdma-rpc "${vm_tests[@]/#/--test=}" \
@@ -66,17 +67,12 @@ for e in echo logsync kv lock; do vm_files+=(-f "target/vm/examples/$e:/examples
 if ((${#vm_names[@]} != ${#vm_tests[@]})); then
     verbs_pass=0; verbs_fail=1; vconf_pass=0
 else
-    # The lane's own budget: the unoptimized RPC suite took 591-863 s of it under emulation
-    # (2026-12-03), the whole lane 808-1,088 s; built with the `vm` profile the lane took 163 s.
-    # 900 s leaves room for a machine five times slower and keeps the whole run under 40
-    # minutes even if the VM hangs; each binary's time is printed (vm-lane.sh), with the least
-    # memory the guest had available while it ran and, for one ended by a signal, the guest
-    # kernel's lines on it (an out-of-memory kill names itself there).
-    # 4 GiB of guest RAM, not the recipe's 2: the guest holds every binary above (about
-    # 200 MB) in its initramfs, and the RPC suite alone left as little as 0.7 of 2 GiB
-    # available (sampled every 2 s, 2026-12-04); one run of the lane that night had its
-    # 64 MiB payload test killed midway (SIGKILL, no reason printed then: out of memory is
-    # the likely one), with nothing else failing.
+    # The lane's own budget: 900 s leaves room for a machine several times slower than the
+    # lane needs and keeps the whole run well under CI's limit even if the VM hangs; each
+    # binary's time is printed (vm-lane.sh), with the least memory the guest had available while
+    # it ran and, for one ended by a signal, the guest kernel's lines on it (an out-of-memory
+    # kill names itself there). 4 GiB of guest RAM: the guest holds every binary above in its
+    # initramfs, and the RPC suite's large payloads need the rest.
     RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-900} RXE_VM_MEM=${RXE_VM_MEM:-4G} \
         scripts/rxe-vm.sh -e RDMA_RPC_PROVIDER=verbs -e RDMA_RPC_TEST_IP=10.10.0.1 "${vm_files[@]}" \
         scripts/vm-lane.sh "${vm_names[@]}" 2>&1 | tee "$LOG/verbs.log"
@@ -163,19 +159,17 @@ if [[ -n $bench_bin ]]; then
         echo "the crossover lines are wrong:"; echo "$band"; echo "$from"; fail=1
     fi
 fi
-# A ratio on its target's line from --rows of made-up rows (send 1 us each way, rpc-body 3.004,
-# 2.996 and 2.9 us a round trip): 1.502x misses and 1.498x meets 1.5x, each with the third
-# decimal that tells them apart; 1.45x keeps two.
+# The summary reports ratios and judges none: from --rows of made-up rows (send 1 us each way,
+# rpc-body 3.004 us a round trip) it prints the ratio, and no "target", "met" or "NOT met".
 if [[ -n $bench_bin ]]; then
     lrow() { printf '{"mode":"%s","convention":"%s","bytes":64,"iterations":10,"t_min":1,"t_max":9,"t_typical":%s,"t_avg":1,"t_stdev":0,"p99":1,"p999":1,"mb_per_s":1,"cpu_us_per_op":1,"round_p50":[]}' "$@"; }
-    line() { printf '[%s,%s]' "$(lrow send HalfRtt 1.0)" "$(lrow rpc-body Rtt "$1")" > "$LOG/line.json"; "$bench_bin" --rows "$LOG/line.json" --summary 2>&1; }
-    over=$(line 3.004) under=$(line 2.996) clear=$(line 2.9)
-    if grep -q 'the same: worst 1.502x at 64 B (target <= 1.5x): NOT met' <<< "$over" &&
-        grep -q 'the same: worst 1.498x at 64 B (target <= 1.5x): met' <<< "$under" &&
-        grep -q 'the same: worst 1.45x at 64 B (target <= 1.5x): met' <<< "$clear"; then
-        echo "--rows: a ratio on its target's line printed with the decimal that decides it"
+    printf '[%s,%s]' "$(lrow send HalfRtt 1.0)" "$(lrow rpc-body Rtt 3.004)" > "$LOG/line.json"
+    line=$("$bench_bin" --rows "$LOG/line.json" --summary 2>&1)
+    if grep -q 'the same: worst 1.50x at 64 B$' <<< "$line" && ! grep -qiE 'target|\bmet\b' <<< "$line" &&
+        ! grep -qiE 'target|\bmet\b' "$LOG/smoke-shm.txt" "$LOG/smoke-tcp.txt"; then
+        echo "--rows --summary: ratios reported, none judged (nor in the smoke runs)"
     else
-        echo "the ratios on the line are printed wrong:"; echo "$over"; echo "$under"; echo "$clear"; fail=1
+        echo "the summary judges or misprints a ratio:"; echo "$line"; grep -iE 'target|\bmet\b' "$LOG"/smoke-*.txt; fail=1
     fi
 fi
 # The steal line from --rows of made-up rows: the median over the rows that have a figure (0,
@@ -216,7 +210,7 @@ if [[ -n $bench_bin ]]; then
     # The same rounds with no steal in any: no steal note.
     sed 's/"round_steal_pct":\[[^]]*\]/"round_steal_pct":[0.0,0.4,null]/g' "$LOG/rounds.json" > "$LOG/rounds-calm.json"
     rcalm=$("$bench_bin" --rows "$LOG/rounds-calm.json" --summary 2>&1)
-    if grep -q 'worst 1.50x, 150.00x, 1.40x$' <<< "$rcalm" && grep -q 'worst 1.40x at 64 B (target <= 1.5x): met; round by round, each on connections of its own: worst 1.50x, 150.00x, 1.40x (the hypervisor.s steal while those rows were timed: 1%, 48%, 2%)$' <<< "$rounds" &&
+    if grep -q 'worst 1.50x, 150.00x, 1.40x$' <<< "$rcalm" && grep -q 'worst 1.40x at 64 B; round by round, each on connections of its own: worst 1.50x, 150.00x, 1.40x (the hypervisor.s steal while those rows were timed: 1%, 48%, 2%)$' <<< "$rounds" &&
         grep -q '"round_steal_pct"' "$LOG/smoke-shm.json"; then
         echo "--rows --summary: each round's worst ratio with the steal in its rows, from made-up rows (and the steal in the smoke run's JSON)"
     else

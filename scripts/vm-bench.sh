@@ -2,7 +2,7 @@
 # Runs inside the soft-RoCE VM (busybox sh): perftest's ib_send_lat, ib_write_lat and
 # ib_read_lat on rxe0 (loopback, GID index 1 = the IPv4 RoCE v2 GID), a short sweep of the
 # latency harness on provider verbs in the same boot (tarpc over the guest's loopback TCP too:
-# the RPC / tarpc verdict on verbs), perftest once more, then the harness's
+# the RPC / tarpc ratio on verbs), perftest once more, then the harness's
 # ratios to perftest's medians of the two passes (the emulator's speed drifts over a boot:
 # perftest before and after brackets our sweep instead of timing one phase of it).
 #   vm-bench.sh LATENCY_BINARY [SIZES] [ITERS] [COMPLETION MODE of the RPC driver, default spin]

@@ -1,7 +1,5 @@
-//! The machine a sweep runs on, named in its header: the same code's figures differ with the
-//! processor (on `shm`, `rpc-body` / raw was 1.1-1.6x over the sizes of two main jobs on one
-//! kind of 2-core VM and 1.2-2.3x on another, `bench-results/NOTES.md`), so every recorded
-//! table says where it was measured, and how much of the run's CPU time the hypervisor took
+//! The machine a sweep runs on, named in its header: the same code's figures, and its ratios,
+//! differ with the processor, so every recorded table says where it was measured, and how much of the run's CPU time the hypervisor took
 //! (steal): on a shared host a row measured while the guest's CPUs wait for theirs has
 //! medians several times its neighbours'.
 

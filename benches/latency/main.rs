@@ -55,7 +55,7 @@ const ALL_MODES: &[&str] = &[
 ];
 
 /// The sizes a mode is measured at: one for `atomic` and `spin-word` (8 B, the word),
-/// `send-event` (64 B, beside the event-mode RPC target) and `wake` (no payload), the sweep's
+/// `send-event` (64 B, beside the event-mode RPC) and `wake` (no payload), the sweep's
 /// for the others.
 fn mode_sizes(mode: &str, sizes: &[usize]) -> Vec<usize> {
     match mode {
@@ -139,7 +139,7 @@ struct Args {
     #[arg(long, default_value_t = 20)]
     raw_spin_us: u64,
     /// Raw Send and Write ping-pongs: one request in this many asks for a completion, as
-    /// perftest's `cq_mod` (1: every one, as this harness did before 2026-12-03).
+    /// perftest's `cq_mod` (1: every one).
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=256))]
     raw_cq_mod: u32,
     /// Receives each side of the raw Send ping-pongs keeps posted; `rpc-body` posts as many

@@ -15,29 +15,23 @@ pub enum CompletionMode {
     /// Keep the budget above what waking a sleeping thread costs on the host. With less, a
     /// client and a server can fall into a rhythm in which each goes to sleep just before the
     /// other's message arrives, and every call then pays two wake-ups. On KVM guests whose idle
-    /// vCPUs halt at once (`guest_halt_poll_ns` 0) a wake-up takes tens of microseconds: with
-    /// 50 µs, 8 of 240 fresh connections in the README's measurement ran most of their calls
-    /// at 60-120 µs instead of about 1 µs; with the default 200 µs, none did.
+    /// vCPUs halt at once (`guest_halt_poll_ns` 0) a wake-up takes tens of microseconds, so a
+    /// budget much below the default risks that rhythm there (`docs/guide.md`, "Completion modes").
     ///
     /// On the shm provider a poller stops spinning at once when the peer's poller runs on its
     /// own core ([`peer_shares_cpu`](crate::transport::QueuePair::peer_shares_cpu)):
-    /// spinning there only keeps the peer from answering, and a call then took two whole
-    /// budgets (about 420 µs; 12-17 µs with the two ends sleeping instead, in the README's
-    /// measurement). A server's connection first moves its thread to another CPU the thread
+    /// spinning there only keeps the peer from answering, and a call would take two whole
+    /// budgets. A server's connection first moves its thread to another CPU the thread
     /// may run on ([`leave_peer_cpu`](crate::transport::QueuePair::leave_peer_cpu); the
     /// thread's affinity mask is the same afterwards, and a thread pinned to one CPU stays),
-    /// at most once per 10 ms, and both ends then spin apart: Linux had left the two taking
-    /// turns on one core for whole connections while the other core idled (17 of 144 fresh
-    /// connections of 3000 calls at 11-25 µs a call on a 2-vCPU guest; none with the move).
-    /// `Spin` always spins.
+    /// at most once per 10 ms, and both ends then spin apart, instead of taking turns on one
+    /// core while another idles. `Spin` always spins.
     ///
     /// On every provider a call or a server connection whose peer was last driven by the very
     /// thread it runs on (a client and its server on one current-thread runtime, as in a
     /// `#[tokio::test]`) does not spin either: the peer cannot answer until it gives the thread
     /// up. The two sides of a connection made within one process find each other in the
-    /// handshake; each notes which thread drove it last. A 64 B echo on one thread took 62 µs
-    /// instead of 454 on `tcp` and 13.8 instead of 37.9 on `shm` (the README, "A client and
-    /// its server on one thread").
+    /// handshake; each notes which thread drove it last.
     Adaptive {
         /// How long to keep spinning after the last completion or command. The clock starts
         /// at the end of the first round of polls that found nothing (256 by a waiting call,
@@ -49,7 +43,7 @@ pub enum CompletionMode {
 }
 
 impl CompletionMode {
-    /// The default budget of [`CompletionMode::Adaptive`]: 200 µs, the window Linux itself
+    /// The default budget of [`CompletionMode::Adaptive`]: 200 microseconds, the window Linux itself
     /// polls an idle vCPU for before halting it (`guest_halt_poll_ns`), for the same trade
     /// between the CPU spent waiting and a wake-up's cost.
     pub const DEFAULT_SPIN: Duration = Duration::from_micros(200);
@@ -94,14 +88,11 @@ pub enum Isolation {
 pub struct Config {
     /// Receive slots each side keeps posted (the credit window): how many messages the peer
     /// may send before it waits for credits. A deep ring absorbs bursts of calls; each slot it
-    /// cycles through is memory the CPUs' caches must hold. On `shm`, where the two sides are
-    /// cores of one host, a ring of 16 answered calls whose bodies stay in their slots
-    /// ([`Client::call_buf_body`](crate::Client::call_buf_body) to a
-    /// [`handler_buf`](crate::ServerBuilder::handler_buf)) in 1.36-1.50 µs at 1-4 KiB, against
-    /// 1.56-1.85 µs with the default 64, while a ping-pong copying every message out was
-    /// quicker with 64 (2-4 KiB: 1.13-1.23 µs against 1.21-1.47 µs each way): see `--raw-ring`
-    /// of the latency benchmark in the README. Within [`Config::RING_RANGE`] (2..=4096); the
-    /// two sides of a connection use the smaller of their rings.
+    /// cycles through is memory the CPUs' caches must hold, so on `shm` a shallower ring can
+    /// be quicker for bodies left in their slots (measure with the latency benchmark's
+    /// `--raw-ring`). Each slot is one piece of 32 KiB and its header, on each side. Within
+    /// [`Config::RING_RANGE`] (2..=4096); the two sides of a connection use the smaller of
+    /// their rings.
     pub ring: u32,
     /// Payloads up to this size travel inside Sends (one per
     /// [`FRAGMENT`](crate::proto::FRAGMENT) bytes: receive slots stay that small whatever the
@@ -193,13 +184,9 @@ pub struct Config {
     /// bookkeeping (`verbs`, `shm`), a large `Vec` payload goes through a buffer registered
     /// for the connection, and one kept spares the next call of that size a registration.
     /// Beyond this, a buffer a call is done with is deregistered: on `verbs` its memory is
-    /// unpinned and goes back to the allocator. Without a bound, eight concurrent 32 MiB
-    /// echoes left 452 MiB registered on an idle connection (both sides, rings included;
-    /// `shm` with the 16 KiB threshold `verbs` suggests); with this default, 68 MiB
-    /// (`cargo bench --bench buffer_cache -- --sizes 33554432 --caps
-    /// 18446744073709551615,67108864`). Keeping fewer costs
-    /// throughput where registering is slow: see NOTES.md. It counts
-    /// per connection and side, so a server holds up to
+    /// unpinned and goes back to the allocator. Keeping fewer costs throughput where
+    /// registering is slow; `cargo bench --bench buffer_cache` prints what each bound keeps
+    /// registered and the throughput it gives. It counts per connection and side, so a server holds up to
     /// [`max_connections`](Config::max_connections) times this; buffers the application
     /// holds ([`Client::buffer`](crate::Client::buffer)) count only once dropped. A buffer
     /// for an n-byte payload takes the least power of two that holds n, and 24 bytes more (its
@@ -209,8 +196,8 @@ pub struct Config {
 }
 
 /// The switch point verbs suggests, and the one a configuration falls back to where no device
-/// resolved it (shm and tcp suggest higher ones: see [`Config::eager_threshold`]). See the
-/// README for how they were measured and how to measure your own.
+/// resolved it (shm and tcp suggest higher ones: see [`Config::eager_threshold`]). The
+/// latency benchmark's `rpc-eager` and `rpc-rendezvous` modes measure your own.
 pub const DEFAULT_EAGER_THRESHOLD: usize = 16 * 1024;
 
 impl Default for Config {

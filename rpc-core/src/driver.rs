@@ -33,8 +33,7 @@ const ID_MASK: u64 = (1 << KIND_SHIFT) - 1;
 
 /// Messages (header included) shorter than this are copied out of their receive slot even for
 /// an application that takes bodies in place ([`Body`](crate::Body)): below it the copy costs
-/// less than lending the slot and taking it back (measured on shm: in place wins from about
-/// 1 KiB, loses at 64 and 256 bytes).
+/// less than lending the slot and taking it back.
 pub const IN_SLOT_MIN: usize = 512;
 
 /// One Send in this many is signaled; the send pool holds more buffers than that.
@@ -43,9 +42,8 @@ const SIGNAL_EVERY: u32 = 8;
 /// Bytes of Sends one [`Conn::send_pending`] posts at most before it returns (the message that
 /// crosses the line goes whole): a long message's pieces then leave one at a time between
 /// the connection's polls, and a short call made or answered meanwhile goes after the next
-/// piece, not after all the pieces the credits allow (64 slots of 32 KiB: on `shm` the sender
-/// copies each, and a short call behind a 4 MiB echo waited about 0.8 ms; one piece per turn,
-/// about 50 µs; see `rpc-behind` in the README). Whoever drives the connection posts the rest
+/// piece, not after all the pieces the credits allow (64 slots of 32 KiB, each a copy on
+/// `shm`; the benchmark's `rpc-behind` mode measures it). Whoever drives the connection posts the rest
 /// before it sleeps ([`Conn::more_to_post`]).
 const FLUSH_BYTES: usize = crate::proto::FRAGMENT;
 
@@ -873,10 +871,10 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
                 budget.restart();
             } else if matches!(mode, CompletionMode::Adaptive { .. }) && conn.peer_shares_cpu() {
                 // The peer's poller is on this core: spinning only keeps it from running
-                // (both budgets spent per round trip, 0.4 ms). Move to another core, where both
+                // (both budgets spent per round trip). Move to another core, where both
                 // can spin (at most once per `MOVE_EVERY`: a peer that keeps following is
                 // left to sleeping); else sleep now, and the scheduler may keep the two on one
-                // core a while longer (see the README, Adaptive).
+                // core a while longer (docs/guide.md, "Completion modes").
                 if moved.is_none_or(|t| t.elapsed() >= MOVE_EVERY) && conn.leave_peer_cpu() {
                     moved = Some(Instant::now());
                     tracing::trace!("moved off the client's CPU");

@@ -4,7 +4,7 @@
 //! after the transfer ended, past the end of a buffer, at random rkeys. Each must fail with a
 //! remote access error and move no byte. A peer that ignores the server's limit on requests
 //! served at once gets the excess refused, unrun. Runs on the provider named by `RDMA_RPC_PROVIDER`
-//! (tcp; verbs on rxe0 in the VM lane).
+//! (tcp and shm in `scripts/test.sh`; verbs on rxe0 in the VM lane).
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};

@@ -80,8 +80,8 @@ pub struct DeviceCaps {
     /// the peer moves one-sided (an RDMA Read) on this provider, as the benchmark harness
     /// measures it (`recommended eager_threshold`); RPC layers take it as their default switch
     /// point. 16 KiB on verbs, where a NIC's Read spares the CPUs the copies; 128 MiB on shm,
-    /// where both are CPU copies and the Read adds round trips and a copy of the whole payload
-    /// (eager won at every size from 1 to 128 MiB in our runs, the largest measured); 128 KiB
+    /// where both are CPU copies and the Read adds round trips and a copy of the whole payload;
+    /// 128 KiB
     /// on tcp, where a rendezvous lends and reads into the application's vectors as they are
     /// ([`DeviceCaps::cheap_registration`]) and so copies nothing in user space, where eager
     /// copies into and out of its pieces.
@@ -188,7 +188,7 @@ impl Device {
         })
     }
 
-    /// The provider's name: `tcp` or `verbs`.
+    /// The provider's name: `tcp`, `shm` or `verbs`.
     pub fn provider(&self) -> &'static str {
         match self.inner.spec {
             ProviderSpec::Tcp => "tcp",

@@ -8,6 +8,8 @@
 //!
 //! Providers, chosen at run time by spec (`RDMA_RPC_PROVIDER`, default `tcp`):
 //! - `tcp`: software RC over TCP, a faithful model of the NIC for any two hosts;
+//! - `shm`: software RC through shared memory, for processes on one host (one-sided operations
+//!   and Sends run by the initiator on the peer's mapped memory);
 //! - `verbs`, `verbs:<device>`: real libibverbs + librdmacm (ConnectX, soft-RoCE rxe, ...),
 //!   with the cargo feature `verbs` (on by default).
 //!

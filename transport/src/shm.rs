@@ -108,10 +108,9 @@ pub(crate) fn caps() -> DeviceCaps {
         max_qp_wr: 16384,
         max_cqe: 1 << 20,
         max_mr_size: arena::MAX_MR,
-        // Measured (bench, provider shm): eager (in pieces, through warm receive slots) beats
-        // rendezvous of a copied Vec at every size from 1 to 128 MiB, by 1.5-2x from 1 to 16 MiB.
-        // Short calls go between the pieces of a long message, so one waits about a piece or
-        // two behind it, not for all of it (25-50 us behind 1-16 MiB: `rpc-behind`, README).
+        // Eager (in pieces, through warm receive slots) beats rendezvous of a copied Vec at
+        // every size measured, up to 128 MiB (docs/decisions.md). Short calls go between the
+        // pieces of a long message, so one waits a piece or two behind it, not for all of it.
         eager_hint: 128 << 20,
         progress_threads: false,
         cheap_registration: false,

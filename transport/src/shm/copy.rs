@@ -8,18 +8,11 @@ const HEAD: usize = 256;
 /// Messages longer than this are copied in two parts, `HEAD` and the rest.
 ///
 /// Why: glibc's `memcpy` copies by `rep movsb` from 2112 bytes on processors with FSRM
-/// (`glibc.cpu.x86_rep_movsb_threshold`, 0x840). On an AMD EPYC guest (family 26, model 2) the
-/// core that read the head of a message copied that way next waited longer for it: a raw 4 KiB
-/// Send ping-pong whose receivers read 8 bytes of each message took 0.42-0.43 µs a half round
-/// trip with one copy and 0.35-0.39 µs with the head apart, the `rpc-body` round trip
-/// 1.07-1.09 against 0.92-0.95 µs; where the receiver copies all of it out (`send-copy`, the
-/// `Vec` API) the two were even within the runs' noise (1.41-1.46 against 1.45-1.46 µs for the
-/// 4 KiB echo RPC). Heads of 128 bytes did less (`rpc-body` 1.00-1.06 µs), of 512 and 1024
-/// about as much as 256. Three interleaved runs of each on one binary (the copy chosen by an
-/// environment variable for the experiment, so that code layout, which moves 4 KiB rows by
-/// itself, could not differ), `--modes send,send-head,send-copy,rpc,rpc-body --sizes
-/// 3072,4096,8192 --seconds 5 --rounds 2`, leaving out rows caught in the one-core trap (several
-/// times their neighbours). Up to 2 KiB glibc copies by vector stores either way.
+/// (`glibc.cpu.x86_rep_movsb_threshold`, 0x840). On some processors the core that reads the
+/// head of a message copied that way waits longer for it; copying the head on its own, by
+/// vector stores, spares the receiver that wait where it reads the header first, and costs
+/// nothing measurable where it copies everything out (docs/decisions.md). Up to 2 KiB glibc
+/// copies by vector stores either way.
 const SPLIT_ABOVE: usize = 2048;
 
 /// Copies `len` bytes from `src` to `dst`, the first `HEAD` of a long message on their own.

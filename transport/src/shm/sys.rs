@@ -265,10 +265,8 @@ pub(crate) fn leave_cpu(cpu: u32) -> bool {
 const HEAD_LINES: usize = 4;
 
 /// Messages up to this long are covered whole: a receiver most often copies a short message out
-/// whole (rdma-rpc copies bodies under 512 bytes with their header out of the slot; covering
-/// only the first 4 lines left the 5th to cross cores on demand: the echo RPC took 0.2 µs longer
-/// at 240 B than at 232 B, and a 256 B echo went from 1.56-1.61 µs to 1.27-1.35 µs when covered
-/// whole, in three interleaved runs).
+/// whole (rdma-rpc copies bodies under 512 bytes with their header out of the slot), and a
+/// line left uncovered crosses cores on demand, on the receiver's path (docs/decisions.md).
 const WHOLE: usize = 512;
 
 /// How many lines from the one holding `addr` reach the one holding byte `addr + len - 1`:

@@ -7,9 +7,7 @@
 //! the CQ's socket set registered with the task's runtime, the same arrival wakes both at once,
 //! and the task's next poll reads the socket itself when the reader thread has not taken the
 //! frame yet (`engine/progress.rs`: a polling thread reads the link when the reader is free).
-//! The README's "tcp: a task that sleeps on a CQ" has the measurements (alternating builds of
-//! `latency --provider tcp --modes rpc-event,rpc-one-thread,send-event,...`): the 64 B RPC in
-//! event mode and one whose client and server share a thread took about half as long.
+//! One wake-up per message instead of two (docs/decisions.md).
 //!
 //! The reader thread still watches the socket while a CQ is armed, as before: it handles what
 //! a poll may not (frames for a registration the application holds, long bodies), and it
@@ -34,9 +32,7 @@ pub(super) struct Watch {
     /// completion since. The next wait then sleeps on the doorbell alone: what arrived is part
     /// of a longer message, or something a poll may not take (the reader thread's to handle,
     /// which it does while a CQ is armed, and rings the doorbell), and waking again at each
-    /// further arrival would only have the two threads take turns on the socket (a 1 MiB Read
-    /// that waits took 307-311 µs so, against 180-303 µs before the waiter watched the sockets,
-    /// in three alternating pairs).
+    /// further arrival would only have the two threads take turns on the socket.
     woke_on_sockets: AtomicBool,
 }
 

@@ -16,8 +16,9 @@ use crate::{Error, QpOptions, Result};
 const RDMA_OPTION_ID: i32 = 0;
 const RDMA_OPTION_ID_ACK_TIMEOUT: i32 = 3;
 /// Local ACK timeout exponent: 4.096 µs × 2^18 ≈ 1.07 s per try (a 16 MiB RDMA Read on
-/// soft-RoCE under emulation needs more than 2^14 ≈ 67 ms); with 7 retries a silent peer
-/// becomes RETRY_EXC_ERR in about half a second.
+/// soft-RoCE under emulation needs more than 2^14 ≈ 67 ms). With `RETRY_COUNT` 7 a ConnectX
+/// NIC declares a silent peer dead (RETRY_EXC_ERR) after about 8 s; rxe treats 7 as
+/// "retry forever".
 const ACK_TIMEOUT: u8 = 18;
 const RETRY_COUNT: u8 = 7;
 /// RNR retries: 6 (7 would mean "forever").

@@ -36,10 +36,8 @@ use crate::tcp::wire::{DataHead, Frame, MAX_BODY};
 /// that polls less often leaves the socket to the reader thread. The price of the pollers' speed:
 /// while an application polls at least this often, what arrives for it waits for its next poll
 /// (and so does the acknowledgement its peer's completion waits for), where a NIC would handle it
-/// at once. Measured on the tcp sweep: shorter gaps hand more of a large message's frames to the
-/// reader thread mid-transfer (4 MiB RPC 2.6-2.7 ms at 1 ms, 2.7-2.9 at 200 us, 3.0-3.3 at
-/// 50 us); a backup that polls every 200 us between slow applies (the logsync example) gets its
-/// primary's Writes acknowledged at its own pace, with the same throughput.
+/// at once. Shorter gaps hand more of a large message's frames to the reader thread
+/// mid-transfer, which slows large RPCs (docs/decisions.md).
 const SPIN_GAP: Duration = Duration::from_micros(200);
 
 /// How long the reader thread leaves the socket to spinning pollers before it looks again:
@@ -57,9 +55,8 @@ const DISTRUST: Duration = Duration::from_secs(1);
 
 /// The longest payload a poll lands while a waiter sleeps on one of the QP's CQs (it woke
 /// because the socket had something: `tcp/watch.rs`); a longer one is the reader thread's,
-/// which watches the socket then too. With the waiter's thread landing long payloads as well,
-/// a 1 MiB Read that waits took 283 µs against 224 µs before the waiter watched the sockets;
-/// with this limit 240 against 220 (medians of five alternating runs each).
+/// which watches the socket then too: the waiter's thread landing long payloads as well slowed
+/// large Reads that wait.
 const POLLER_LANDS_MAX: usize = 64 << 10;
 
 /// Frames one poll takes at most (the rest waits for the next poll, or the reader thread).
