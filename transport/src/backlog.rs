@@ -1,6 +1,8 @@
 //! Connection requests whose handshake is complete, for the software providers' listeners: an
 //! acceptor thread takes connections, a thread per connection reads its handshake (bounded),
-//! and `accept` hands out the complete ones. A slow or silent client never holds up others.
+//! and `accept` hands out the complete ones. A slow or silent client never holds up others:
+//! when every handshake slot is taken, the oldest handshake in progress is cut off to make
+//! room, so clients that trickle their handshake cannot keep a prompt one out.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -11,8 +13,11 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::{Error, Result};
 
-/// Handshakes read at once; connections beyond are closed at once (a connect flood).
+/// Handshakes read at once; a connection beyond cuts the oldest one in progress off.
 const MAX_HANDSHAKES: usize = 256;
+
+/// Cuts a handshake in progress off (shuts its connection down, so that its read returns).
+pub(crate) type Interrupt = Box<dyn Fn() + Send + Sync>;
 
 /// Why a connection is refused that came while this process had no file descriptor left.
 pub(crate) const OUT_OF_FDS: &str = "its process is out of file descriptors (RLIMIT_NOFILE): raise its limit \
@@ -31,11 +36,14 @@ pub(crate) struct Backlog<R> {
     cv: Condvar,
     closed: AtomicBool,
     handshakes: AtomicUsize,
+    /// The handshakes in progress, oldest first, each with its number and how to cut it off.
+    in_progress: Mutex<VecDeque<(u64, Interrupt)>>,
 }
 
 impl<R: Send + 'static> Backlog<R> {
     /// Starts the acceptor thread: `next` blocks for the next connection (`None` once the
-    /// listener is shut down), `handshake` turns one into a request (on its own thread).
+    /// listener is shut down), `handshake` turns one into a request (on its own thread), and
+    /// `interrupt` gives what cuts that handshake off when a newer one needs its slot.
     ///
     /// A process out of file descriptors cannot take a connection, which would wait in the
     /// kernel's queue until its peer gives up. The acceptor keeps one descriptor in reserve
@@ -45,6 +53,7 @@ impl<R: Send + 'static> Backlog<R> {
         name: &str,
         mut next: impl FnMut() -> Option<std::io::Result<C>> + Send + 'static,
         handshake: impl Fn(C) -> Result<R> + Send + Sync + 'static,
+        interrupt: impl Fn(&C) -> Interrupt + Send + 'static,
         refuse: impl Fn(C) + Send + 'static,
     ) -> Result<Arc<Self>> {
         let open_spare = || std::fs::File::open("/dev/null").ok();
@@ -54,7 +63,9 @@ impl<R: Send + 'static> Backlog<R> {
             cv: Condvar::new(),
             closed: AtomicBool::new(false),
             handshakes: AtomicUsize::new(0),
+            in_progress: Mutex::new(VecDeque::new()),
         });
+        let mut next_id = 0u64;
         let (b, handshake) = (backlog.clone(), Arc::new(handshake));
         std::thread::Builder::new()
             .name(format!("{name}-accept"))
@@ -83,14 +94,26 @@ impl<R: Send + 'static> Backlog<R> {
                     }
                 };
                 if b.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
-                    b.handshakes.fetch_sub(1, Ordering::AcqRel);
-                    continue; // dropped: closed
+                    // Full: the oldest handshake gives way (its thread ends and frees its slot).
+                    // A prompt client is done long before 256 newer ones arrive; one that
+                    // trickles its hello is not.
+                    if let Some((_, cut)) = b.in_progress.lock().pop_front() {
+                        cut();
+                    } else {
+                        b.handshakes.fetch_sub(1, Ordering::AcqRel);
+                        continue; // dropped: closed
+                    }
                 }
+                next_id += 1;
+                let id = next_id;
+                b.in_progress.lock().push_back((id, interrupt(&conn)));
                 let (b2, h) = (b.clone(), handshake.clone());
                 let spawned = std::thread::Builder::new()
                     .name("rdma-rpc-handshake".into())
                     .spawn(move || {
-                        match h(conn) {
+                        let result = h(conn);
+                        b2.in_progress.lock().retain(|(i, _)| *i != id);
+                        match result {
                             Ok(req) if !b2.closed.load(Ordering::Acquire) => {
                                 b2.queue.lock().push_back(req);
                                 b2.cv.notify_one();
@@ -101,6 +124,7 @@ impl<R: Send + 'static> Backlog<R> {
                         b2.handshakes.fetch_sub(1, Ordering::AcqRel);
                     });
                 if spawned.is_err() {
+                    b.in_progress.lock().retain(|(i, _)| *i != id);
                     b.handshakes.fetch_sub(1, Ordering::AcqRel);
                 }
             })

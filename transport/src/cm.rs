@@ -105,7 +105,7 @@ impl Listener {
     pub fn bind(device: &Device, addr: SocketAddr) -> Result<Self> {
         let imp = match &device.inner.imp {
             DeviceImpl::Tcp => ListenerImpl::Tcp(crate::tcp::Listener::bind(addr)?),
-            DeviceImpl::Shm => ListenerImpl::Shm(crate::shm::cm::Listener::bind(addr)?),
+            DeviceImpl::Shm { any_user } => ListenerImpl::Shm(crate::shm::cm::Listener::bind(addr, *any_user)?),
             #[cfg(feature = "verbs")]
             DeviceImpl::Verbs(ctx) => ListenerImpl::Verbs(crate::verbs::Listener::bind(ctx, addr)?),
         };
@@ -367,14 +367,14 @@ pub fn connect_with_recvs(
             let (qp, num, p) = crate::tcp::connect(addr, opts, private_data, timeout)?;
             (QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), Pending::Tcp(p))
         }
-        DeviceImpl::Shm => {
+        DeviceImpl::Shm { any_user } => {
             let addr = addr
                 .to_socket_addrs()
                 .map_err(|e| Error::io("resolving the address", e))?
                 .next()
                 .ok_or_else(|| Error::InvalidArgument("address resolves to nothing".into()))?;
             let side = crate::shm::side(opts)?;
-            let (j, data) = crate::shm::cm::connect(addr, side, private_data, timeout)?;
+            let (j, data) = crate::shm::cm::connect(addr, side, private_data, timeout, *any_user)?;
             let (qp, num) = crate::shm::start(j.link, j.peer, j.own_rq, opts)?;
             (
                 QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()),

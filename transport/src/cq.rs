@@ -117,7 +117,7 @@ impl CompletionQueue {
         }
         let imp = match &device.inner.imp {
             // shm QPs run the tcp provider's engine: the same software CQ.
-            DeviceImpl::Tcp | DeviceImpl::Shm => CqImpl::Tcp(Arc::new(crate::tcp::Cq::new(depth)?)),
+            DeviceImpl::Tcp | DeviceImpl::Shm { .. } => CqImpl::Tcp(Arc::new(crate::tcp::Cq::new(depth)?)),
             #[cfg(feature = "verbs")]
             DeviceImpl::Verbs(ctx) => CqImpl::Verbs(crate::verbs::Cq::new(ctx, depth)?),
         };

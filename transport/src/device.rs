@@ -9,14 +9,20 @@ use crate::{Error, Result};
 /// The environment variable that names the default provider.
 pub const PROVIDER_ENV: &str = "RDMA_RPC_PROVIDER";
 
-/// Which provider implements the verbs: parsed from `tcp`, `verbs` or `verbs:<device>`.
+/// Which provider implements the verbs: parsed from `tcp`, `shm`, `shm:any-user`, `verbs` or
+/// `verbs:<device>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ProviderSpec {
     /// Software reliable connections over TCP: any two hosts, no RDMA card.
     Tcp,
-    /// Software RDMA through shared memory: processes on one host.
+    /// Software RDMA through shared memory: processes of one user on one host. Connections
+    /// from or to a process of another user are refused.
     Shm,
+    /// As [`ProviderSpec::Shm`], accepting processes of any user on the host (`shm:any-user`).
+    /// Peers then reach the memory of this process's protection domains as any `shm` peer does:
+    /// see the provider's trust model (`docs/guarantees.md`).
+    ShmAnyUser,
     /// Real ibverbs + rdma_cm; `None` picks the first device.
     Verbs(Option<String>),
 }
@@ -27,6 +33,7 @@ impl FromStr for ProviderSpec {
         match s.trim() {
             "tcp" => Ok(ProviderSpec::Tcp),
             "shm" => Ok(ProviderSpec::Shm),
+            "shm:any-user" => Ok(ProviderSpec::ShmAnyUser),
             "verbs" => Ok(ProviderSpec::Verbs(None)),
             other => match other.strip_prefix("verbs:") {
                 Some(dev) if !dev.is_empty() => Ok(ProviderSpec::Verbs(Some(dev.to_owned()))),
@@ -41,6 +48,7 @@ impl fmt::Display for ProviderSpec {
         match self {
             ProviderSpec::Tcp => f.write_str("tcp"),
             ProviderSpec::Shm => f.write_str("shm"),
+            ProviderSpec::ShmAnyUser => f.write_str("shm:any-user"),
             ProviderSpec::Verbs(None) => f.write_str("verbs"),
             ProviderSpec::Verbs(Some(d)) => write!(f, "verbs:{d}"),
         }
@@ -126,13 +134,16 @@ pub(crate) struct DeviceShared {
 
 pub(crate) enum DeviceImpl {
     Tcp,
-    Shm,
+    /// `any_user`: connections from and to processes of other users are accepted.
+    Shm {
+        any_user: bool,
+    },
     #[cfg(feature = "verbs")]
     Verbs(crate::verbs::Context),
 }
 
 impl Device {
-    /// Opens a device by provider spec: `tcp`, `shm`, `verbs` or `verbs:<device>`.
+    /// Opens a device by provider spec: `tcp`, `shm`, `shm:any-user`, `verbs` or `verbs:<device>`.
     ///
     /// # Errors
     /// [`Error::UnknownProvider`] for a bad spec, [`Error::NoDevice`] when verbs finds no device,
@@ -162,11 +173,13 @@ impl Device {
                 imp: DeviceImpl::Tcp,
                 registered: Default::default(),
             },
-            ProviderSpec::Shm => DeviceShared {
+            ProviderSpec::Shm | ProviderSpec::ShmAnyUser => DeviceShared {
                 spec: spec.clone(),
                 name: "shm".to_owned(),
                 caps: crate::shm::caps(),
-                imp: DeviceImpl::Shm,
+                imp: DeviceImpl::Shm {
+                    any_user: *spec == ProviderSpec::ShmAnyUser,
+                },
                 registered: Default::default(),
             },
             #[cfg(feature = "verbs")]
@@ -192,7 +205,7 @@ impl Device {
     pub fn provider(&self) -> &'static str {
         match self.inner.spec {
             ProviderSpec::Tcp => "tcp",
-            ProviderSpec::Shm => "shm",
+            ProviderSpec::Shm | ProviderSpec::ShmAnyUser => "shm",
             ProviderSpec::Verbs(_) => "verbs",
         }
     }

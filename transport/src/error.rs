@@ -9,8 +9,8 @@ use std::io;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The provider spec is not one of `tcp`, `shm`, `verbs` or `verbs:<device>`.
-    #[error("unknown provider {0:?}: use `tcp`, `shm`, `verbs` or `verbs:<device>` (e.g. in RDMA_RPC_PROVIDER)")]
+    /// The provider spec is not one of `tcp`, `shm`, `shm:any-user`, `verbs` or `verbs:<device>`.
+    #[error("unknown provider {0:?}: use `tcp`, `shm`, `shm:any-user`, `verbs` or `verbs:<device>` (e.g. in RDMA_RPC_PROVIDER)")]
     UnknownProvider(String),
     /// The provider exists but was left out of this build.
     #[error("provider {0} is not compiled in: enable the cargo feature `{0}`")]
@@ -94,6 +94,15 @@ pub enum Error {
     /// Nothing was connected.
     #[error("connection rejected by the peer: {0}")]
     RejectedWith(String),
+    /// The `shm` peer is a process of another user, and the device was opened as `shm`, which
+    /// connects processes of one user only. Nothing was connected.
+    #[error("the shm peer runs as uid {peer}, this process as uid {own}: `shm` connects processes of one user; open the device as `shm:any-user` to allow others")]
+    PeerUser {
+        /// The peer's user id.
+        peer: u32,
+        /// This process's effective user id.
+        own: u32,
+    },
     /// The peer did not answer in time.
     #[error("timed out while {0}")]
     Timeout(&'static str),

@@ -238,6 +238,13 @@ impl Drop for Region {
             arena.withdraw(*rkey);
             arena.withdraw(*lkey);
         }
+        #[cfg(feature = "verbs")]
+        if let RegionImpl::Verbs(mr) = &mut self.imp {
+            if !mr.deregister() {
+                // The NIC may still reach the memory: it must never be freed or reused.
+                std::mem::forget(std::mem::replace(self.mem.get_mut(), Mem::Vec(Vec::new())));
+            }
+        }
     }
 }
 

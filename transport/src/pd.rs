@@ -31,7 +31,7 @@ impl ProtectionDomain {
     pub(crate) fn new(device: &Device) -> Result<Self> {
         let imp = match &device.inner.imp {
             crate::device::DeviceImpl::Tcp => PdImpl::Tcp(crate::tcp::Pd::new()),
-            crate::device::DeviceImpl::Shm => PdImpl::Shm(crate::shm::Pd::new()?),
+            crate::device::DeviceImpl::Shm { .. } => PdImpl::Shm(crate::shm::Pd::new()?),
             #[cfg(feature = "verbs")]
             crate::device::DeviceImpl::Verbs(ctx) => PdImpl::Verbs(crate::verbs::Pd::new(ctx)?),
         };

@@ -231,7 +231,7 @@ impl Pd {
         // (see above); the PD is live.
         let mr = unsafe { ibv_reg_mr(self.raw(), addr.cast(), len, access.bits() as i32) };
         NonNull::new(mr)
-            .map(|mr| Mr { mr })
+            .map(|mr| Mr { mr, gone: false })
             .ok_or_else(|| last_os_error("ibv_reg_mr"))
     }
 }
@@ -249,6 +249,8 @@ impl Drop for Pd {
 /// A memory registration.
 pub(crate) struct Mr {
     mr: NonNull<ibv_mr>,
+    /// Deregistered already ([`Mr::deregister`]).
+    gone: bool,
 }
 
 // SAFETY: an ibv_mr is immutable after registration and deregistration happens once, in Drop.
@@ -268,12 +270,29 @@ impl Mr {
     }
 }
 
-impl Drop for Mr {
-    fn drop(&mut self) {
-        // SAFETY: no work request names this memory any more (each holds the Region), freed once.
+impl Mr {
+    /// Deregisters the memory; `false` when the NIC refused, in which case it may still reach
+    /// the memory, which must then never be freed or reused (the caller leaks it).
+    pub(crate) fn deregister(&mut self) -> bool {
+        if self.gone {
+            return true;
+        }
+        self.gone = true;
+        // SAFETY: no work request names this memory any more (each holds the Region); called
+        // once (`gone`).
         let rc = unsafe { ibv_dereg_mr(self.mr.as_ptr()) };
         if rc != 0 {
-            tracing::error!(rc, "ibv_dereg_mr failed");
+            tracing::error!(
+                rc,
+                "ibv_dereg_mr failed: the registration's memory is leaked, not freed"
+            );
         }
+        rc == 0
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        self.deregister();
     }
 }

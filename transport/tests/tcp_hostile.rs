@@ -946,3 +946,61 @@ fn atomics_that_waited_for_a_borrow_keep_their_order() {
     drop(qp);
     assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
 }
+
+/// 256 sockets that trickle their hello a byte every 2 s (never finishing it) fill every
+/// handshake slot of a listener. A prompt client still connects: the oldest trickler gives way.
+/// And each trickler is cut off once its whole handshake has taken the listener's 10 s, however
+/// often its bytes come.
+#[test]
+fn clients_that_trickle_their_handshake_keep_no_one_out_and_are_cut_off() {
+    count_panics();
+    let dev = Device::open("tcp").expect("tcp");
+    let listener = Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let started = Instant::now();
+    let tricklers: Vec<TcpStream> = (0..256)
+        .map(|_| {
+            let s = TcpStream::connect(addr).expect("connect a trickler");
+            s.set_nonblocking(true).expect("nonblocking");
+            s
+        })
+        .collect();
+    // The tricklers' byte every 2 s, from their own thread, until the listener closes them.
+    let writers: Vec<TcpStream> = tricklers.iter().map(|s| s.try_clone().expect("clone")).collect();
+    let trickle = std::thread::spawn(move || {
+        for i in 0..8 {
+            for w in &writers {
+                let _ = (&*w).write(&MAGIC[i % MAGIC.len()..][..1]);
+            }
+            std::thread::sleep(Duration::from_secs(2));
+        }
+    });
+    std::thread::sleep(Duration::from_millis(500)); // every trickler holds its slot now
+    let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(16).expect("cq"));
+    let opts = QpOptions::new(&pd, &cq);
+    let server = std::thread::spawn(move || {
+        listener
+            .accept(Some(WAIT))
+            .expect("the prompt client's request")
+            .accept(&opts, b"")
+            .map(|_qp| ())
+    });
+    let (pd2, cq2) = (dev.alloc_pd().expect("pd"), dev.create_cq(16).expect("cq"));
+    connect(addr, &QpOptions::new(&pd2, &cq2), b"", Duration::from_secs(5)).expect("a prompt client connects");
+    server.join().expect("server thread").expect("accepted");
+    // Every trickler is closed by the listener within its 10 s, with some margin.
+    let mut open = tricklers.len();
+    while open > 0 && started.elapsed() < Duration::from_secs(16) {
+        std::thread::sleep(Duration::from_millis(200));
+        open = tricklers
+            .iter()
+            .filter(|s| {
+                let (mut b, mut r): ([u8; 64], &TcpStream) = ([0u8; 64], s);
+                matches!(r.read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+            })
+            .count();
+    }
+    assert_eq!(open, 0, "tricklers still open after {:?}", started.elapsed());
+    trickle.join().expect("trickle thread");
+    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a provider thread panicked");
+}

@@ -221,7 +221,7 @@ pub(crate) struct PeerArena {
 impl PeerArena {
     /// Maps a peer's arena; refuses one that is not sealed or not of the arena's size.
     pub(crate) fn map(fd: &OwnedFd) -> Result<PeerArena> {
-        let size = sys::sealed_size(fd).map_err(|e| Error::io("checking the peer's arena", e))?;
+        let size = sys::peer_memfd(fd).map_err(|e| Error::io("checking the peer's arena", e))?;
         if size != ARENA {
             return Err(Error::Protocol(format!(
                 "the peer's arena is {size} bytes, not {ARENA}"

@@ -83,10 +83,14 @@ impl Side {
             .map_err(|_| Error::Protocol("the peer sent the wrong descriptors".into()))?;
         let arena = PeerArena::map(&arena_fd)?;
         let peer_rq = PeerRq::map(&rq_fd)?;
-        let size = sys::sealed_size(&inbox_fd).map_err(|e| Error::io("checking the peer's ring", e))?;
-        if size < ring::BYTES as u64 {
-            return Err(Error::Protocol("the peer's ring is too small".into()));
+        let size = sys::peer_memfd(&inbox_fd).map_err(|e| Error::io("checking the peer's ring", e))?;
+        if size != ring::BYTES as u64 {
+            return Err(Error::Protocol(format!(
+                "the peer's ring is {size} bytes, not {}",
+                ring::BYTES
+            )));
         }
+        sys::peer_eventfd(&bell).map_err(|e| Error::io("checking the peer's doorbell", e))?;
         let tx_map =
             Arc::new(Mapping::map(&inbox_fd, ring::BYTES).map_err(|e| Error::io("mapping the peer's ring", e))?);
         let dead = Arc::new(AtomicBool::new(false));
@@ -144,7 +148,8 @@ pub(crate) struct Request {
 }
 
 impl Listener {
-    pub(crate) fn bind(addr: SocketAddr) -> Result<Listener> {
+    /// Binds the endpoint named after `addr`; `any_user` accepts processes of other users.
+    pub(crate) fn bind(addr: SocketAddr, any_user: bool) -> Result<Listener> {
         let mut try_addr = addr;
         let mut attempts = 0;
         let socket = loop {
@@ -164,7 +169,15 @@ impl Listener {
         let backlog = Backlog::start(
             "rdma-rpc-shm",
             move || Some(s.accept()),
-            |(stream, _)| handshake(stream),
+            move |(stream, _)| handshake(stream, any_user),
+            |(stream, _)| {
+                let s = stream.try_clone().ok();
+                Box::new(move || {
+                    if let Some(s) = &s {
+                        let _ = s.shutdown(std::net::Shutdown::Both);
+                    }
+                })
+            },
             |(stream, _)| refuse(&stream, crate::backlog::OUT_OF_FDS.as_bytes()),
         )?;
         Ok(Listener {
@@ -191,7 +204,26 @@ impl Drop for Listener {
     }
 }
 
-fn handshake(stream: UnixStream) -> Result<Request> {
+/// Whether the process at the other end of `stream` may connect: one of this process's user,
+/// or any with `any_user`.
+fn check_user(stream: &UnixStream, any_user: bool) -> Result<()> {
+    let peer = sys::peer_uid(stream).map_err(|e| Error::io("reading the peer's credentials", e))?;
+    let own = sys::own_uid();
+    if any_user || peer == own {
+        Ok(())
+    } else {
+        Err(Error::PeerUser { peer, own })
+    }
+}
+
+fn handshake(stream: UnixStream, any_user: bool) -> Result<Request> {
+    if let Err(e) = check_user(&stream, any_user) {
+        if let Error::PeerUser { peer, own } = e {
+            let reason = format!("uid {peer} is not this server's uid {own}; shm:any-user on the server allows it");
+            refuse(&stream, reason.as_bytes());
+        }
+        return Err(e);
+    }
     stream
         .set_read_timeout(Some(HANDSHAKE))
         .map_err(|e| Error::io("handshake timeout", e))?;
@@ -282,8 +314,11 @@ pub(crate) fn connect(
     mut side: Side,
     private_data: &[u8],
     timeout: Duration,
+    any_user: bool,
 ) -> Result<(Joined, Vec<u8>)> {
     let stream = UnixStream::connect_addr(&name(addr)?).map_err(|e| Error::io("connecting (shm)", e))?;
+    // Any user can bind an abstract name: a server of another user gets none of our memory.
+    check_user(&stream, any_user)?;
     stream
         .set_read_timeout(Some(timeout))
         .map_err(|e| Error::io("setting a handshake timeout", e))?;
@@ -323,5 +358,226 @@ mod tests {
             "{e}"
         );
         assert!(parse_hello(b"RDRPC").is_err(), "too short");
+    }
+
+    /// The four descriptors a side sends, taken from a real side (a protection domain's arena,
+    /// a ring, a receive queue, a CQ's doorbell), as raw descriptors of our own.
+    struct Fds {
+        arena: OwnedFd,
+        inbox: OwnedFd,
+        rq: OwnedFd,
+        bell: OwnedFd,
+        _side: Side,
+    }
+
+    fn device_side() -> Side {
+        let dev = crate::Device::open("shm").expect("shm");
+        let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(16).expect("cq"));
+        crate::shm::side(&crate::QpOptions::new(&pd, &cq)).expect("a side")
+    }
+
+    fn good_fds() -> Fds {
+        let side = device_side();
+        let dup = |fd: std::os::fd::RawFd| {
+            // SAFETY: `fd` is a live descriptor of `side`; dup gives a new one we own.
+            let d = unsafe { libc::dup(fd) };
+            assert!(d >= 0, "dup");
+            // SAFETY: dup returned a fresh descriptor nothing else owns.
+            unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(d) }
+        };
+        let [a, i, r, b] = side.fds();
+        Fds {
+            arena: dup(a),
+            inbox: dup(i),
+            rq: dup(r),
+            bell: dup(b),
+            _side: side,
+        }
+    }
+
+    /// A memfd of `len` bytes made with `flags`, carrying `seals`.
+    fn memfd(flags: libc::c_uint, len: u64, seals: libc::c_int) -> OwnedFd {
+        let name = std::ffi::CString::new("hostile").expect("name");
+        // SAFETY: `name` is NUL-terminated and outlives the call.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), flags | libc::MFD_ALLOW_SEALING) };
+        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+        // SAFETY: a fresh descriptor nothing else owns.
+        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        // SAFETY: plain syscalls on a descriptor we own.
+        unsafe {
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), len as libc::off_t), 0, "ftruncate");
+            if seals != 0 {
+                assert_eq!(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals), 0, "seals");
+            }
+        }
+        fd
+    }
+
+    /// Sends a handshake with `fds` to the listener at `addr` as a raw process would, and
+    /// returns the reply: `Ok(())` for an acceptance, `Err(reason)` for a refusal.
+    fn try_join(addr: SocketAddr, fds: [&OwnedFd; 4]) -> std::result::Result<(), String> {
+        let stream = UnixStream::connect_addr(&name(addr).expect("name")).expect("connect");
+        stream.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        let raw = fds.map(|f| f.as_raw_fd());
+        sys::send_with_fds(&stream, &hello(b""), &raw).expect("send the handshake");
+        let (reply, _fds) = sys::recv_with_fds(&stream, 512).expect("a reply, not a hang");
+        match reply.split_first() {
+            Some((1, _)) => Ok(()),
+            Some((0, reason)) => Err(String::from_utf8_lossy(reason).into_owned()),
+            _ => panic!("malformed reply {reply:?}"),
+        }
+    }
+
+    /// A server that takes `n` connection requests and accepts those that pass its checks.
+    fn serve(listener: Listener, n: usize) -> std::thread::JoinHandle<usize> {
+        std::thread::spawn(move || {
+            let mut joined = 0;
+            for _ in 0..n {
+                let req = listener.accept(Some(Duration::from_secs(20))).expect("a request");
+                if let Ok((j, pending)) = req.accept(device_side()) {
+                    pending.finish(b"").expect("reply");
+                    joined += 1;
+                    drop(j);
+                }
+            }
+            joined
+        })
+    }
+
+    #[test]
+    fn descriptors_that_are_not_plain_sealed_memfds_of_the_right_size_are_refused() {
+        let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        let listener = Listener::bind(addr, false).expect("bind");
+        let addr = listener.local_addr();
+        let server = serve(listener, 8);
+        let g = good_fds();
+        let sealed = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        let huge_arena = memfd(libc::MFD_HUGETLB, super::super::arena::ARENA, sealed);
+        let huge_rq = memfd(libc::MFD_HUGETLB, 2 << 20, sealed);
+        let unsealed_ring = memfd(0, ring::BYTES as u64, 0);
+        let small_arena = memfd(0, super::super::arena::ARENA / 2, sealed);
+        let odd_rq = memfd(0, rq::bytes(4) as u64 + 64, sealed);
+        let [pipe_r, _pipe_w] = {
+            let mut p = [0; 2];
+            // SAFETY: `p` is a valid 2-element out-array.
+            assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+            // SAFETY: fresh descriptors nothing else owns.
+            p.map(|fd| unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+        };
+        let file = tempfile_of(super::super::arena::ARENA);
+        let cases: [(&str, [&OwnedFd; 4], &str); 7] = [
+            (
+                "a hugetlbfs arena",
+                [&huge_arena, &g.inbox, &g.rq, &g.bell],
+                "hugetlbfs",
+            ),
+            (
+                "a hugetlbfs receive queue",
+                [&g.arena, &g.inbox, &huge_rq, &g.bell],
+                "hugetlbfs",
+            ),
+            (
+                "an unsealed ring",
+                [&g.arena, &unsealed_ring, &g.rq, &g.bell],
+                "not sealed",
+            ),
+            (
+                "an arena of the wrong size",
+                [&small_arena, &g.inbox, &g.rq, &g.bell],
+                "arena is",
+            ),
+            (
+                "a receive queue of no valid size",
+                [&g.arena, &g.inbox, &odd_rq, &g.bell],
+                "receive queue is",
+            ),
+            (
+                "a pipe as the doorbell",
+                [&g.arena, &g.inbox, &g.rq, &pipe_r],
+                "not an eventfd",
+            ),
+            // On a tmpfs /tmp a plain file passes as memory, but cannot be sealed.
+            (
+                "a plain file",
+                [&file, &g.inbox, &g.rq, &g.bell],
+                "not a memfd|not sealed",
+            ),
+        ];
+        for (what, fds, says) in cases {
+            match try_join(addr, fds) {
+                Ok(()) => panic!("{what} was accepted"),
+                Err(reason) => assert!(
+                    says.split('|').any(|s| reason.contains(s)),
+                    "{what}: refused, but with {reason:?}"
+                ),
+            }
+        }
+        // The same server, still alive, takes a side whose descriptors are all in order.
+        try_join(addr, [&g.arena, &g.inbox, &g.rq, &g.bell]).expect("a good side is accepted");
+        assert_eq!(
+            server.join().expect("the server thread"),
+            1,
+            "only the good side joined"
+        );
+    }
+
+    /// A regular file of `len` bytes (sparse) on the file system of the temporary directory,
+    /// unlinked: not a memfd.
+    fn tempfile_of(len: u64) -> OwnedFd {
+        let path = std::env::temp_dir().join(format!("rdma-rpc-hostile-{}", crate::tcp::random_u32()));
+        let f = std::fs::File::create(&path).expect("a temporary file");
+        f.set_len(len).expect("set_len");
+        let _ = std::fs::remove_file(&path);
+        f.into()
+    }
+
+    /// A peer that joins properly, then writes a completion into one of our receives with a
+    /// length past the receive's buffer: the receive completes with an error, never with that
+    /// length (which would send the application past its buffer).
+    #[test]
+    fn a_receive_completed_past_its_length_is_an_error() {
+        use crate::{AccessFlags, RecvWr, WcStatus};
+        let dev = crate::Device::open("shm").expect("shm");
+        let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(16).expect("cq"));
+        let listener = crate::Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let opts = crate::QpOptions::new(&pd, &cq);
+        let server = std::thread::spawn(move || {
+            let qp = listener
+                .accept(Some(Duration::from_secs(20)))
+                .expect("a request")
+                .accept(&opts, b"")
+                .expect("accepted");
+            let buf = pd.register(64, AccessFlags::LOCAL_WRITE).expect("buffer");
+            qp.post_recv(RecvWr::new(7, buf))
+                .map_err(|e| e.error)
+                .expect("post a receive");
+            (qp, pd)
+        });
+        // The attacker: a side of its own, then the server's receive queue, mapped.
+        let g = good_fds();
+        let stream = UnixStream::connect_addr(&name(addr).expect("name")).expect("connect");
+        let raw = [&g.arena, &g.inbox, &g.rq, &g.bell].map(|f| f.as_raw_fd());
+        sys::send_with_fds(&stream, &hello(b""), &raw).expect("send the handshake");
+        let (reply, fds) = sys::recv_with_fds(&stream, 512).expect("the reply");
+        assert_eq!(reply.first(), Some(&1), "accepted");
+        let their_rq = PeerRq::map(&fds[2]).expect("the server's receive queue");
+        let (_qp, _pd) = server.join().expect("the server thread");
+        let taken = loop {
+            if let Some(t) = their_rq.take().expect("a sane queue") {
+                break t;
+            }
+            std::thread::yield_now();
+        };
+        assert_eq!(taken.len, 64);
+        let _ = taken.complete(WcStatus::Success, 0, 1 << 20, 0);
+        let mut done = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while done.is_empty() && std::time::Instant::now() < deadline {
+            cq.poll(&mut done, 4).expect("poll");
+        }
+        let c = done.first().expect("the receive completed");
+        assert_eq!((c.wr_id, c.status), (7, WcStatus::LocLenErr), "{c:?}");
+        drop(stream);
     }
 }

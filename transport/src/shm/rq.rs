@@ -265,8 +265,14 @@ pub(crate) struct Taken<'a> {
 
 impl PeerRq {
     pub(crate) fn map(fd: &std::os::fd::OwnedFd) -> Result<PeerRq> {
-        let size = sys::sealed_size(fd).map_err(|e| Error::io("checking the peer's receive queue", e))?;
-        let size = usize::try_from(size).unwrap_or(0).min(bytes(1 << 16));
+        let size = sys::peer_memfd(fd).map_err(|e| Error::io("checking the peer's receive queue", e))?;
+        // Exactly a queue of a power of two entries, as `capacity` makes them.
+        let size = usize::try_from(size).unwrap_or(0);
+        if !(1..=16).any(|k| bytes(1 << k) == size) {
+            return Err(Error::Protocol(format!(
+                "the peer's receive queue is {size} bytes, not a queue of 2 to 65536 entries"
+            )));
+        }
         let map = Arc::new(Mapping::map(fd, size).map_err(|e| Error::io("mapping the peer's receive queue", e))?);
         let seg = Segment::new(map).ok_or_else(|| Error::Protocol("the peer's receive queue is too small".into()))?;
         Ok(PeerRq {

@@ -31,22 +31,74 @@ pub(crate) fn sealed_memfd(name: &str, len: u64) -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
-/// The size of a memfd a peer sent, and whether it is sealed against shrinking (else mapping
-/// it would let the peer crash us with SIGBUS).
-pub(crate) fn sealed_size(fd: &OwnedFd) -> io::Result<u64> {
+/// Checks that a descriptor a peer sent is a plain memfd sealed against shrinking, and gives
+/// its size. Anything else could hurt the process that maps it: a file the peer can truncate,
+/// or a hugetlbfs memfd with no huge pages behind it, raises SIGBUS at the first touch; a file
+/// of another file system is not memory the peer handed over. The caller checks the size.
+pub(crate) fn peer_memfd(fd: &OwnedFd) -> io::Result<u64> {
+    let refuse = |why: &str| Err(io::Error::new(io::ErrorKind::InvalidData, why.to_owned()));
+    // SAFETY: `st` is a plain C struct fstat fills in.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is valid for writes; a plain syscall on a descriptor we own.
+    check(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) })?;
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return refuse("the peer's memory is not a regular file (a memfd)");
+    }
+    // SAFETY: `fs` is a plain C struct fstatfs fills in.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `fs` is valid for writes; a plain syscall on a descriptor we own.
+    check(unsafe { libc::fstatfs(fd.as_raw_fd(), &mut fs) })?;
+    if fs.f_type != libc::TMPFS_MAGIC {
+        return refuse(if fs.f_type == libc::HUGETLBFS_MAGIC {
+            "the peer's memory is a hugetlbfs memfd, which can raise SIGBUS when touched: only plain memfds are mapped"
+        } else {
+            "the peer's memory is not a memfd (another file system)"
+        });
+    }
     // SAFETY: a plain syscall on a descriptor we own.
     let seals = check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) })?;
     if seals & libc::F_SEAL_SHRINK == 0 {
+        return refuse("the peer's memory is not sealed against shrinking");
+    }
+    u64::try_from(st.st_size).or_else(|_| refuse("the peer's memory has a negative size"))
+}
+
+/// Checks that a descriptor a peer sent as a doorbell is an eventfd: anything else (a pipe
+/// it never drains, a socket) could block or fail the writes that ring it.
+pub(crate) fn peer_eventfd(fd: &OwnedFd) -> io::Result<()> {
+    let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+    if link.as_os_str() != "anon_inode:[eventfd]" {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            "the peer's memory is not sealed against shrinking",
+            format!("the peer's doorbell is not an eventfd ({})", link.display()),
         ));
     }
-    // SAFETY: `st` is a plain C struct fstat fills in.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `st` is valid for writes.
-    check(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) })?;
-    Ok(st.st_size as u64)
+    Ok(())
+}
+
+/// The user id of the process at the other end of a Unix socket, as the kernel recorded it
+/// when the socket was connected (SO_PEERCRED).
+pub(crate) fn peer_uid(sock: &UnixStream) -> io::Result<u32> {
+    // SAFETY: `cred` is a plain C struct getsockopt fills in.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes and describe each other.
+    check(unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    })?;
+    Ok(cred.uid)
+}
+
+/// This process's effective user id.
+pub(crate) fn own_uid() -> u32 {
+    // SAFETY: geteuid cannot fail and touches no memory.
+    unsafe { libc::geteuid() }
 }
 
 /// A shared read-write mapping of a whole memfd, unmapped on drop.

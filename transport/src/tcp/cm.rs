@@ -4,7 +4,7 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use socket2::{SockRef, TcpKeepalive};
 
@@ -46,6 +46,14 @@ impl Listener {
             move || Some(s.accept()),
             |(stream, peer)| handshake(stream, peer),
             |(stream, _)| {
+                let s = stream.try_clone().ok();
+                Box::new(move || {
+                    if let Some(s) = &s {
+                        let _ = s.shutdown(std::net::Shutdown::Both);
+                    }
+                })
+            },
+            |(stream, _)| {
                 // Its hello first: closing a TCP socket with unread bytes resets the connection,
                 // which could discard the refusal before the peer reads it.
                 let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
@@ -74,10 +82,8 @@ impl Drop for Listener {
 }
 
 fn handshake(stream: TcpStream, peer: SocketAddr) -> Result<Request> {
-    stream
-        .set_read_timeout(Some(HANDSHAKE))
-        .map_err(|e| Error::io("setting a handshake timeout", e))?;
-    let hello = read_msg(&mut &stream)?;
+    // The whole hello within HANDSHAKE, however slowly its bytes come.
+    let hello = read_msg(&mut Before::new(&stream, HANDSHAKE))?;
     let mut r = hello.as_slice();
     let version = take::<2>(&mut r).map(u16::from_le_bytes)?;
     if version != VERSION {
@@ -107,8 +113,35 @@ fn version_mismatch(theirs: u16) -> Error {
     ))
 }
 
-/// Longest wait for the other side's half of a handshake.
+/// Longest wait for the other side's half of a handshake, all of it.
 const HANDSHAKE: Duration = Duration::from_secs(10);
+
+/// Reads from a socket that must deliver by a deadline: each read waits at most what is left,
+/// so a peer that trickles a byte at a time cannot stretch the wait.
+struct Before<'a> {
+    stream: &'a TcpStream,
+    deadline: Instant,
+}
+
+impl<'a> Before<'a> {
+    fn new(stream: &'a TcpStream, within: Duration) -> Self {
+        Before {
+            stream,
+            deadline: Instant::now() + within,
+        }
+    }
+}
+
+impl Read for Before<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        (&mut &*self.stream).read(buf)
+    }
+}
 
 /// The last step of connection set-up, taken once the new QP has its receives posted.
 pub(crate) enum Pending {
@@ -185,14 +218,16 @@ pub(crate) fn connect(
         .map_err(|e| Error::io("resolving the address", e))?
         .next()
         .ok_or_else(|| Error::InvalidArgument("address resolves to nothing".into()))?;
+    // The connect and the whole reply within `timeout`.
+    let deadline = Instant::now() + timeout;
     let stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| Error::io("connecting", e))?;
-    stream
-        .set_read_timeout(Some(timeout))
-        .map_err(|e| Error::io("setting a handshake timeout", e))?;
     let mut hello = VERSION.to_le_bytes().to_vec();
     hello.extend_from_slice(private_data);
     write_msg(&mut &stream, &hello)?;
-    let reply = read_msg(&mut &stream)?;
+    let reply = read_msg(&mut Before {
+        stream: &stream,
+        deadline,
+    })?;
     match reply.split_first() {
         Some((1, data)) => {
             let data = data.to_vec();
@@ -263,8 +298,10 @@ fn read_msg(r: &mut impl Read) -> Result<Vec<u8>> {
         return Err(Error::Protocol("not an rdma-rpc tcp peer (bad magic)".into()));
     }
     let mut payload = vec![0u8; usize::from(head[8])];
-    r.read_exact(&mut payload)
-        .map_err(|e| Error::io("reading the handshake", e))?;
+    r.read_exact(&mut payload).map_err(|e| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout(crate::cm::NO_HANDSHAKE),
+        _ => Error::io("reading the handshake", e),
+    })?;
     Ok(payload)
 }
 

@@ -843,6 +843,23 @@ impl Engine {
                 WcOpcode::Recv
             };
             let imm = (d.flags & crate::shm::rq::HAS_IMM != 0).then_some(d.imm);
+            // The peer writes the entry: a length past what was posted is a lie a NIC could
+            // never tell, and would send the application past its buffer.
+            let posted = r.local.as_ref().map_or(0, |v| v.len);
+            let d = if d.status.is_success() && d.byte_len as usize > posted {
+                tracing::warn!(
+                    qp = self.qp_num,
+                    d.byte_len,
+                    posted,
+                    "the peer completed a receive past its length"
+                );
+                crate::shm::rq::Done {
+                    status: WcStatus::LocLenErr,
+                    ..d
+                }
+            } else {
+                d
+            };
             if d.status.is_success() {
                 if let Some(v) = &r.local {
                     v.region.prefetch(v.off, (d.byte_len as usize).min(v.len));

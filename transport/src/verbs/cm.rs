@@ -114,15 +114,31 @@ unsafe impl Send for Event {}
 /// # Safety
 /// `ev` must be a valid event from rdma_get_cm_event, not yet acknowledged.
 pub(super) unsafe fn copy_event(ev: *const rdma_cm_event) -> Event {
-    // SAFETY: the caller promises a valid event; conn is the active member for connection
-    // events on RDMA_PS_TCP, and private_data points at private_data_len bytes (or is NULL).
+    use rdma_cm_event_type::{
+        RDMA_CM_EVENT_CONNECT_REQUEST, RDMA_CM_EVENT_CONNECT_RESPONSE, RDMA_CM_EVENT_ESTABLISHED,
+        RDMA_CM_EVENT_REJECTED,
+    };
+    // SAFETY: the caller promises a valid event. `param` is a union: `conn` is its member only
+    // for the connection events of RDMA_PS_TCP below, so no other event's bytes are read as
+    // it; there private_data points at private_data_len bytes (or is NULL).
     unsafe {
         let e = &*ev;
-        let conn = e.param.conn;
-        let private_data = if conn.private_data.is_null() {
-            Vec::new()
+        let with_conn = matches!(
+            e.event,
+            RDMA_CM_EVENT_CONNECT_REQUEST
+                | RDMA_CM_EVENT_CONNECT_RESPONSE
+                | RDMA_CM_EVENT_ESTABLISHED
+                | RDMA_CM_EVENT_REJECTED
+        );
+        let private_data = if with_conn {
+            let conn = e.param.conn;
+            if conn.private_data.is_null() {
+                Vec::new()
+            } else {
+                std::slice::from_raw_parts(conn.private_data.cast::<u8>(), usize::from(conn.private_data_len)).to_vec()
+            }
         } else {
-            std::slice::from_raw_parts(conn.private_data.cast::<u8>(), usize::from(conn.private_data_len)).to_vec()
+            Vec::new()
         };
         Event {
             kind: e.event,
