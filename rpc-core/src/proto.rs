@@ -65,6 +65,9 @@ pub enum ProtoError {
     /// The peer returned more credits than our ring has: it is not following the protocol.
     #[error("peer returned credits beyond the ring")]
     Overrun,
+    /// The peer sent a message with no credit left for it: it is not following the protocol.
+    #[error("peer sent beyond the credits it was granted")]
+    NoCredit,
     /// A lent buffer longer than the configured maximum payload.
     #[error("payload of {0} bytes above the maximum")]
     TooLarge(u64),

@@ -1896,3 +1896,102 @@ fn one_read_alone_goes_whatever_the_read_limit() {
         assert_eq!(reply_bytes(&a, &r), expected_response(len, len));
     }
 }
+
+/// A request from a peer that writes its messages by hand: call `call`, method 1, one byte.
+fn raw_request(call: u32) -> Vec<u8> {
+    let mut m = Vec::new();
+    Header {
+        kind: Kind::Request,
+        flags: 0,
+        call_id: call,
+        method: 1,
+        status: 0,
+        credits: 0,
+        body_len: 1,
+        budget_us: 0,
+    }
+    .encode(&mut m);
+    m.push(7);
+    m
+}
+
+#[test]
+fn a_peer_that_sends_beyond_its_credits_is_cut_off() {
+    let now = Instant::now();
+    let mut s = Session::new(cfg());
+    for call in 1..=RING {
+        s.handle_message(&raw_request(call), now).expect("within the ring");
+        s.reposted();
+    }
+    // Nothing went back to the peer, so no credit did: one more is a breach.
+    assert_eq!(s.handle_message(&raw_request(100), now), Err(ProtoError::NoCredit));
+    // Credits returned with a message of ours may be spent again.
+    let mut s = Session::new(cfg());
+    for call in 1..=RING {
+        s.handle_message(&raw_request(call), now).expect("within the ring");
+        s.reposted();
+    }
+    s.respond(1, Ok(Payload::Eager(vec![1])));
+    let answer = sent(&mut s);
+    assert_eq!(Header::decode(&answer).expect("a header").0.credits, RING as u16);
+    for call in 100..100 + RING {
+        s.handle_message(&raw_request(call), now)
+            .expect("within the credits returned");
+        s.reposted();
+    }
+    assert_eq!(s.handle_message(&raw_request(200), now), Err(ProtoError::NoCredit));
+}
+
+/// A peer that returns no credits: the server's answers pile up unsent once its own credits
+/// run out. They count against the request limit until they leave, so the server never runs
+/// more than the limit's worth of handlers beyond the answers that went out, and the peer's
+/// own credits bound what it can make the server queue.
+#[test]
+fn answers_count_until_they_leave_so_a_peer_taking_none_holds_the_server_to_its_limit() {
+    let now = Instant::now();
+    let limit = 2;
+    let mut s = Session::new(cfg());
+    s.limit_serving(limit, u64::MAX);
+    let (mut ran, mut went, mut refused) = (0usize, 0usize, 0usize);
+    let mut call = 0;
+    let cut_off = loop {
+        call += 1;
+        assert!(call < 1000, "the peer was never cut off");
+        match s.handle_message(&raw_request(call), now) {
+            Ok(()) => s.reposted(),
+            Err(e) => break e,
+        }
+        while let Some(ev) = s.poll_event() {
+            if let Event::Request { call, .. } = ev {
+                ran += 1;
+                s.respond(call, Ok(Payload::Eager(vec![0; 16])));
+            }
+        }
+        while let Some(t) = s.poll_transmit() {
+            if let Transmit::Send(m) = t {
+                let (h, _) = Header::decode(&m.to_vec()).expect("a header");
+                if h.status == rdma_rpc_core::Status::Overloaded as u16 {
+                    refused += 1;
+                } else {
+                    went += 1;
+                }
+            }
+        }
+        assert!(
+            ran <= went + limit,
+            "{ran} handlers ran with {went} answers sent: more than the limit of {limit} unsent"
+        );
+        assert!(s.unanswered() <= limit);
+    };
+    assert_eq!(cut_off, ProtoError::NoCredit);
+    // Every request that arrived and did not run was refused (sent or queued), never kept.
+    let arrived = call as usize - 1;
+    assert!(
+        ran > limit && arrived > ran,
+        "{arrived} requests, {ran} ran, {refused} refusals sent"
+    );
+    assert!(
+        call <= 3 * RING,
+        "the peer sent {call} messages on {RING} credits and what came back"
+    );
+}

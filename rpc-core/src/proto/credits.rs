@@ -7,11 +7,18 @@
 /// message is decoded and returns the credit in the header of its next message, or in an
 /// explicit Credit message once half the ring is owed. One credit is held back for that Credit
 /// message, so both sides can always return credits and neither can stall the other.
+///
+/// The receiving side holds the peer to the same rule: it counts the credits it granted (the
+/// ring, then every credit its messages returned) and refuses a message beyond them
+/// ([`Credits::received`]), so a peer that ignores its credits cannot make this side take, and
+/// answer, more messages than its ring.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Credits {
     ring: u32,
     available: u32,
     owed: u32,
+    /// Messages the peer may still send into our ring, by the credits we granted it.
+    granted: u32,
 }
 
 impl Credits {
@@ -21,6 +28,7 @@ impl Credits {
             ring,
             available: ring,
             owed: 0,
+            granted: ring,
         }
     }
 
@@ -55,6 +63,7 @@ impl Credits {
         self.available -= 1;
         let owed = self.owed.min(u32::from(u16::MAX));
         self.owed -= owed;
+        self.granted += owed;
         Some(owed as u16)
     }
 
@@ -67,6 +76,16 @@ impl Credits {
     /// A slot of ours was reposted.
     pub fn reposted(&mut self) {
         self.owed += 1;
+    }
+
+    /// A message (a Send or a Write-with-immediate) of the peer's took a slot of our ring.
+    ///
+    /// # Errors
+    /// `Err(())` when the peer had no credit left for it: it is not following the protocol.
+    #[allow(clippy::result_unit_err)]
+    pub fn received(&mut self) -> Result<(), ()> {
+        self.granted = self.granted.checked_sub(1).ok_or(())?;
+        Ok(())
     }
 
     /// The peer returned `n` credits.

@@ -328,6 +328,8 @@ enum Serving {
     Lent(BufId),
     /// Response being written to the landing buffer.
     Writing(BufId),
+    /// Response queued, not handed to the driver yet (the peer's credits hold it back).
+    Answered,
 }
 
 struct ServerCall {
@@ -339,6 +341,9 @@ struct ServerCall {
     /// Request bytes this call holds against [`Session::limit_serving`]'s bytes (a
     /// rendezvous request's, from the start of its Read until it is answered).
     bytes: u64,
+    /// Counts against [`Session::limit_serving`]'s requests: until its answer left, or was read
+    /// (a lent one).
+    counts: bool,
 }
 
 enum Out {
@@ -376,6 +381,10 @@ impl Out {
             Out::Placed { header, .. } => matches!(header.kind, Kind::Request | Kind::Response),
             Out::Pieces { .. } | Out::WriteImm { .. } => false,
         }
+    }
+
+    fn is_read_done(&self) -> bool {
+        matches!(self, Out::Msg { header, .. } if header.kind == Kind::ReadDone)
     }
 
     /// The call a request waiting to be sent belongs to ([`Session::limit_calls`]).
@@ -465,8 +474,11 @@ struct Joining {
 }
 
 impl Serving {
-    /// Not answered yet: counts against [`Session::limit_serving`]'s requests.
-    fn is_active(&self) -> bool {
+    /// Holds request bytes against [`Session::limit_serving`]'s bytes (until its answer is
+    /// made). Every served request, in any state, counts against its requests until its answer
+    /// has left: queued answers, lent ones not read yet and ones being written included, so
+    /// that a peer which takes no answers cannot make this side hold more than the limit.
+    fn holds_request(&self) -> bool {
         matches!(self, Serving::Queued(_) | Serving::Reading | Serving::Running)
     }
 }
@@ -508,8 +520,10 @@ impl Session {
     }
 
     /// Bounds what this side serves at once (no bound by default):
-    /// - `requests`: requests received and not answered yet (being read, waiting, or run).
-    ///   A request beyond is answered at once with [`Status::Overloaded`], unrun.
+    /// - `requests`: requests received and not done with yet: being read, waiting, run, or
+    ///   answered with an answer that has not left yet (queued for want of the peer's
+    ///   credits, lent and not read, or not yet handed to the driver to write). A request
+    ///   beyond is answered at once with [`Status::Overloaded`], unrun.
     /// - `bytes`: bodies of rendezvous requests being read or run. A request whose body would
     ///   go beyond waits, unread (its bytes stay in the caller's memory), until enough of the
     ///   earlier ones are answered; one alone is always read (up to the largest payload).
@@ -995,6 +1009,7 @@ impl Session {
             state: Serving::Running,
             cancelled: false,
             bytes: 0,
+            counts: true,
         };
         if h.flags & FLAG_RENDEZVOUS != 0 {
             let (desc, _) = decode_desc(rest)?;
@@ -1070,31 +1085,61 @@ impl Session {
         self.read_deferred();
     }
 
-    /// Served request `call` is answered (or dropped): it no longer counts against the limits,
-    /// and requests waiting for bytes may be read.
+    /// Served request `call` is done with (its answer left, or it was dropped): it no longer
+    /// counts against the limits, and requests waiting for bytes may be read.
     #[inline]
     fn unserve(&mut self, call: u32) {
         let Some(sc) = self.served.remove(call) else { return };
-        if matches!(sc.state, Serving::Reading) {
-            self.reading_bytes = self.reading_bytes.saturating_sub(sc.bytes);
+        if sc.counts {
+            self.active = self.active.saturating_sub(1);
         }
-        if sc.state.is_active() {
-            self.settle(sc.bytes);
+        self.release(call, sc.state, sc.bytes);
+    }
+
+    /// Served request `call` is answered: its request bytes are free now, but it counts against
+    /// the request limit until `next` is done (the answer left the queue, was read or was
+    /// written).
+    fn answered(&mut self, call: u32, next: Serving) {
+        let Some(sc) = self.served.get_mut(call) else { return };
+        let state = std::mem::replace(&mut sc.state, next);
+        let bytes = std::mem::take(&mut sc.bytes);
+        self.release(call, state, bytes);
+    }
+
+    /// What a served request in `state` held (`bytes` of request body) goes back.
+    fn release(&mut self, call: u32, state: Serving, bytes: u64) {
+        if matches!(state, Serving::Reading) {
+            self.reading_bytes = self.reading_bytes.saturating_sub(bytes);
         }
-        if matches!(sc.state, Serving::Queued(_)) {
+        if state.holds_request() && bytes > 0 {
+            self.held_bytes = self.held_bytes.saturating_sub(bytes);
+            self.read_deferred();
+        }
+        if matches!(state, Serving::Queued(_)) {
             // It may have been the one that did not fit, holding back those behind it.
             self.deferred.retain(|&c| c != call);
             self.read_deferred();
         }
     }
 
-    /// An active served request (holding `bytes`) is answered.
-    fn settle(&mut self, bytes: u64) {
-        self.active = self.active.saturating_sub(1);
-        if bytes > 0 {
-            self.held_bytes = self.held_bytes.saturating_sub(bytes);
-            self.read_deferred();
+    /// A message left (handed to the driver, or ready to be): an answer that waited in the
+    /// queue no longer counts.
+    fn left(&mut self, header: &Header) {
+        if header.kind == Kind::Response
+            && matches!(
+                self.served.get(header.call_id).map(|s| &s.state),
+                Some(Serving::Answered)
+            )
+        {
+            self.unserve(header.call_id);
         }
+    }
+
+    /// Queues the answer to served request `call` (with its message `out`): counted until it
+    /// leaves.
+    fn answer(&mut self, call: u32, out: Out) {
+        self.answered(call, Serving::Answered);
+        self.push_out(out);
     }
 
     /// Starts the Reads of requests that waited for bytes, in arrival order, as far as they fit.
@@ -1166,7 +1211,6 @@ impl Session {
         match result {
             Ok(Payload::Placed { buf, len }) => match self.check_placed(len) {
                 Ok(()) => {
-                    self.unserve(call);
                     let header = Header {
                         kind: Kind::Response,
                         flags: 0,
@@ -1177,7 +1221,7 @@ impl Session {
                         body_len: 0,
                         budget_us: 0,
                     };
-                    self.push_out(Out::Placed { header, buf, len });
+                    self.answer(call, Out::Placed { header, buf, len });
                 }
                 Err(e) => {
                     self.actions.push_back(Transmit::Release(buf));
@@ -1185,8 +1229,7 @@ impl Session {
                 }
             },
             Ok(Payload::Eager(bytes)) if bytes.len() <= self.cfg.eager_max => {
-                self.unserve(call);
-                self.queue_small(Kind::Response, call, Status::Ok as u16, bytes);
+                self.answer_msg(call, 0, Status::Ok as u16, bytes);
             }
             Ok(Payload::Eager(bytes)) => {
                 self.reply_error(
@@ -1207,13 +1250,12 @@ impl Session {
                     return;
                 }
                 let landing = self.served.get(call).and_then(|s| s.landing);
-                if let Some(sc) = self.served.get_mut(call) {
-                    // Answered: the request no longer counts, though the entry stays for the
-                    // response's transfer.
-                    let bytes = std::mem::take(&mut sc.bytes);
+                if self.served.contains_key(call) {
+                    // Answered: its request bytes are free; it counts until the answer is
+                    // written, or read (ReadDone).
                     match landing.filter(|l| l.len >= desc.len + LANDING_PREFIX as u64) {
                         Some(remote) => {
-                            sc.state = Serving::Writing(buf);
+                            self.answered(call, Serving::Writing(buf));
                             self.queue.push_back(Out::WriteImm {
                                 buf,
                                 len: desc.len as usize,
@@ -1225,13 +1267,12 @@ impl Session {
                             });
                         }
                         None => {
-                            sc.state = Serving::Lent(buf);
+                            self.answered(call, Serving::Lent(buf));
                             let mut body = Vec::with_capacity(DESC_LEN);
                             encode_desc(&desc, &mut body);
                             self.queue_msg(Kind::Response, FLAG_RENDEZVOUS, call, Status::Ok as u16, body);
                         }
                     }
-                    self.settle(bytes);
                 }
             }
             Err(e) => self.reply_error(call, &e),
@@ -1239,7 +1280,6 @@ impl Session {
     }
 
     fn reply_error(&mut self, call: u32, e: &RpcError) {
-        self.unserve(call);
         let (status, msg) = e.to_wire();
         // A message longer than an eager payload is cut, at a character's boundary.
         let mut end = msg.len().min(self.cfg.eager_max.max(64));
@@ -1248,7 +1288,13 @@ impl Session {
         }
         let mut body = msg.into_bytes();
         body.truncate(end);
-        self.queue_small(Kind::Response, call, status as u16, body);
+        self.answer_msg(call, 0, status as u16, body);
+    }
+
+    /// Queues a response message to `call`; a served request counts until it leaves.
+    fn answer_msg(&mut self, call: u32, flags: u16, status: u16, body: Vec<u8>) {
+        self.answered(call, Serving::Answered);
+        self.queue_msg(Kind::Response, flags, call, status, body);
     }
 
     fn handle_cancel(&mut self, call: u32) {
@@ -1336,6 +1382,7 @@ impl Session {
     }
 
     fn handle_decoded(&mut self, head: &[u8], msg: &[u8], now: Instant) -> Result<(), ProtoError> {
+        self.credits.received().map_err(|()| ProtoError::NoCredit)?;
         let (h, body) = Header::decode_with_head(head, msg)?;
         self.credits.returned(h.credits).map_err(|()| ProtoError::Overrun)?;
         if h.flags & FLAG_FRAGMENT != 0 {
@@ -1441,6 +1488,7 @@ impl Session {
     /// [`ProtoError::UnknownCall`] when no call of ours advertised a landing buffer under `imm`.
     pub fn handle_write_imm(&mut self, imm: u32, len: usize) -> Result<(), ProtoError> {
         let _ = len; // the length travels in the landing buffer's prefix
+        self.credits.received().map_err(|()| ProtoError::NoCredit)?;
         match self.calls.get(imm) {
             Some(c) if c.landing.is_some() => {
                 let buf = c.landing.unwrap_or_default();
@@ -1651,7 +1699,7 @@ impl Session {
             match s.state {
                 Serving::Running => self.events.push_back(Event::Abort { call }),
                 Serving::Lent(b) | Serving::Writing(b) => self.actions.push_back(Transmit::Release(b)),
-                Serving::Reading | Serving::Queued(_) => {}
+                Serving::Reading | Serving::Queued(_) | Serving::Answered => {}
             }
         }
         self.deferred.clear();
@@ -1687,8 +1735,12 @@ impl Session {
             return;
         }
         match (out, self.credits.spend()) {
-            (Out::Msg { header, body }, Some(c)) => self.ready = Some(Transmit::Send(encode(header, c, body))),
+            (Out::Msg { header, body }, Some(c)) => {
+                self.left(&header);
+                self.ready = Some(Transmit::Send(encode(header, c, body)));
+            }
             (Out::Placed { mut header, buf, len }, Some(c)) => {
+                self.left(&header);
                 header.credits = c;
                 header.body_len = len as u32;
                 self.ready = Some(Transmit::SendPlaced {
@@ -1767,7 +1819,14 @@ impl Session {
                 && matches!(self.queue.front(), Some(Out::Pieces { .. }))
                 && !std::mem::take(&mut self.overtook)
             {
-                let behind = self.queue.iter().skip(1).position(|o| o.overtakes(piece));
+                // Never past a ReadDone: a caller sends it before the calls it makes after
+                // the answer it read, and until it arrives that answer counts here.
+                let behind = self
+                    .queue
+                    .iter()
+                    .skip(1)
+                    .take_while(|o| !o.is_read_done())
+                    .position(|o| o.overtakes(piece));
                 if let Some(out) = behind.and_then(|i| self.queue.remove(i + 1)) {
                     self.overtook = true;
                     return self.whole(out);
@@ -1779,7 +1838,9 @@ impl Session {
                 let m = encode_piece(*header, credits, body, off, n);
                 *sent += n;
                 if *sent == body.len() {
+                    let header = *header;
                     self.queue.pop_front();
+                    self.left(&header);
                 }
                 return Some(Transmit::Send(m));
             }
@@ -1803,15 +1864,23 @@ impl Session {
         match out {
             Out::Msg { header, body } => {
                 let credits = self.credits.spend()?;
+                self.left(&header);
                 Some(Transmit::Send(encode(header, credits, body)))
             }
             Out::Pieces { .. } => None,
             Out::WriteImm { buf, len, remote, imm } => {
                 self.credits.spend_silent()?;
+                // Its caller has the answer as soon as it lands, and may call again before
+                // this side sees the Write complete: it counts no longer.
+                if let Some(sc) = self.served.get_mut(imm).filter(|s| s.counts) {
+                    sc.counts = false;
+                    self.active = self.active.saturating_sub(1);
+                }
                 Some(Transmit::WriteImm { buf, len, remote, imm })
             }
             Out::Placed { mut header, buf, len } => {
                 header.credits = self.credits.spend()?;
+                self.left(&header);
                 header.body_len = len as u32;
                 Some(Transmit::SendPlaced {
                     head: header.to_bytes(),

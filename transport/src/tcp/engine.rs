@@ -843,10 +843,11 @@ impl Engine {
                 WcOpcode::Recv
             };
             let imm = (d.flags & crate::shm::rq::HAS_IMM != 0).then_some(d.imm);
-            // The peer writes the entry: a length past what was posted is a lie a NIC could
-            // never tell, and would send the application past its buffer.
+            // The peer writes the entry: a Send's length past what was posted is a lie a NIC
+            // could never tell, and would send the application past its buffer. (A
+            // Write-with-immediate's length is the Write's, into memory of its own.)
             let posted = r.local.as_ref().map_or(0, |v| v.len);
-            let d = if d.status.is_success() && d.byte_len as usize > posted {
+            let d = if d.status.is_success() && opcode == WcOpcode::Recv && d.byte_len as usize > posted {
                 tracing::warn!(
                     qp = self.qp_num,
                     d.byte_len,
