@@ -193,6 +193,13 @@ pub struct Config {
     /// length prefix): 1 MiB and 24 bytes for a 1 MiB payload. So a bound of exactly 2^k keeps
     /// no buffer for a 2^k-byte payload: to keep eight for 64 MiB calls, give 8 x (64 MiB + 24).
     pub max_cached_buffer_bytes: u64,
+    /// Server side: how long a lent answer (a response above the threshold that the caller
+    /// reads by RDMA Read) waits for the caller to say it has read it; 60 s by default, more
+    /// than zero. Until then the answer's buffer stays registered and the request counts
+    /// against [`max_concurrent_requests`](Config::max_concurrent_requests); past it the caller
+    /// is taken to be broken or hostile and its connection is closed, which releases it all.
+    /// Give it more than the largest answer takes to read on the slowest link you serve.
+    pub lent_answer_timeout: Duration,
 }
 
 /// The switch point verbs suggests, and the one a configuration falls back to where no device
@@ -215,6 +222,7 @@ impl Default for Config {
             max_connections: 1024,
             interleave: true,
             max_cached_buffer_bytes: 64 << 20,
+            lent_answer_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -246,6 +254,12 @@ impl Config {
                 Self::RING_RANGE.start(),
                 Self::RING_RANGE.end()
             )));
+        }
+        if self.lent_answer_timeout.is_zero() {
+            return Err(crate::RpcError::Config(
+                "Config::lent_answer_timeout is zero: give a caller time to read a large answer (60 s by default)"
+                    .into(),
+            ));
         }
         if self.connect_timeout.is_zero() {
             return Err(crate::RpcError::Config(

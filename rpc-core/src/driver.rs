@@ -288,6 +288,12 @@ impl Conn {
             let now = Instant::now();
             if d <= now {
                 self.session.handle_timeout(now);
+                // A lent answer nobody read ends the connection.
+                if self.lost.is_none() {
+                    if let Some(why) = self.session.lost_reason() {
+                        self.lost = Some(why.to_owned());
+                    }
+                }
                 busy = true;
             }
         }

@@ -360,6 +360,7 @@ async fn serve_connection(
         config.max_request_bytes_in_flight,
     );
     session.limit_reading(config.max_request_bytes_reading);
+    session.limit_lent(config.lent_answer_timeout);
     let mut conn = Conn::configured(session, &pd, qp, cq, slot, &config)?;
     conn.link = link;
     let role = ServerRole {

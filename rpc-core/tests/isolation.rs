@@ -400,3 +400,56 @@ async fn a_body_larger_than_memory_fails_its_call_not_the_server() {
     let r = raw.pump().await.expect("a result");
     assert!(matches!(r, Ok(Reply::Bytes(ref b)) if b == &[7]), "{r:?}");
 }
+
+/// A peer that never reads its lent answers (no ReadDone): they count against the server's
+/// request limit, so a further call is refused unrun and nothing more is lent; once
+/// `lent_answer_timeout` passes, the server closes the connection and lets go of every buffer,
+/// and a graceful shutdown started meanwhile ends then instead of waiting for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lent_answers_nobody_reads_are_bounded_and_taken_back() {
+    let server_dev = device();
+    let config = Config {
+        max_concurrent_requests: 2,
+        eager_threshold: Some(THRESHOLD),
+        lent_answer_timeout: Duration::from_secs(1),
+        ..Config::default()
+    };
+    let server = Server::builder(config)
+        .handler(BIG, |req: Vec<u8>| async move {
+            Ok(response(req.first().copied().unwrap_or(0)))
+        })
+        .bind(&server_dev, SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(server.serve_with_shutdown(async move {
+        let _ = stopped.await;
+    }));
+    let mut raw = Raw::connect(&device(), addr).await;
+    let _unread = [raw.lent_response(1).await, raw.lent_response(2).await];
+    raw.session
+        .start_call(BIG, Payload::Eager(vec![3]), None, None, Instant::now())
+        .expect("start");
+    assert_eq!(
+        raw.pump().await.expect("a result").err(),
+        Some(RpcError::Overloaded { limit: 2 }),
+        "two unread answers still count"
+    );
+    let started = Instant::now();
+    stop.send(()).expect("the server listens for its signal");
+    tokio::time::timeout(Duration::from_secs(10), serving)
+        .await
+        .expect("the shutdown ends once the unread answers' time is up")
+        .expect("the serving task")
+        .expect("serve_with_shutdown");
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "shutdown took {:?}",
+        started.elapsed()
+    );
+    let deadline = Instant::now() + WAIT;
+    while server_dev.registered_bytes() != 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(server_dev.registered_bytes(), 0, "the server let go of every buffer");
+}

@@ -1995,3 +1995,77 @@ fn answers_count_until_they_leave_so_a_peer_taking_none_holds_the_server_to_its_
         "the peer sent {call} messages on {RING} credits and what came back"
     );
 }
+
+/// A lent answer counts until its caller's ReadDone, and one that never comes ends the
+/// connection once the lent answer's time is up, releasing the buffer: nobody can make a
+/// server hold an answer for ever.
+#[test]
+fn a_lent_answer_nobody_reads_ends_the_connection_after_its_time() {
+    let t0 = Instant::now();
+    let limit = Duration::from_secs(10);
+    let mut s = Session::new(cfg());
+    s.limit_serving(1, u64::MAX);
+    s.limit_lent(limit);
+    s.handle_message(&raw_request(1), t0).expect("a request");
+    s.reposted();
+    while s.poll_event().is_some() {}
+    let desc = RemoteRegion {
+        addr: 0x1000,
+        len: 4096,
+        rkey: 9,
+    };
+    s.respond(1, Ok(Payload::Lent { desc, buf: 77 }));
+    let answer = sent(&mut s);
+    assert_ne!(Header::decode(&answer).expect("a header").0.flags & FLAG_RENDEZVOUS, 0);
+    // Unread, it still counts: a second request is refused.
+    s.handle_message(&raw_request(2), t0).expect("a request");
+    s.reposted();
+    let refusal = sent(&mut s);
+    assert_eq!(
+        Header::decode(&refusal).expect("a header").0.status,
+        rdma_rpc_core::Status::Overloaded as u16
+    );
+    // The session wants the clock once, to note when the answer was lent.
+    assert!(s.poll_timeout().is_some_and(|d| d <= Instant::now()));
+    s.handle_timeout(t0);
+    assert_eq!(s.poll_timeout(), Some(t0 + limit));
+    s.handle_timeout(t0 + limit - Duration::from_millis(1));
+    assert!(!s.is_lost());
+    s.handle_timeout(t0 + limit);
+    assert!(
+        s.lost_reason().is_some_and(|w| w.contains("lent_answer_timeout")),
+        "{:?}",
+        s.lost_reason()
+    );
+    let mut released = false;
+    while let Some(t) = s.poll_transmit() {
+        released |= matches!(t, Transmit::Release(77));
+    }
+    assert!(released, "the lent buffer goes back");
+
+    // Read in time, it is done with and nothing is lost.
+    let mut s = Session::new(cfg());
+    s.limit_lent(limit);
+    s.handle_message(&raw_request(1), t0).expect("a request");
+    s.reposted();
+    while s.poll_event().is_some() {}
+    s.respond(1, Ok(Payload::Lent { desc, buf: 78 }));
+    let _ = sent(&mut s);
+    s.handle_timeout(t0);
+    let mut done = Vec::new();
+    Header {
+        kind: Kind::ReadDone,
+        flags: 0,
+        call_id: 1,
+        method: 0,
+        status: 0,
+        credits: 0,
+        body_len: 0,
+        budget_us: 0,
+    }
+    .encode(&mut done);
+    s.handle_message(&done, t0).expect("ReadDone");
+    s.handle_timeout(t0 + 2 * limit);
+    assert!(!s.is_lost());
+    assert_eq!(s.unanswered(), 0);
+}

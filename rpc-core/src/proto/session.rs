@@ -344,6 +344,9 @@ struct ServerCall {
     /// Counts against [`Session::limit_serving`]'s requests: until its answer left, or was read
     /// (a lent one).
     counts: bool,
+    /// When its answer was lent, as [`Session::handle_timeout`] first saw it
+    /// ([`Session::limit_lent`]).
+    lent_at: Option<Instant>,
 }
 
 enum Out {
@@ -446,6 +449,8 @@ pub struct Session {
     read_limit: u64,
     /// Rendezvous requests waiting for bytes, in arrival order.
     deferred: VecDeque<u32>,
+    /// How long a lent answer may wait for its caller's ReadDone ([`Session::limit_lent`]).
+    lent_timeout: Option<Duration>,
     /// Calls of ours the peer serves at once ([`Session::limit_calls`]); calls beyond wait
     /// here, unsent, in the order they were made.
     call_limit: usize,
@@ -512,6 +517,7 @@ impl Session {
             reading_bytes: 0,
             read_limit: u64::MAX,
             deferred: VecDeque::new(),
+            lent_timeout: None,
             call_limit: usize::MAX,
             held_back: VecDeque::new(),
             call_bytes_limit: u64::MAX,
@@ -542,6 +548,14 @@ impl Session {
     /// it at once. One alone is always read.
     pub fn limit_reading(&mut self, bytes: u64) {
         self.read_limit = bytes;
+    }
+
+    /// Bounds how long a lent answer (a rendezvous response the caller reads) waits for its
+    /// caller's ReadDone: past `timeout` the caller is taken to be broken or hostile, and the
+    /// connection is lost (every buffer it held goes back), so an answer nobody reads is not
+    /// held for ever. No bound by default.
+    pub fn limit_lent(&mut self, timeout: Duration) {
+        self.lent_timeout = Some(timeout);
     }
 
     /// Bounds how many calls of ours are sent and not answered at once: the peer's
@@ -665,6 +679,10 @@ impl Session {
         for s in self.served.values() {
             // A request still being read keeps its deadline for when its handler runs.
             consider(s.deadline, matches!(s.state, Serving::Running | Serving::Queued(_)));
+            if let (Some(t), Serving::Lent(_)) = (self.lent_timeout, &s.state) {
+                // Not seen by `handle_timeout` yet: due at once, to be stamped.
+                consider(Some(s.lent_at.map_or_else(Instant::now, |at| at + t)), true);
+            }
         }
         if !any {
             self.deadlines.store(false, Ordering::Relaxed);
@@ -1010,6 +1028,7 @@ impl Session {
             cancelled: false,
             bytes: 0,
             counts: true,
+            lent_at: None,
         };
         if h.flags & FLAG_RENDEZVOUS != 0 {
             let (desc, _) = decode_desc(rest)?;
@@ -1268,6 +1287,9 @@ impl Session {
                         }
                         None => {
                             self.answered(call, Serving::Lent(buf));
+                            if self.lent_timeout.is_some() {
+                                self.deadlines.store(true, Ordering::Relaxed);
+                            }
                             let mut body = Vec::with_capacity(DESC_LEN);
                             encode_desc(&desc, &mut body);
                             self.queue_msg(Kind::Response, FLAG_RENDEZVOUS, call, Status::Ok as u16, body);
@@ -1600,6 +1622,30 @@ impl Session {
                 self.events.push_back(Event::Abort { call });
             }
             self.reply_error(call, &RpcError::DeadlineExceeded);
+        }
+        if let Some(t) = self.lent_timeout {
+            let lent: Vec<(u32, Option<Instant>)> = self
+                .served
+                .iter()
+                .filter(|(_, s)| matches!(s.state, Serving::Lent(_)))
+                .map(|(id, s)| (id, s.lent_at))
+                .collect();
+            for (call, at) in lent {
+                match at {
+                    None => {
+                        if let Some(s) = self.served.get_mut(call) {
+                            s.lent_at = Some(now);
+                        }
+                    }
+                    Some(at) if at + t <= now => {
+                        self.handle_connection_lost(&format!(
+                            "the peer did not read its answer to call {call} within {t:?} (Config::lent_answer_timeout)"
+                        ));
+                        return;
+                    }
+                    Some(_) => {}
+                }
+            }
         }
     }
 
