@@ -118,6 +118,9 @@ pub(crate) struct OwnRq {
     seg: Segment,
     /// Entries whose completion was drained (or taken by the owner itself).
     drained: AtomicU64,
+    /// Entries posted: the owner's own count, which the shared `tail` only publishes (the peer
+    /// can write that word, and must not make the owner drain receives it never posted).
+    posted: AtomicU64,
 }
 
 /// One completed receive, as drained.
@@ -145,6 +148,7 @@ impl OwnRq {
             OwnRq {
                 seg,
                 drained: AtomicU64::new(0),
+                posted: AtomicU64::new(0),
             },
         ))
     }
@@ -152,7 +156,7 @@ impl OwnRq {
     /// Publishes a posted receive (the owner's engine holds its state lock).
     pub(crate) fn post(&self, seq: u64, addr: u64, len: u64, lkey: u32) {
         let h = self.seg.header();
-        let tail = h.tail.load(Ordering::Relaxed);
+        let tail = self.posted.load(Ordering::Relaxed);
         let e = self.seg.entry(tail);
         e.seq.store(seq as u32, Ordering::Relaxed);
         e.addr.store(addr, Ordering::Relaxed);
@@ -161,6 +165,7 @@ impl OwnRq {
         e.info.store(0, Ordering::Relaxed);
         e.byte_len.store(0, Ordering::Relaxed);
         e.state.store(POSTED, Ordering::Relaxed);
+        self.posted.store(tail.wrapping_add(1), Ordering::Relaxed);
         h.tail.store(tail.wrapping_add(1), Ordering::Release);
     }
 
@@ -192,7 +197,7 @@ impl OwnRq {
     /// The oldest posted entry that nobody drained yet, with its index, if the peer completed it.
     fn oldest_done(&self) -> Option<(u64, &Entry)> {
         let d = self.drained.load(Ordering::Relaxed);
-        if d == self.seg.header().tail.load(Ordering::Relaxed) {
+        if d == self.posted.load(Ordering::Relaxed) {
             return None;
         }
         let e = self.seg.entry(d);
@@ -469,5 +474,26 @@ mod tests {
         );
         own.post(15, 0x1000 * 15, 64, 1);
         assert_eq!(peer.take().expect("counters").map(|t| t.addr), Some(0x1000 * 15));
+    }
+
+    /// A peer that writes the shared `tail` and every entry's state word, as a hostile one
+    /// could: the owner drains no more completions than it posted receives, so it never loops
+    /// on entries it never gave out.
+    #[test]
+    fn a_peer_that_floods_tail_and_states_completes_no_more_than_was_posted() {
+        let (fd, own) = OwnRq::create(4).expect("rq");
+        let peer = PeerRq::map(&fd).expect("map");
+        own.post(7, 0x1000, 64, 1);
+        for _ in 0..3 {
+            peer.seg.header().tail.store(1000, Ordering::Release);
+            for i in 0..4 {
+                peer.seg.entry(i).state.store(DONE, Ordering::Release);
+            }
+            let drained = std::iter::from_fn(|| own.next_done()).take(100).count();
+            assert!(drained <= 1, "{drained} completions drained for 1 receive posted");
+        }
+        // The owner's next post goes where its own count says, whatever the peer wrote.
+        own.post(8, 0x2000, 64, 1);
+        assert_eq!(peer.seg.header().tail.load(Ordering::Acquire), 2);
     }
 }
