@@ -1004,3 +1004,52 @@ fn clients_that_trickle_their_handshake_keep_no_one_out_and_are_cut_off() {
     trickle.join().expect("trickle thread");
     assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a provider thread panicked");
 }
+
+/// The process's virtual memory (`/proc/self/statm`, its first field): what allocations take
+/// even before their pages are touched.
+fn virtual_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
+    let pages: u64 = statm
+        .split_whitespace()
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("statm's size field");
+    pages * 4096
+}
+
+/// A frame's length field alone allocates nothing: eight peers announce Sends of almost 1 GiB
+/// (no receive posted, so they would be held) and send only their heads, and another announces
+/// a 1 GiB atomic, which no payload-less frame can be. The target's memory does not grow by
+/// what they announce, and the atomic's connection is ended as a protocol breach.
+#[test]
+fn a_length_field_alone_allocates_nothing() {
+    count_panics();
+    let _alone = MEMORY.lock();
+    let mut t = Target::new();
+    let mut peers: Vec<_> = (0..8).map(|_| t.connection()).collect();
+    let (mut liar, liar_qp) = t.connection();
+    std::thread::sleep(Duration::from_millis(200)); // every connection's threads are up
+    let before = virtual_bytes();
+    for (peer, _) in &mut peers {
+        let fields = fields(&[&1u64.to_le_bytes(), &[0u8; 5]]);
+        let mut f = ((1 + fields.len() + (1 << 30) - 64) as u32).to_le_bytes().to_vec();
+        f.push(SEND);
+        f.extend_from_slice(&fields);
+        f.extend_from_slice(&[7; 4096]); // the first bytes of the payload, and no more
+        peer.send(&f);
+    }
+    let mut f = (1u32 << 30).to_le_bytes().to_vec();
+    f.push(ATOMIC);
+    liar.send(&f);
+    wait_error(&liar_qp, "a 1 GiB atomic");
+    std::thread::sleep(Duration::from_millis(300)); // the Sends' heads are read by now
+    let grown = virtual_bytes().saturating_sub(before);
+    // Each announced length allocated whole would be 8 GiB and more.
+    assert!(
+        grown < 1 << 30,
+        "the target's memory grew by {} MiB for announced lengths",
+        grown >> 20
+    );
+    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
+    drop(peers);
+}

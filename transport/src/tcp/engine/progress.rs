@@ -59,6 +59,13 @@ const DISTRUST: Duration = Duration::from_secs(1);
 /// large Reads that wait.
 const POLLER_LANDS_MAX: usize = 64 << 10;
 
+/// How far a long frame's buffer grows ahead of the bytes that arrived.
+const GROW: usize = 1 << 20;
+
+/// The longest frame that carries no payload (a request for a Read, an atomic, an
+/// acknowledgement, a refusal and its reason): anything longer is not this protocol.
+const CONTROL_MAX: usize = 4096;
+
 /// Frames one poll takes at most (the rest waits for the next poll, or the reader thread).
 const FRAMES_PER_POLL: usize = 64;
 
@@ -74,8 +81,10 @@ pub(super) enum Partial {
         len: usize,
         got: usize,
     },
-    /// The body of a frame too long for the inbox, read whole: `got` bytes so far.
-    Body { buf: Vec<u8>, got: usize },
+    /// The body of a frame too long for the inbox, read whole: `len` bytes, `got` so far. The
+    /// buffer grows with the bytes that arrive, never ahead of them by more than [`GROW`]: a
+    /// length field alone allocates nothing.
+    Body { buf: Vec<u8>, got: usize, len: usize },
 }
 
 /// The engine's read side; whoever holds it reads.
@@ -324,11 +333,14 @@ impl Engine {
                     self.landed(head, len, ack_when(r, who));
                     return Ok(Outcome::Frame);
                 }
-                Partial::Body { buf, got } => {
+                Partial::Body { buf, got, len } => {
                     if who == Who::Poller {
                         return Ok(Outcome::HandOff);
                     }
-                    while *got < buf.len() {
+                    while *got < *len {
+                        if *got == buf.len() {
+                            buf.resize((*got).saturating_add(GROW).min(*len), 0);
+                        }
                         let n = r.inbox.read_into(&mut buf[*got..])?;
                         if n == 0 {
                             return Ok(Outcome::Blocked);
@@ -352,6 +364,10 @@ impl Engine {
                     len.copy_from_slice(&r.inbox.avail()[..4]);
                     let n = u32::from_le_bytes(len) as usize;
                     if n > MAX_BODY {
+                        return Err(Stop::TooLong(n));
+                    }
+                    if n > CONTROL_MAX && r.inbox.try_fill(5)? && DataHead::len(r.inbox.avail()[4]).is_none() {
+                        // Only frames that carry a payload are long.
                         return Err(Stop::TooLong(n));
                     }
                     if n > 0 {
@@ -386,8 +402,9 @@ impl Engine {
                         }
                         r.inbox.consume(4);
                         r.partial = Partial::Body {
-                            buf: vec![0; n],
+                            buf: Vec::new(),
                             got: 0,
+                            len: n,
                         };
                         continue;
                     }
