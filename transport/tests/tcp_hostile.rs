@@ -1044,9 +1044,10 @@ fn a_length_field_alone_allocates_nothing() {
     wait_error(&liar_qp, "a 1 GiB atomic");
     std::thread::sleep(Duration::from_millis(300)); // the Sends' heads are read by now
     let grown = virtual_bytes().saturating_sub(before);
-    // Each announced length allocated whole would be 8 GiB and more.
+    // Each announced length allocated whole would be 8 GiB and more; the rest of the process
+    // (other tests' threads and their malloc arenas) stays well below half that.
     assert!(
-        grown < 1 << 30,
+        grown < 4 << 30,
         "the target's memory grew by {} MiB for announced lengths",
         grown >> 20
     );
