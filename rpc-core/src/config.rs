@@ -200,6 +200,13 @@ pub struct Config {
     /// is taken to be broken or hostile and its connection is closed, which releases it all.
     /// Give it more than the largest answer takes to read on the slowest link you serve.
     pub lent_answer_timeout: Duration,
+    /// Server side: a connection on which no request came for this long, and that serves
+    /// none, is told to go (GoAway, then Close: its client's next call fails with
+    /// [`RpcError::ShuttingDown`](crate::RpcError), not run, and a pool reconnects), and is
+    /// dropped if it is still there as long again. `None` (the default) keeps idle connections
+    /// for ever: set it on a server that untrusted peers can reach, or they can hold its
+    /// [`max_connections`](Config::max_connections) slots by connecting and saying nothing.
+    pub idle_timeout: Option<Duration>,
 }
 
 /// The switch point verbs suggests, and the one a configuration falls back to where no device
@@ -223,6 +230,7 @@ impl Default for Config {
             interleave: true,
             max_cached_buffer_bytes: 64 << 20,
             lent_answer_timeout: Duration::from_secs(60),
+            idle_timeout: None,
         }
     }
 }
@@ -254,6 +262,12 @@ impl Config {
                 Self::RING_RANGE.start(),
                 Self::RING_RANGE.end()
             )));
+        }
+        if self.idle_timeout.is_some_and(|t| t.is_zero()) {
+            return Err(crate::RpcError::Config(
+                "Config::idle_timeout is zero: give clients some time between calls, or None to keep idle connections"
+                    .into(),
+            ));
         }
         if self.lent_answer_timeout.is_zero() {
             return Err(crate::RpcError::Config(

@@ -369,6 +369,8 @@ async fn serve_connection(
         tasks: Tasks::new(),
         shutdown,
         going_away: false,
+        idle_timeout: config.idle_timeout,
+        last_request: tokio::time::Instant::now(),
     };
     driver::run(conn, role, config.mode).await;
     Ok(())
@@ -388,6 +390,10 @@ struct ServerRole {
     shutdown: Option<Arc<Shutdown>>,
     /// This connection's GoAway is queued.
     going_away: bool,
+    /// [`Config::idle_timeout`](crate::Config::idle_timeout).
+    idle_timeout: Option<std::time::Duration>,
+    /// The last request's arrival (or the connection's start).
+    last_request: tokio::time::Instant,
 }
 
 impl ServerRole {
@@ -398,7 +404,26 @@ impl ServerRole {
             conn.session.go_away();
         }
     }
+
+    /// No request came for the idle timeout: a connection serving nothing is told to go
+    /// (GoAway, then Close: its client's next call fails as not run); one that is still
+    /// there a whole timeout after that (its peer took no Close) is dropped.
+    #[cold]
+    fn idle(&mut self, conn: &mut Conn) {
+        let now = tokio::time::Instant::now();
+        if conn.session.serving() > 0 {
+            self.last_request = now; // busy, not idle: look again a timeout from now
+        } else if !self.going_away {
+            self.go_away(conn);
+            self.last_request = now;
+        } else {
+            conn.lose("idle: the peer neither called nor took the server's Close (Config::idle_timeout)".into());
+        }
+    }
 }
+
+/// The wait's word that the idle timeout passed.
+struct Idle;
 
 /// Hands a handler's result to the session: large responses are staged in a registered buffer
 /// (or lent as they are, from a buffer of this connection), small ones from a buffer of this
@@ -472,6 +497,9 @@ impl Role for ServerRole {
                 payload,
                 budget,
             } => {
+                if self.idle_timeout.is_some() {
+                    self.last_request = tokio::time::Instant::now();
+                }
                 // First the body, so that a held buffer goes back even when no handler runs.
                 let body = match payload {
                     RequestBody::Bytes(b) => Body::Bytes(b),
@@ -562,9 +590,17 @@ impl Role for ServerRole {
                 None => std::future::pending().await,
             }
         };
+        let idle_at = self.idle_timeout.map(|t| self.last_request + t);
+        let idle = async move {
+            match idle_at {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             d = self.tasks.recv() => d.map(|d| Box::new(d) as RoleInput),
             () = stop => Some(Box::new(GoAway)),
+            () = idle => Some(Box::new(Idle)),
         }
     }
 
@@ -577,6 +613,8 @@ impl Role for ServerRole {
             Err(other) => {
                 if other.is::<GoAway>() {
                     self.go_away(conn);
+                } else if other.is::<Idle>() {
+                    self.idle(conn);
                 }
             }
         }

@@ -453,3 +453,38 @@ async fn lent_answers_nobody_reads_are_bounded_and_taken_back() {
     }
     assert_eq!(server_dev.registered_bytes(), 0, "the server let go of every buffer");
 }
+
+/// Peers that connect and then say nothing hold a server's connection slots only for its idle
+/// timeout: they are told to go, and dropped if they do not, and a new client gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_give_their_slots_back() {
+    let config = Config {
+        max_connections: 2,
+        idle_timeout: Some(Duration::from_secs(3)),
+        ..Config::default()
+    };
+    let server = Server::builder(config)
+        .handler(ECHO, |req| async move { Ok::<_, RpcError>(req) })
+        .bind(&device(), SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    let dev = device();
+    let _silent = [Raw::connect(&dev, addr).await, Raw::connect(&dev, addr).await];
+    match rdma_rpc_core::Client::connect(&dev, addr, Config::default()).await {
+        Err(RpcError::ConnectionRefused) => {}
+        Err(e) => panic!("a third connection while two are held: {e}"),
+        Ok(_) => panic!("a third connection while two are held was taken"),
+    }
+    let deadline = Instant::now() + WAIT;
+    let client = loop {
+        match rdma_rpc_core::Client::connect(&dev, addr, Config::default()).await {
+            Ok(c) => break c,
+            Err(RpcError::ConnectionRefused) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("the silent peers' slots never came back: {e}"),
+        }
+    };
+    assert_eq!(client.call(ECHO, b"in".to_vec()).await.expect("served"), b"in");
+}
