@@ -562,7 +562,7 @@ impl State {
             let landing = match landing_len {
                 Some(h) => {
                     let want = h.saturating_add(LANDING_PREFIX);
-                    let (buf, mr) = conn.stash.take(want)?;
+                    let (buf, mr) = conn.stash.take(want, crate::stash::Role::Land)?;
                     let mut desc = mr.remote();
                     desc.len = want as u64;
                     staged[1] = Some(buf);

@@ -184,7 +184,9 @@ pub struct Config {
     /// bookkeeping (`verbs`, `shm`), a large `Vec` payload goes through a buffer registered
     /// for the connection, and one kept spares the next call of that size a registration.
     /// Beyond this, a buffer a call is done with is deregistered: on `verbs` its memory is
-    /// unpinned and goes back to the allocator. Keeping fewer costs throughput where
+    /// unpinned and goes back to the allocator. Buffers are kept by role, each registered for
+    /// exactly its use (lent to be read, landed into, read into), so a peer's old key reaches
+    /// nothing it was not given. Keeping fewer costs throughput where
     /// registering is slow; `cargo bench --bench buffer_cache` prints what each bound keeps
     /// registered and the throughput it gives. It counts per connection and side, so a server holds up to
     /// [`max_connections`](Config::max_connections) times this; buffers the application

@@ -617,7 +617,7 @@ impl Conn {
                 // Into a vector of its own where that is cheap, unless the handler takes the
                 // request in registered memory.
                 let target = if self.session.reads_in_place(token) {
-                    self.stash.take(len).map(|(id, _)| id)
+                    self.stash.take(len, crate::stash::Role::Private).map(|(id, _)| id)
                 } else {
                     self.stash.take_target(len)
                 };

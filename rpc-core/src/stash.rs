@@ -51,10 +51,41 @@ impl Entry {
     }
 }
 
-/// Free buffers by size class: list `i` holds buffers of `(MIN_CLASS << i) + SLACK` bytes; and
-/// the protection domain new ones are registered with (here, so that [`Buffers`] is one `Arc`).
+/// What a buffer of the free lists is registered for: exactly the access its use needs, so
+/// that a peer that kept a key of it can do nothing else with it (write a buffer it was only
+/// lent to read, say, once that buffer holds another request's body).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// Lent for the peer to read; the application's buffers (which it may lend) too.
+    Lend,
+    /// A landing buffer the peer writes a response into.
+    Land,
+    /// Read into by this side: never named to the peer.
+    Private,
+}
+
+impl Role {
+    const ALL: [Role; 3] = [Role::Lend, Role::Land, Role::Private];
+
+    fn access(self) -> AccessFlags {
+        match self {
+            Role::Lend => AccessFlags::LOCAL_WRITE.union(AccessFlags::REMOTE_READ),
+            Role::Land => AccessFlags::LOCAL_WRITE.union(AccessFlags::REMOTE_WRITE),
+            Role::Private => AccessFlags::LOCAL_WRITE,
+        }
+    }
+
+    /// The role a registration with `access` serves, if any.
+    fn of(access: AccessFlags) -> Option<Role> {
+        Role::ALL.into_iter().find(|r| r.access() == access)
+    }
+}
+
+/// Free buffers by role and size class: `lists[role][i]` holds buffers of
+/// `(MIN_CLASS << i) + SLACK` bytes; and the protection domain new ones are registered with
+/// (here, so that [`Buffers`] is one `Arc`).
 pub(crate) struct Free {
-    lists: Vec<Vec<MemoryRegion>>,
+    lists: [Vec<Vec<MemoryRegion>>; 3],
     /// Bytes of the buffers in `lists`.
     kept: usize,
     /// The most `kept` may reach ([`Config::max_cached_buffer_bytes`](crate::Config)).
@@ -66,7 +97,7 @@ pub(crate) struct Free {
 impl Free {
     fn new(pd: &ProtectionDomain, isolation: Isolation, cap: usize) -> Self {
         Self {
-            lists: Vec::new(),
+            lists: Default::default(),
             kept: 0,
             cap,
             isolation,
@@ -74,8 +105,10 @@ impl Free {
         }
     }
 
-    fn pop(&mut self, class: usize) -> Option<MemoryRegion> {
-        let mr = self.lists.get_mut(class_index(class)?).and_then(Vec::pop)?;
+    fn pop(&mut self, class: usize, role: Role) -> Option<MemoryRegion> {
+        let mr = self.lists[role as usize]
+            .get_mut(class_index(class)?)
+            .and_then(Vec::pop)?;
         self.kept -= mr.len();
         Some(mr)
     }
@@ -84,21 +117,23 @@ impl Free {
     /// [`Isolation::Transfer`], beyond [`KEEP`] of its class or the byte cap, or of no class's
     /// size) deregistered, so that its rkey dies and its memory goes back.
     pub(crate) fn put(&mut self, mr: MemoryRegion) {
-        // Only what `fresh` registers: a buffer with other access flags would fail whoever
-        // takes it next.
-        if self.isolation != Isolation::Connection || mr.access() != ACCESS {
+        // Only what `fresh` registers, back to the list of its role: a buffer with other
+        // access flags would fail whoever takes it next, or give its peer more than it needs.
+        let Some(role) = Role::of(mr.access()) else { return };
+        if self.isolation != Isolation::Connection {
             return;
         }
         let Some(i) = class_index(mr.len()) else { return };
         if self.kept.saturating_add(mr.len()) > self.cap {
             return;
         }
-        if self.lists.len() <= i {
-            self.lists.resize_with(i + 1, Vec::new);
+        let lists = &mut self.lists[role as usize];
+        if lists.len() <= i {
+            lists.resize_with(i + 1, Vec::new);
         }
-        if self.lists[i].len() < KEEP {
+        if lists[i].len() < KEEP {
             self.kept += mr.len();
-            self.lists[i].push(mr);
+            lists[i].push(mr);
         }
     }
 }
@@ -115,11 +150,6 @@ const MIN_CLASS: usize = 4096;
 /// length, not one twice as large (1 MiB and 24 bytes, not 2 MiB). Buffers read into (no
 /// prefix) share the class.
 const SLACK: usize = LANDING_PREFIX;
-/// The access of every buffer of the free lists: lent (read by the peer), landed into
-/// (written by it), read into.
-const ACCESS: AccessFlags = AccessFlags::LOCAL_WRITE
-    .union(AccessFlags::REMOTE_READ)
-    .union(AccessFlags::REMOTE_WRITE);
 /// Free buffers kept per size class; more are deregistered.
 const KEEP: usize = 8;
 
@@ -145,9 +175,9 @@ impl Stash {
         }
     }
 
-    /// A free buffer of `len` bytes' class, or a new registration.
-    fn fresh(&mut self, len: usize) -> Result<MemoryRegion, RpcError> {
-        fresh(&self.free, len)
+    /// A free buffer of `len` bytes' class for `role`, or a new registration.
+    fn fresh(&mut self, len: usize, role: Role) -> Result<MemoryRegion, RpcError> {
+        fresh(&self.free, len, role)
     }
 
     /// A buffer for the application to fill: `len` bytes after room for the length prefix.
@@ -246,7 +276,7 @@ impl Stash {
         }
         let mr = self.entries.remove(id)?.mr?;
         if self.isolation == Isolation::Transfer {
-            let mut fresh = self.fresh(mr.len()).ok()?;
+            let mut fresh = self.fresh(mr.len(), Role::Lend).ok()?;
             fresh.bytes_mut().copy_from_slice(&mr.bytes());
             return Some(RegisteredBuf::new(fresh, LANDING_PREFIX, len, &self.free));
         }
@@ -327,7 +357,7 @@ impl Stash {
     /// of the free lists.
     pub(crate) fn take_target(&mut self, len: usize) -> Result<BufId, RpcError> {
         if !self.vectors || len == 0 {
-            return self.take(len).map(|(id, _)| id);
+            return self.take(len, Role::Private).map(|(id, _)| id);
         }
         // A refusal of the allocator is an error of this call, not an abort of the process.
         let mr = self.pd.register_zeroed_vec(len, AccessFlags::LOCAL_WRITE);
@@ -356,9 +386,9 @@ impl Stash {
         Ok((desc, self.hold_as(mr, false, true)))
     }
 
-    /// A buffer of at least `len` bytes, held under a fresh id.
-    pub(crate) fn take(&mut self, len: usize) -> Result<(BufId, &mut MemoryRegion), RpcError> {
-        let mr = self.fresh(len)?;
+    /// A buffer of at least `len` bytes for `role`, held under a fresh id.
+    pub(crate) fn take(&mut self, len: usize, role: Role) -> Result<(BufId, &mut MemoryRegion), RpcError> {
+        let mr = self.fresh(len, role)?;
         let id = self.hold(mr, false);
         match self.entries.get_mut(id).and_then(|e| e.mr.as_mut()) {
             Some(mr) => Ok((id, mr)),
@@ -370,7 +400,7 @@ impl Stash {
     /// the same buffer can be read by the peer or written into its landing buffer) and
     /// describes the bytes for the peer.
     pub(crate) fn lend(&mut self, data: &[u8]) -> Result<(RemoteRegion, BufId), RpcError> {
-        let (id, mr) = self.take(LANDING_PREFIX + data.len())?;
+        let (id, mr) = self.take(LANDING_PREFIX + data.len(), Role::Lend)?;
         {
             let mut b = mr.bytes_mut();
             write_prefix(&mut b, data.len());
@@ -461,8 +491,9 @@ fn write_prefix(b: &mut [u8], len: usize) {
     rest.fill(0);
 }
 
-/// A free buffer of `len` bytes' class from `free`, or a new registration with its domain.
-fn fresh(free: &Mutex<Free>, len: usize) -> Result<MemoryRegion, RpcError> {
+/// A free buffer of `len` bytes' class for `role` from `free`, or a new registration with its
+/// domain.
+fn fresh(free: &Mutex<Free>, len: usize, role: Role) -> Result<MemoryRegion, RpcError> {
     let c = class(len).ok_or_else(|| {
         RpcError::Transport(TransportError::new(format!(
             "a buffer of {len} bytes cannot be registered"
@@ -470,13 +501,13 @@ fn fresh(free: &Mutex<Free>, len: usize) -> Result<MemoryRegion, RpcError> {
     })?;
     let pd = {
         let mut f = free.lock();
-        if let Some(mr) = f.pop(c) {
+        if let Some(mr) = f.pop(c, role) {
             return Ok(mr);
         }
         f.pd.clone()
     };
     let n = registered_len(c, len, pd.device().caps().max_mr_size);
-    pd.register(n, ACCESS)
+    pd.register(n, role.access())
         .map_err(|e| RpcError::Transport(TransportError::with(format!("registering a {n}-byte buffer"), e)))
 }
 
@@ -507,7 +538,7 @@ impl Buffers {
     /// # Errors
     /// [`RpcError::Transport`] when the memory cannot be registered.
     pub fn buffer(&self, len: usize) -> Result<RegisteredBuf, RpcError> {
-        let mr = fresh(&self.free, LANDING_PREFIX.saturating_add(len))?;
+        let mr = fresh(&self.free, LANDING_PREFIX.saturating_add(len), Role::Lend)?;
         Ok(RegisteredBuf::new(mr, LANDING_PREFIX, len, &self.free))
     }
 }
@@ -529,7 +560,7 @@ mod tests {
     }
 
     fn free_count(s: &Stash) -> usize {
-        s.free.lock().lists.iter().map(Vec::len).sum()
+        s.free.lock().lists.iter().flatten().map(Vec::len).sum()
     }
 
     #[test]
@@ -626,14 +657,14 @@ mod tests {
     #[test]
     fn session_buffers_are_released_and_reused_by_class() {
         let mut s = stash();
-        let (id, _) = s.take(5000).expect("a buffer");
+        let (id, _) = s.take(5000, Role::Lend).expect("a buffer");
         assert!(s.get(id).is_some_and(|m| m.len() == 8192 + SLACK));
         let mr = s.take_out(id).expect("held");
         s.put_back(id, mr);
         s.release(id);
         assert!(s.entries.len() == 0 && s.get(id).is_none());
         assert_eq!(free_count(&s), 1);
-        let (id2, _) = s.take(6000).expect("the same class");
+        let (id2, _) = s.take(6000, Role::Lend).expect("the same class");
         assert_ne!(id, id2);
         assert_eq!(free_count(&s), 0, "taken from the free list");
         let out = s.hand_out(id2, 6000).expect("held");
@@ -646,18 +677,32 @@ mod tests {
         let dev = rdma_rpc_transport::Device::open("tcp").expect("the tcp provider");
         let pd = dev.alloc_pd().expect("a protection domain");
         let mut f = Free::new(&pd, Isolation::Connection, usize::MAX);
-        f.put(pd.register(5000, ACCESS).expect("reg"));
-        assert!(f.lists.iter().all(Vec::is_empty), "5000 bytes is no class");
-        f.put(pd.register(C4 - SLACK, ACCESS).expect("reg"));
-        assert!(f.lists.iter().all(Vec::is_empty), "a power of two alone is no class");
-        f.put(pd.register(C16, AccessFlags::LOCAL_WRITE).expect("reg"));
+        f.put(pd.register(5000, Role::Lend.access()).expect("reg"));
+        assert!(f.lists.iter().flatten().all(Vec::is_empty), "5000 bytes is no class");
+        f.put(pd.register(C4 - SLACK, Role::Lend.access()).expect("reg"));
+        assert!(
+            f.lists.iter().flatten().all(Vec::is_empty),
+            "a power of two alone is no class"
+        );
+        f.put(
+            pd.register(C16, AccessFlags::LOCAL_WRITE.union(AccessFlags::REMOTE_ATOMIC))
+                .expect("reg"),
+        );
         f.put(pd.register_vec(vec![0; C16], AccessFlags::REMOTE_READ).expect("reg"));
-        assert!(f.lists.iter().all(Vec::is_empty), "other access flags than the stash's");
+        assert!(
+            f.lists.iter().flatten().all(Vec::is_empty),
+            "other access flags than the stash's"
+        );
         for _ in 0..KEEP + 2 {
-            f.put(pd.register(C16, ACCESS).expect("reg"));
+            f.put(pd.register(C16, Role::Lend.access()).expect("reg"));
         }
-        assert_eq!(f.lists.get(2).map(Vec::len), Some(KEEP));
-        assert!(f.pop(C16).is_some() && f.pop(C4).is_none() && f.pop((1 << 40) + SLACK).is_none());
+        assert_eq!(f.lists[0].get(2).map(Vec::len), Some(KEEP));
+        assert!(
+            f.pop(C16, Role::Lend).is_some()
+                && f.pop(C16, Role::Land).is_none()
+                && f.pop(C4, Role::Lend).is_none()
+                && f.pop((1 << 40) + SLACK, Role::Lend).is_none()
+        );
     }
 
     #[test]
@@ -666,21 +711,24 @@ mod tests {
         let pd = dev.alloc_pd().expect("a protection domain");
         let mut f = Free::new(&pd, Isolation::Connection, 3 * C16 + C4);
         for _ in 0..5 {
-            f.put(pd.register(C16, ACCESS).expect("reg"));
+            f.put(pd.register(C16, Role::Lend.access()).expect("reg"));
         }
-        assert_eq!((f.lists.get(2).map(Vec::len), f.kept), (Some(3), 3 * C16));
-        f.put(pd.register(C4, ACCESS).expect("reg"));
-        f.put(pd.register(C4, ACCESS).expect("reg"));
+        assert_eq!((f.lists[0].get(2).map(Vec::len), f.kept), (Some(3), 3 * C16));
+        f.put(pd.register(C4, Role::Lend.access()).expect("reg"));
+        f.put(pd.register(C4, Role::Lend.access()).expect("reg"));
         assert_eq!(f.kept, 3 * C16 + C4, "a smaller class fills what is left");
-        assert!(f.pop(C16).is_some());
+        assert!(f.pop(C16, Role::Lend).is_some());
         assert_eq!(f.kept, 2 * C16 + C4, "a buffer taken out no longer counts");
-        f.put(pd.register(C16, ACCESS).expect("reg"));
+        f.put(pd.register(C16, Role::Lend.access()).expect("reg"));
         assert_eq!(f.kept, 3 * C16 + C4, "its room is there again");
         // What the lists let go of is deregistered: only what they keep stays counted.
         assert_eq!(dev.registered_bytes(), f.kept as u64);
         let mut none = Free::new(&pd, Isolation::Connection, 0);
-        none.put(pd.register(C4, ACCESS).expect("reg"));
-        assert_eq!((none.kept, none.lists.iter().map(Vec::len).sum::<usize>()), (0, 0));
+        none.put(pd.register(C4, Role::Lend.access()).expect("reg"));
+        assert_eq!(
+            (none.kept, none.lists.iter().flatten().map(Vec::len).sum::<usize>()),
+            (0, 0)
+        );
     }
 
     #[test]

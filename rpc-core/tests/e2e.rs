@@ -1289,13 +1289,13 @@ async fn dropped_large_vec_calls_stay_intact_and_leak_nothing() {
     let dev = device();
     let client = echo_client(&dev).await;
     bounded(client.call(ECHO, vec![1; 10])).await.expect("a small call");
-    // Each side's free lists keep at most 8 buffers of a size class, and its lent buffers
-    // (512 KiB after the length prefix) and read buffers (512 KiB) share one: 512 KiB and
-    // the prefix.
+    // Each side's free lists keep at most 8 buffers of a size class for each role, and its
+    // lent buffers (512 KiB after the length prefix) and read buffers (512 KiB) are of one
+    // class, 512 KiB and the prefix, in two roles (lent, read into).
     let kept = if dev.caps().cheap_registration {
         0
     } else {
-        2 * 8 * (LEN as u64 + HEADER_LEN as u64)
+        2 * 2 * 8 * (LEN as u64 + HEADER_LEN as u64)
     };
     let at_rest = dev.registered_bytes() + kept;
     // One call in three waits for its echo; the others are dropped after a random number of

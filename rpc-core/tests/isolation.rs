@@ -488,3 +488,18 @@ async fn idle_connections_give_their_slots_back() {
     };
     assert_eq!(client.call(ECHO, b"in".to_vec()).await.expect("served"), b"in");
 }
+
+/// A buffer lent for its peer to read is registered for that alone: the peer cannot write it
+/// with the key it was given (nor, the buffer reused, write a later request's body while a
+/// handler reads it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffer_lent_to_be_read_cannot_be_written() {
+    let addr = server(Isolation::Connection).await;
+    let mut raw = Raw::connect(&device(), addr).await;
+    let (_, lent) = raw.lent_response(4).await;
+    let (status, _) = raw.one_sided(lent.at(0), 4096, true).await;
+    assert!(
+        matches!(status, WcStatus::RemAccessErr | WcStatus::RemInvReqErr),
+        "a write into a buffer lent to be read: {status:?}"
+    );
+}
