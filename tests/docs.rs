@@ -40,31 +40,37 @@ fn markdown_files() -> Vec<PathBuf> {
     files
 }
 
-/// Lines outside fenced code blocks, with inline code spans blanked out.
-fn prose_lines(text: &str) -> Vec<String> {
+/// The lines of `text` outside fenced code blocks.
+fn outside_fences(text: &str) -> impl Iterator<Item = &str> {
     let mut fenced = false;
-    let mut out = Vec::new();
-    for line in text.lines() {
+    text.lines().filter(move |line| {
         if line.trim_start().starts_with("```") {
             fenced = !fenced;
-            continue;
+            return false;
         }
-        if fenced {
-            continue;
-        }
-        let mut kept = String::with_capacity(line.len());
-        let mut in_code = false;
-        for c in line.chars() {
-            if c == '`' {
-                in_code = !in_code;
-                kept.push(' ');
-            } else {
-                kept.push(if in_code { ' ' } else { c });
-            }
-        }
-        out.push(kept);
-    }
-    out
+        !fenced
+    })
+}
+
+/// Lines outside fenced code blocks, with inline code spans blanked out.
+fn prose_lines(text: &str) -> Vec<String> {
+    outside_fences(text)
+        .map(|line| {
+            let mut in_code = false;
+            line.chars()
+                .map(|c| {
+                    if c == '`' {
+                        in_code = !in_code;
+                        ' '
+                    } else if in_code {
+                        ' '
+                    } else {
+                        c
+                    }
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// The targets of `[text](target)` links in `text`, outside code.
@@ -96,18 +102,10 @@ fn slug(heading: &str) -> String {
 
 /// The anchors of a Markdown file's headings (outside code blocks).
 fn anchors(text: &str) -> HashSet<String> {
-    let mut fenced = false;
-    let mut set = HashSet::new();
-    for line in text.lines() {
-        if line.trim_start().starts_with("```") {
-            fenced = !fenced;
-            continue;
-        }
-        if !fenced && line.starts_with('#') {
-            set.insert(slug(line.trim_start_matches('#')));
-        }
-    }
-    set
+    outside_fences(text)
+        .filter(|line| line.starts_with('#'))
+        .map(|line| slug(line.trim_start_matches('#')))
+        .collect()
 }
 
 #[test]

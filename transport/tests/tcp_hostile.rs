@@ -676,15 +676,20 @@ fn a_read_answer_for_a_send_lands_nowhere() {
 /// The tests that measure the process's memory run one at a time.
 static MEMORY: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// The process's resident memory (`/proc/self/statm`).
-fn resident_bytes() -> u64 {
+/// Field `i` of `/proc/self/statm`, in bytes (0: the virtual size, 1: the resident set).
+fn statm_bytes(i: usize) -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
     let pages: u64 = statm
         .split_whitespace()
-        .nth(1)
+        .nth(i)
         .and_then(|p| p.parse().ok())
-        .expect("statm's resident field");
+        .expect("a field of statm");
     pages * 4096
+}
+
+/// The process's resident memory.
+fn resident_bytes() -> u64 {
+    statm_bytes(1)
 }
 
 /// A peer that asks for reads and does not take the answers costs the target no copy of them:
@@ -1005,16 +1010,9 @@ fn clients_that_trickle_their_handshake_keep_no_one_out_and_are_cut_off() {
     assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a provider thread panicked");
 }
 
-/// The process's virtual memory (`/proc/self/statm`, its first field): what allocations take
-/// even before their pages are touched.
+/// The process's virtual memory: what allocations take even before their pages are touched.
 fn virtual_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
-    let pages: u64 = statm
-        .split_whitespace()
-        .next()
-        .and_then(|p| p.parse().ok())
-        .expect("statm's size field");
-    pages * 4096
+    statm_bytes(0)
 }
 
 /// A frame's length field alone allocates nothing: eight peers announce Sends of almost 1 GiB
