@@ -286,3 +286,35 @@ async fn a_delivery_wakes_the_task_asleep_on_the_cq() {
         one(&ccq).await.ok().expect("send completion");
     }
 }
+
+/// A stopped target process (SIGSTOP) keeps its socket open, so its death is not what ends
+/// the wait: its heartbeat stands still, and within the keepalive a Send that waits for it
+/// (no receive posted, so its engine must answer) fails instead of waiting for ever.
+#[tokio::test]
+async fn a_stopped_peer_is_taken_for_dead_within_the_keepalive() {
+    let t = target();
+    let dev = Device::open("shm").expect("shm");
+    let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(64).expect("cq"));
+    let (qp, _) = connect(t.addr, &QpOptions::new(&pd, &cq), b"", WAIT).expect("connect");
+    signal(&t.child, "-STOP");
+    let started = Instant::now();
+    for id in [1, 2] {
+        let mut msg = pd.register(8, AccessFlags::LOCAL_WRITE).expect("msg");
+        msg.write_at(0, b"anyone?").expect("fill");
+        qp.post_send(SendWr::send(id, msg).len(7))
+            .map_err(|e| e.error)
+            .expect("post send");
+    }
+    // The first takes the receive the target posted (delivered by us); the second waits.
+    assert_eq!(one(&cq).await.status, WcStatus::Success);
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(40), cq.wait(&mut out, 1))
+        .await
+        .expect("the waiting Send ends once the stopped peer is taken for dead")
+        .expect("wait");
+    let c = out.pop().expect("one");
+    assert_eq!(c.wr_id, 2);
+    assert!(!c.status.is_success(), "a Send to a stopped peer: {c:?}");
+    println!("a stopped peer was taken for dead after {:?}", started.elapsed());
+    assert!(qp.is_error());
+}

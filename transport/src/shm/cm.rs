@@ -25,7 +25,8 @@ const MAGIC: &[u8; 8] = b"RDRPCSHM";
 /// 2: a fourth descriptor, the receive CQ's doorbell; the receive queue's `armed` word.
 /// 3: receive entries carry the head of each message (`Completion::head`), fields narrowed.
 /// 4: read responses sent as frames go in parts (the tcp wire's `READ_PART`).
-const VERSION: u16 = 4;
+/// 5: each ring's header carries its consumer's heartbeat (`link::KEEPALIVE`).
+const VERSION: u16 = 5;
 const HANDSHAKE: Duration = Duration::from_secs(10);
 
 fn name(addr: SocketAddr) -> Result<UnixAddr> {

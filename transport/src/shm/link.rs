@@ -1,16 +1,24 @@
 //! A queue pair's byte link over shared memory: our inbox ring (we consume), the peer's inbox
 //! ring (we produce), and the Unix socket the connection was set up on, kept open only to learn
-//! that the peer process died (the kernel closes it then).
+//! that the peer process died (the kernel closes it then). A process that stops or hangs keeps
+//! its socket open: each side's watcher thread beats in its own inbox's header, and takes a
+//! peer whose beat stands still for [`KEEPALIVE`] to be dead, as a NIC's retries give up on a
+//! host that stopped answering.
 
 use std::io;
 use std::os::fd::BorrowedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::ring::{Ring, RingError};
 use crate::tcp::Link;
+
+/// How often each side's watcher beats.
+pub(crate) const BEAT: Duration = Duration::from_millis(500);
+/// How long a peer's beat may stand still before the peer is taken to be dead.
+pub(crate) const KEEPALIVE: Duration = Duration::from_secs(10);
 
 pub(crate) struct ShmLink {
     rx: Ring,
@@ -27,7 +35,8 @@ fn io_err(e: RingError) -> io::Error {
 }
 
 impl ShmLink {
-    /// Starts the watcher thread that turns the socket's end into `peer_dead`.
+    /// Starts the watcher thread that beats, and turns the socket's end, or a peer whose beat
+    /// stood still for [`KEEPALIVE`], into `peer_dead`.
     pub(crate) fn new(rx: Ring, tx: Ring, sock: UnixStream, peer_dead: Arc<AtomicBool>) -> io::Result<Arc<ShmLink>> {
         let link = Arc::new(ShmLink {
             rx,
@@ -36,16 +45,31 @@ impl ShmLink {
             peer_dead,
         });
         let watch = link.sock.try_clone()?;
+        watch.set_read_timeout(Some(BEAT))?;
         let weak = Arc::downgrade(&link);
+        link.rx.beat();
         std::thread::Builder::new()
             .name("rdma-shm-watch".into())
             .spawn(move || {
                 let mut b = [0u8; 64];
-                // Nothing is ever sent on the socket after set-up: any return means it ended.
+                let (mut seen, mut since) = (None, Instant::now());
                 loop {
+                    // Nothing is ever sent on the socket after set-up: a return with no bytes
+                    // or an error other than the timeout means it ended.
                     match io::Read::read(&mut &watch, &mut b) {
-                        Ok(0) | Err(_) => break,
+                        Ok(0) => break,
                         Ok(_) => {}
+                        Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
+                        Err(_) => break,
+                    }
+                    let Some(l) = weak.upgrade() else { return };
+                    l.rx.beat();
+                    let beat = l.tx.peer_beat();
+                    if seen != Some(beat) {
+                        (seen, since) = (Some(beat), Instant::now());
+                    } else if since.elapsed() >= KEEPALIVE {
+                        tracing::warn!("the shm peer's heartbeat stood still for {KEEPALIVE:?}: taken to be dead");
+                        break;
                     }
                 }
                 if let Some(l) = weak.upgrade() {

@@ -43,6 +43,11 @@ struct Header {
     closed: AtomicU32,
     /// Set by the consumer: it is gone; producing is pointless.
     gone: AtomicU32,
+    _p4: [u8; 56],
+    /// The consumer's heartbeat: its process bumps it every [`BEAT`](super::link::BEAT) while
+    /// it runs, whatever its application does; a producer that sees it stand still for
+    /// [`KEEPALIVE`](super::link::KEEPALIVE) takes the consumer to be dead (stopped, hung).
+    beat: AtomicU64,
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER);
@@ -99,6 +104,16 @@ impl Ring {
         h.closed.store(1, Ordering::Release);
         h.data_seq.fetch_add(1, Ordering::AcqRel);
         sys::futex_wake(&h.data_seq);
+    }
+
+    /// Consumer: this process is alive (its heartbeat, for the producer).
+    pub(crate) fn beat(&self) {
+        self.header().beat.fetch_add(1, Ordering::Release);
+    }
+
+    /// Producer: the consumer's heartbeat as it stands.
+    pub(crate) fn peer_beat(&self) -> u64 {
+        self.header().beat.load(Ordering::Acquire)
     }
 
     /// Consumer: gone.
