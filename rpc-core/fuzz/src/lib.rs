@@ -183,6 +183,14 @@ fn drain(s: &mut Session, later: &mut Vec<u32>) {
     }
     assert!(s.credits().available() <= RING, "credits beyond the peer's ring");
     assert!(s.unanswered() <= SERVING, "more requests served at once than allowed");
+    // What waits to be sent: answers (counted within SERVING), refusals of requests the
+    // peer's credits let through (within the ring), and this side's own five calls with a
+    // Cancel or ReadDone each.
+    assert!(
+        s.queued() <= RING as usize + SERVING + 3 * 5,
+        "{} messages queued for a peer that takes none",
+        s.queued()
+    );
     assert!(
         s.held_request_bytes() <= SERVING_BYTES.max(MAX),
         "more request bytes held than allowed"

@@ -611,6 +611,12 @@ impl Session {
         (self.call_limit != usize::MAX).then_some(self.call_limit)
     }
 
+    /// Messages waiting to be sent (for want of the peer's credits), and calls held back by
+    /// its limits: what this side holds for a peer that does not take them.
+    pub fn queued(&self) -> usize {
+        self.queue.len() + self.held_back.len()
+    }
+
     /// Calls of ours waiting for one of the peer's requests to free up ([`Session::limit_calls`]).
     pub fn held_back_calls(&self) -> usize {
         self.held_back.len()
