@@ -1052,3 +1052,56 @@ fn a_length_field_alone_allocates_nothing() {
     assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
     drop(peers);
 }
+
+/// A key is worth only its own protection domain and only while its registration lives: a
+/// peer connected to a QP of one PD that names a registration of another PD of the same
+/// process, or one that was deregistered, gets a remote access error and moves no byte, as on
+/// a NIC.
+#[test]
+fn keys_of_another_domain_or_of_a_deregistered_region_are_refused() {
+    count_panics();
+    let mut t = Target::new();
+    let other_pd = t.dev.alloc_pd().expect("a second protection domain");
+    let mut elsewhere = other_pd.register(4096, AccessFlags::ALL).expect("register");
+    elsewhere.bytes_mut().fill(0x5a);
+    let gone = t.filled(4096, AccessFlags::ALL, 3);
+    let (gone_addr, gone_rkey) = (gone.addr(), gone.rkey());
+    drop(gone);
+    let cases = [
+        ("another domain's registration", elsewhere.addr(), elsewhere.rkey()),
+        ("a deregistered registration", gone_addr, gone_rkey),
+    ];
+    for (what, addr, rkey) in cases {
+        for write in [false, true] {
+            let (mut peer, qp) = t.connection();
+            let (a, k) = (addr.to_le_bytes(), rkey.to_le_bytes());
+            let bytes = if write {
+                frame(
+                    WRITE,
+                    &fields(&[&1u64.to_le_bytes(), &a, &k, &[ACK_REQ], &[0; 4]]),
+                    &[0xee; 64],
+                )
+            } else {
+                frame(
+                    READ_REQ,
+                    &fields(&[&1u64.to_le_bytes(), &a, &k, &64u32.to_le_bytes()]),
+                    &[],
+                )
+            };
+            peer.send(&bytes);
+            let (kind, body) = peer.next_whole().expect("an answer");
+            assert_eq!((kind, u64_at(&body, 0)), (NAK, 1), "{what}, write {write}");
+            assert_eq!(
+                WcStatus::from_raw(u32::from(body[8])),
+                WcStatus::RemAccessErr,
+                "{what}, write {write}"
+            );
+            wait_error(&qp, what);
+        }
+    }
+    assert!(
+        elsewhere.bytes().iter().all(|&b| b == 0x5a),
+        "another domain's registration was written"
+    );
+    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
+}
