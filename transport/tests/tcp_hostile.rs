@@ -76,7 +76,7 @@ impl Peer {
         s.set_nodelay(true).expect("nodelay");
         let mut hello = MAGIC.to_vec();
         hello.push(2);
-        hello.extend_from_slice(&2u16.to_le_bytes());
+        hello.extend_from_slice(&3u16.to_le_bytes());
         s.write_all(&hello).expect("send the hello");
         let mut head = [0u8; 9];
         s.read_exact(&mut head).expect("read the reply");
@@ -611,7 +611,7 @@ fn a_peer_of_another_wire_version_is_refused_by_name() {
     old.read_exact(&mut reply).expect("the listener's reply");
     assert_eq!(&reply[..9], &[&MAGIC[..], &[3]].concat()[..]);
     assert_eq!(reply[9], 2, "refused for its version");
-    assert_eq!(u16::from_le_bytes([reply[10], reply[11]]), 2, "the listener's version");
+    assert_eq!(u16::from_le_bytes([reply[10], reply[11]]), 3, "the listener's version");
     // The listener still serves peers of its own version.
     let (_peer, qp) = t.connection();
     assert!(!qp.is_error());
@@ -634,7 +634,7 @@ fn a_peer_of_another_wire_version_is_refused_by_name() {
         .expect_err("refused");
     let msg = err.to_string();
     assert!(
-        matches!(err, Error::Protocol(_)) && msg.contains("version 9") && msg.contains("speaks 2"),
+        matches!(err, Error::Protocol(_)) && msg.contains("version 9") && msg.contains("speaks 3"),
         "{msg}"
     );
     server.join().expect("the other listener");
@@ -1102,6 +1102,45 @@ fn keys_of_another_domain_or_of_a_deregistered_region_are_refused() {
     assert!(
         elsewhere.bytes().iter().all(|&b| b == 0x5a),
         "another domain's registration was written"
+    );
+    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
+}
+
+/// A TCP peer whose process stopped still has its kernel acknowledge, so the connection never
+/// breaks by itself; each side's writer beats while idle instead, and a peer that sends nothing
+/// at all, beats included, for 10 s is taken for dead (its QP to the error state, what waits on
+/// it flushed). A raw peer that says nothing after the handshake is that peer. Two QPs of this
+/// provider that stay idle as long keep each other alive with their beats.
+#[test]
+fn a_peer_silent_past_the_keepalive_is_taken_for_dead_and_idle_ones_are_not() {
+    count_panics();
+    let mut t = Target::new();
+    let (mut silent, silent_qp) = t.connection();
+    // An idle pair of this provider's own QPs.
+    let idle_listener = Listener::bind(&t.dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+    let idle_addr = idle_listener.local_addr().expect("addr");
+    let (pd, cq) = (t.dev.alloc_pd().expect("pd"), t.dev.create_cq(16).expect("cq"));
+    let opts = QpOptions::new(&pd, &cq);
+    let accepting = std::thread::spawn(move || {
+        idle_listener
+            .accept(Some(WAIT))
+            .expect("accept")
+            .accept(&opts, b"")
+            .expect("the idle server's QP")
+    });
+    let (idle_client, _) = connect(idle_addr, &QpOptions::new(&t.pd, &t.cq), b"", WAIT).expect("the idle client's QP");
+    let idle_server = accepting.join().expect("the accepting thread");
+    let started = Instant::now();
+    // The target beats towards the silent peer meanwhile.
+    let (kind, _) = silent.next().expect("a frame from the target");
+    assert_eq!(kind, 21, "a beat");
+    wait_error(&silent_qp, "a peer silent past the keepalive");
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+    std::thread::sleep(Duration::from_secs(12).saturating_sub(took));
+    assert!(
+        !idle_client.is_error() && !idle_server.is_error(),
+        "an idle pair of live QPs was taken for dead"
     );
     assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
 }

@@ -15,8 +15,9 @@ use crate::cq::CqImpl;
 use crate::{Error, QpOptions, Result};
 
 const MAGIC: &[u8; 8] = b"RDRPCTCP";
-/// The wire format's version: 2 since read responses go in parts (`READ_PART`).
-const VERSION: u16 = 2;
+/// The wire format's version: 2 since read responses go in parts (`READ_PART`), 3 since idle
+/// links beat (`BEAT`).
+const VERSION: u16 = 3;
 
 /// A listening socket for incoming queue-pair connections. Handshakes are read on threads of
 /// their own ([`Backlog`]), so a slow or silent client never holds up the others, and
@@ -263,7 +264,7 @@ fn start(stream: TcpStream, opts: &QpOptions, qp_num: u32) -> Result<(Qp, u32)> 
         _ => Err(Error::InvalidArgument("a tcp QP needs tcp CQs".into())),
     };
     let qp = Qp::start(
-        Arc::new(super::link::TcpLink(stream)),
+        Arc::new(super::link::TcpLink::new(stream)),
         qp_num,
         opts.pd.inner.clone(),
         cq(&opts.send_cq)?,

@@ -810,6 +810,8 @@ impl Engine {
             }),
             Frame::Nak { ssn, status } => self.complete_head(st, ssn, status, |_| Ok(0)),
             Frame::Fatal => self.enter_error(st, None),
+            // Only that the peer lives: the link noted when it came.
+            Frame::Beat => {}
             request => {
                 if st.error || st.discarding {
                     return;
@@ -1208,7 +1210,8 @@ impl Engine {
                 ..
             }
             | Frame::AtomicResp { .. }
-            | Frame::Fatal => {}
+            | Frame::Fatal
+            | Frame::Beat => {}
         }
     }
 }

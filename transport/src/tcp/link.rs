@@ -6,6 +6,7 @@
 use std::io::{self, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use socket2::SockRef;
@@ -41,19 +42,46 @@ pub(crate) trait Link: Send + Sync + 'static {
     fn shutdown_write(&self);
     /// Ends the link both ways at once.
     fn shutdown(&self);
+    /// Whether each side's writer beats while idle ([`Frame::Beat`](super::wire::Frame)), so
+    /// that the other can tell a stopped or hung peer: a TCP peer's kernel acknowledges for a
+    /// process that stopped, so the connection itself never says.
+    fn beats(&self) -> bool {
+        false
+    }
+    /// How long nothing has come from the peer, on a link that beats.
+    fn silent_for(&self) -> Option<Duration> {
+        None
+    }
 }
 
-/// The tcp provider's link.
-pub(crate) struct TcpLink(pub(crate) TcpStream);
+/// How often an idle writer beats.
+pub(crate) const BEAT: Duration = Duration::from_millis(500);
+/// How long a peer may stay silent, beats included, before it is taken for stopped or hung.
+pub(crate) const KEEPALIVE: Duration = Duration::from_secs(10);
+
+/// The tcp provider's link: the connection, and when bytes last came on it.
+pub(crate) struct TcpLink {
+    stream: TcpStream,
+    heard: AtomicU64,
+}
+
+impl TcpLink {
+    pub(crate) fn new(stream: TcpStream) -> Self {
+        TcpLink {
+            stream,
+            heard: AtomicU64::new(super::now_nanos()),
+        }
+    }
+}
 
 impl Link for TcpLink {
     fn socket(&self) -> Option<BorrowedFd<'_>> {
-        Some(self.0.as_fd())
+        Some(self.stream.as_fd())
     }
 
     fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
         let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
-        match SockRef::from(&self.0).send_with_flags(buf, flags) {
+        match SockRef::from(&self.stream).send_with_flags(buf, flags) {
             Ok(n) => Ok(n),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => Ok(0),
             Err(e) => Err(e),
@@ -63,9 +91,14 @@ impl Link for TcpLink {
     fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
         use rustix::io::Errno;
         let want = buf.len();
-        match rustix::net::recv(&self.0, buf, rustix::net::RecvFlags::DONTWAIT) {
+        match rustix::net::recv(&self.stream, buf, rustix::net::RecvFlags::DONTWAIT) {
             Ok((0, _)) if want > 0 => Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok((n, _)) => Ok(n),
+            Ok((n, _)) => {
+                if n > 0 {
+                    self.heard.store(super::now_nanos(), Ordering::Relaxed);
+                }
+                Ok(n)
+            }
             Err(Errno::AGAIN | Errno::INTR) => Ok(0),
             Err(e) => Err(e.into()),
         }
@@ -79,7 +112,7 @@ impl Link for TcpLink {
         });
         let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(2);
         if watch {
-            fds.push(PollFd::new(&self.0, PollFlags::IN));
+            fds.push(PollFd::new(&self.stream, PollFlags::IN));
         }
         if let Some(w) = &wake {
             fds.push(PollFd::new(w, PollFlags::IN));
@@ -95,7 +128,7 @@ impl Link for TcpLink {
         // One sendmsg for a frame's header and its payload, straight from registered memory.
         let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
         let parts = [io::IoSlice::new(a), io::IoSlice::new(b)];
-        match SockRef::from(&self.0).send_vectored_with_flags(&parts, flags) {
+        match SockRef::from(&self.stream).send_vectored_with_flags(&parts, flags) {
             Ok(n) => Ok(n),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => Ok(0),
             Err(e) => Err(e),
@@ -103,14 +136,23 @@ impl Link for TcpLink {
     }
 
     fn write_all(&self, buf: &[u8]) -> io::Result<()> {
-        (&self.0).write_all(buf)
+        (&self.stream).write_all(buf)
     }
 
     fn shutdown_write(&self) {
-        let _ = self.0.shutdown(Shutdown::Write);
+        let _ = self.stream.shutdown(Shutdown::Write);
     }
 
     fn shutdown(&self) {
-        let _ = self.0.shutdown(Shutdown::Both);
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+
+    fn beats(&self) -> bool {
+        true
+    }
+
+    fn silent_for(&self) -> Option<Duration> {
+        let heard = self.heard.load(Ordering::Relaxed);
+        Some(Duration::from_nanos(super::now_nanos().saturating_sub(heard)))
     }
 }

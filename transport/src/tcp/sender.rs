@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::link::Link;
+use super::link::{Link, BEAT};
 use super::wire::Encoder;
 use crate::mr::{Region, Rmw};
 
@@ -330,7 +330,16 @@ impl Sender {
                     st.closed = true;
                     return;
                 }
-                self.cv.wait(&mut st);
+                if !self.link.beats() {
+                    self.cv.wait(&mut st);
+                } else if self.cv.wait_for(&mut st, BEAT).timed_out() && st.idle() && st.ahead.is_empty() && !st.closed
+                {
+                    // Nothing to send for a beat: the peer learns that this process lives.
+                    let beat = Encoder::beat().finish();
+                    if let Ok(sent) = self.try_now(&mut st, &beat, &[]) {
+                        st.push_bytes(&beat[sent..], false);
+                    }
+                }
                 continue;
             };
             st.flushing = true;

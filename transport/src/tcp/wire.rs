@@ -39,6 +39,9 @@ pub(crate) enum Frame {
     },
     /// The sender's QP entered the error state.
     Fatal,
+    /// The sender's process is alive (sent when its link is otherwise idle): a peer that
+    /// hears nothing for [`KEEPALIVE`](super::link::KEEPALIVE) takes it for stopped or hung.
+    Beat,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,6 +64,7 @@ const ATOMIC_RESP: u8 = 13;
 /// between two parts.
 const READ_PART: u8 = 14;
 const FATAL: u8 = 20;
+const BEAT: u8 = 21;
 
 /// Send and Write flag: the initiator asks for an acknowledgement (as IB's AckReq bit). Acks
 /// are cumulative, and any later response acknowledges too, so only requests whose completion
@@ -149,6 +153,9 @@ impl Encoder {
     }
     pub(crate) fn fatal() -> Self {
         Self::new(FATAL, 0)
+    }
+    pub(crate) fn beat() -> Self {
+        Self::new(BEAT, 0)
     }
 }
 
@@ -312,6 +319,7 @@ impl Frame {
                 old: r.u64()?,
             },
             FATAL => Frame::Fatal,
+            BEAT => Frame::Beat,
             k => return Err(WireError::UnknownKind(k)),
         };
         r.end()?;

@@ -29,6 +29,7 @@ use parking_lot::MappedRwLockWriteGuard;
 use super::{AckWhen, Engine, Stop};
 use crate::mr::Region;
 use crate::tcp::inbox::Inbox;
+use crate::tcp::link::{BEAT, KEEPALIVE};
 use crate::tcp::now_nanos;
 use crate::tcp::wire::{DataHead, Frame, MAX_BODY};
 
@@ -208,7 +209,13 @@ impl Engine {
                 self.flush_ack(&mut self.state.lock());
             }
             let wake = self.wake.as_ref().map(|w| w.as_fd());
-            let waited = self.link.wait(wake, !leave, leave.then_some(POLLER_GRACE));
+            // On a link that beats, back at least once a beat to see whether the peer still does.
+            let timeout = if leave {
+                Some(POLLER_GRACE)
+            } else {
+                self.link.beats().then_some(BEAT)
+            };
+            let waited = self.link.wait(wake, !leave, timeout);
             rung = self
                 .wake
                 .as_ref()
@@ -223,6 +230,19 @@ impl Engine {
                     }
                     return;
                 }
+            }
+            if self.link.silent_for().is_some_and(|s| s >= KEEPALIVE) {
+                // Not a byte, not even a beat: the peer's process stopped or hangs (its kernel
+                // may still acknowledge TCP, so the connection itself never says).
+                let mut r = self.reader.lock();
+                if !r.stopped {
+                    tracing::warn!(
+                        qp = self.qp_num,
+                        "the peer stayed silent for {KEEPALIVE:?}: taken to be dead"
+                    );
+                    self.stop(&mut r, Stop::Link);
+                }
+                return;
             }
         }
     }
@@ -432,7 +452,7 @@ impl Engine {
         use crate::AccessFlags;
         let free = |r: &Region| r.mem.try_write().is_some();
         match frame {
-            Frame::Ack { .. } | Frame::Nak { .. } | Frame::Fatal => true,
+            Frame::Ack { .. } | Frame::Nak { .. } | Frame::Fatal | Frame::Beat => true,
             // A target's checks failing means a NAK, memory untouched.
             Frame::ReadReq { addr, rkey, len, .. } => self
                 .check_remote(*addr, *rkey, *len as usize, AccessFlags::REMOTE_READ)
