@@ -1160,11 +1160,14 @@ impl Session {
         }
     }
 
-    /// Queues the answer to served request `call` (with its message `out`): counted until it
-    /// leaves.
+    /// Queues the answer to served request `call` (with its message `out`): done with at once
+    /// when it can go at once (the common case: one lookup), else counted until it leaves.
     fn answer(&mut self, call: u32, out: Out) {
-        self.answered(call, Serving::Answered);
-        self.push_out(out);
+        if self.push_out(out) {
+            self.unserve(call);
+        } else {
+            self.answered(call, Serving::Answered);
+        }
     }
 
     /// Starts the Reads of requests that waited for bytes, in arrival order, as far as they fit.
@@ -1321,8 +1324,11 @@ impl Session {
 
     /// Queues a response message to `call`; a served request counts until it leaves.
     fn answer_msg(&mut self, call: u32, flags: u16, status: u16, body: Vec<u8>) {
-        self.answered(call, Serving::Answered);
-        self.queue_msg(Kind::Response, flags, call, status, body);
+        if self.queue_msg(Kind::Response, flags, call, status, body) {
+            self.unserve(call);
+        } else {
+            self.answered(call, Serving::Answered);
+        }
     }
 
     fn handle_cancel(&mut self, call: u32) {
@@ -1769,8 +1775,9 @@ impl Session {
 
     /// Queues `out`, or makes it `ready` when it may go at once: nothing queued, ready or
     /// pending before it, the connection open, a data credit free, and one piece long. What
-    /// `poll_transmit` would do for it then is done here.
-    fn push_out(&mut self, out: Out) {
+    /// `poll_transmit` would do for it then is done here. True when it went `ready` (it has
+    /// left, as far as the limits go: the caller settles what it answered).
+    fn push_out(&mut self, out: Out) -> bool {
         let now = self.ready.is_none()
             && self.queue.is_empty()
             && self.actions.is_empty()
@@ -1784,15 +1791,13 @@ impl Session {
         };
         if !(now && one_piece) {
             self.queue.push_back(out);
-            return;
+            return false;
         }
         match (out, self.credits.spend()) {
             (Out::Msg { header, body }, Some(c)) => {
-                self.left(&header);
                 self.ready = Some(Transmit::Send(encode(header, c, body)));
             }
             (Out::Placed { mut header, buf, len }, Some(c)) => {
-                self.left(&header);
                 header.credits = c;
                 header.body_len = len as u32;
                 self.ready = Some(Transmit::SendPlaced {
@@ -1802,17 +1807,22 @@ impl Session {
                 });
             }
             // Not reached (`now` saw two credits, `one_piece` the kind): queued as before.
-            (out, _) => self.queue.push_back(out),
+            (out, _) => {
+                self.queue.push_back(out);
+                return false;
+            }
         }
+        true
     }
 
     fn queue_small(&mut self, kind: Kind, call: u32, status: u16, body: Vec<u8>) {
         self.queue_msg(kind, 0, call, status, body);
     }
 
-    fn queue_msg(&mut self, kind: Kind, flags: u16, call: u32, status: u16, body: Vec<u8>) {
+    /// Queues a message (see [`Session::push_out`]); true when it went at once.
+    fn queue_msg(&mut self, kind: Kind, flags: u16, call: u32, status: u16, body: Vec<u8>) -> bool {
         if self.lost.is_some() {
-            return;
+            return false;
         }
         self.push_out(Out::Msg {
             header: Header {
@@ -1826,7 +1836,7 @@ impl Session {
                 budget_us: 0,
             },
             body,
-        });
+        })
     }
 
     /// False when [`Session::poll_transmit`] would give nothing now: a cheap look for drivers
