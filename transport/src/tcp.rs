@@ -56,7 +56,7 @@ use crate::DeviceCaps;
 
 pub(crate) use cm::{connect, Listener, Pending, Request};
 pub(crate) use engine::Qp;
-pub(crate) use link::Link;
+pub(crate) use link::{Link, BEAT, KEEPALIVE};
 
 /// Largest message: 1 GiB.
 const MAX_MSG: u64 = 1 << 30;

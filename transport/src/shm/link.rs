@@ -13,12 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::ring::{Ring, RingError};
-use crate::tcp::Link;
-
-/// How often each side's watcher beats.
-pub(crate) const BEAT: Duration = Duration::from_millis(500);
-/// How long a peer's beat may stand still before the peer is taken to be dead.
-pub(crate) const KEEPALIVE: Duration = Duration::from_secs(10);
+use crate::tcp::{Link, BEAT, KEEPALIVE};
 
 pub(crate) struct ShmLink {
     rx: Ring,

@@ -54,9 +54,10 @@ pub(crate) trait Link: Send + Sync + 'static {
     }
 }
 
-/// How often an idle writer beats.
+/// How often an idle side beats (a tcp writer's Beat frame, an shm watcher's heartbeat word).
 pub(crate) const BEAT: Duration = Duration::from_millis(500);
-/// How long a peer may stay silent, beats included, before it is taken for stopped or hung.
+/// How long a peer may stay silent, beats included, before it is taken for stopped or hung,
+/// on both software providers.
 pub(crate) const KEEPALIVE: Duration = Duration::from_secs(10);
 
 /// The tcp provider's link: the connection, and when bytes last came on it.
