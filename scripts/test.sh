@@ -111,6 +111,13 @@ if (($(grep -c 'MB/s (rounds [0-9]*); registered at rest [0-9.]* MiB$' <<< "$cac
 else
     echo "the buffer_cache bench failed:"; echo "$cache"; fail=1
 fi
+# The per-connection cost the README's provider table quotes: its two lines on shm.
+cost=$(cargo bench --quiet --bench conn_cost -- --provider shm --conns 4 2>&1)
+if (($(grep -c '^per connection, \(both sides\|each side\): [0-9.]* threads, [0-9.]* fds, [0-9.]* MiB registered$' <<< "$cost") == 2)); then
+    echo "conn_cost bench: per connection, both sides and each side, on shm"
+else
+    echo "the conn_cost bench failed:"; echo "$cost"; fail=1
+fi
 # A bad argument: exit 1 and the error's message (its Display, which says what to use), not its
 # Debug form.
 if [[ -n $bench_bin ]]; then
