@@ -37,6 +37,11 @@ impl AccessFlags {
         Self(self.0 | other.0)
     }
 
+    /// The flags among `bits` (others dropped).
+    pub(crate) fn from_bits_truncate(bits: u32) -> Self {
+        Self(bits & Self::ALL.0)
+    }
+
     /// True if every flag of `other` is set here.
     pub fn contains(self, other: Self) -> bool {
         self.0 & other.0 == other.0

@@ -235,8 +235,7 @@ impl Drop for Region {
             PdImpl::Verbs(_) => {}
         }
         if let RegionImpl::Shm(arena, rkey, lkey) = &self.imp {
-            arena.withdraw(*rkey);
-            arena.withdraw(*lkey);
+            arena.withdraw((*lkey, *rkey));
         }
         #[cfg(feature = "verbs")]
         if let RegionImpl::Verbs(mr) = &mut self.imp {
@@ -306,13 +305,13 @@ impl MemoryRegion {
         };
         let region = match &pd.inner.imp {
             PdImpl::Shm(spd) => {
-                let mut slice = crate::shm::Slice::alloc(&spd.arena, len)?;
+                let mut slice = crate::shm::Slice::alloc(len, access)?;
                 if let Some(v) = &vec {
                     bytemuck::cast_slice_mut::<u64, u8>(slice.words_mut())[..len].copy_from_slice(v);
                 }
-                let addr = slice.words_mut().as_mut_ptr() as u64;
+                let addr = slice.addr();
                 let (lkey, rkey) = spd.fresh_keys();
-                spd.publish((lkey, rkey), access, addr, slice.off(), len as u64)?;
+                spd.publish((lkey, rkey), access, &slice, len as u64)?;
                 let region = Arc::new(Region {
                     pd: pd.inner.clone(),
                     addr,

@@ -1,12 +1,16 @@
 //! Provider `shm`: software RDMA between processes on one host, through shared memory.
 //!
-//! - **Memory.** A protection domain's registrations live in one sealed memfd (its arena),
-//!   mapped by the owner and by every peer connected to a QP of the PD. The arena's first MiB is
-//!   the region table the owner publishes (rkey, access, address, length, under a seqlock).
+//! - **Memory.** Each registration is a sealed memfd of its own. A peer gets one only when it
+//!   first uses a key, by asking the owner on the connection's socket (`grant`), and only as a
+//!   NIC would let it reach the memory: read-only under an rkey with REMOTE_READ alone,
+//!   read-write under one with REMOTE_WRITE or REMOTE_ATOMIC, read-write under the lkey of a
+//!   receive posted on its own connection, and otherwise not at all. The protection domain's
+//!   key table, which peers map read-only, holds one word per registration that says whether
+//!   it lives, so a deregistered key fails at once.
 //! - **One-sided operations without the target's CPU.** RDMA Read, Write (without immediate)
-//!   and the atomics are executed by the initiator itself, on its mapping of the target's arena,
-//!   after the checks a NIC makes against the published table (rkey, bounds, access flags);
-//!   atomics are real atomic instructions on the shared word.
+//!   and the atomics are executed by the initiator itself, on its mapping of the granted
+//!   registration, after the checks a NIC makes (bounds, access flags); atomics are real
+//!   atomic instructions on the shared word.
 //! - **Two-sided operations.** The receiver publishes its receive queue in shared memory
 //!   (`rq`); a Send or Write-with-immediate that finds a posted receive is delivered by the
 //!   sender, which writes the payload and the completion into the entry; the receiver's CQ
@@ -18,20 +22,24 @@
 //!   RNR, error and flush semantics), over a pair of shared-memory byte rings with futex
 //!   wake-ups; frames and direct deliveries never overlap, so RC order holds.
 //! - **Set-up and death.** An abstract Unix socket named after the address carries the
-//!   handshake and the memfds (SCM_RIGHTS); it stays open, and its end (the kernel closes it
-//!   when a process dies) turns into errors with the QP flushed.
+//!   handshake and the memfds (SCM_RIGHTS); it stays open for grants, and its end (the kernel
+//!   closes it when a process dies) turns into errors with the QP flushed.
 //!
-//! Trust model: peers are processes of the same user on the same host, which could already
-//! read each other's memory (ptrace, /proc). The checks keep a buggy peer from reaching memory
-//! it was not given, and every word read from shared memory is validated so that garbage in the
-//! rings or the table gives errors, never out-of-bounds accesses; memfds are sealed so a peer
-//! cannot shrink them under us (no SIGBUS). They are not a defence against a hostile process
-//! of the same user.
+//! Trust model: peers are processes of the same user by default (`shm:any-user` admits any).
+//! The kernel holds a peer to what it was granted: it holds no descriptor of any other memory
+//! of ours, and one opened read-only cannot be mapped writable. Every word read from shared
+//! memory is validated, so garbage in the rings, the receive queue or a grant gives errors,
+//! never out-of-bounds accesses; memfds are sealed so a peer cannot shrink them under us (no
+//! SIGBUS). What the kernel cannot narrow: a peer granted a registration reaches all of it
+//! until it is deregistered (REMOTE_ATOMIC allows plain writes too), a receive buffer once
+//! posted on its connection included; after that it reaches only pages this process no longer
+//! uses. Each registration a peer may be granted holds one descriptor here.
 
 mod arena;
 pub(crate) mod bell;
 pub(crate) mod cm;
 mod copy;
+pub(crate) mod grant;
 pub(crate) mod link;
 mod ring;
 pub(crate) mod rq;
@@ -118,7 +126,7 @@ pub(crate) fn caps() -> DeviceCaps {
 }
 
 /// A shm protection domain: the tcp provider's key table (for the engine's two-sided path and
-/// Writes-with-immediate) and the arena that holds the memory and publishes the same keys.
+/// Writes-with-immediate) and the arena that holds the registrations peers may be granted.
 pub(crate) struct Pd {
     pub(crate) keys: crate::tcp::Pd,
     pub(crate) arena: Arc<Arena>,
@@ -132,8 +140,8 @@ impl Pd {
         })
     }
 
-    /// Fresh keys, both absent from the published table (the lkey is published too, for
-    /// receives a peer delivers into).
+    /// Fresh keys, neither published (the lkey is published too, for receives a peer delivers
+    /// into).
     pub(crate) fn fresh_keys(&self) -> (u32, u32) {
         loop {
             let (lkey, rkey) = self.keys.fresh_keys();
@@ -144,21 +152,9 @@ impl Pd {
         }
     }
 
-    /// Publishes a registration: under its rkey with its access flags, and under its lkey with
-    /// LOCAL_WRITE only (receives), which no one-sided operation accepts.
-    pub(crate) fn publish(&self, keys: (u32, u32), access: AccessFlags, addr: u64, off: u64, len: u64) -> Result<()> {
-        let (lkey, rkey) = keys;
-        self.arena.publish(rkey, access, addr, off, len)?;
-        let local = if access.contains(AccessFlags::LOCAL_WRITE) {
-            AccessFlags::LOCAL_WRITE
-        } else {
-            AccessFlags::NONE
-        };
-        if let Err(e) = self.arena.publish(lkey, local, addr, off, len) {
-            self.arena.withdraw(rkey);
-            return Err(e);
-        }
-        Ok(())
+    /// Publishes a registration of `slice`, `len` bytes at `addr`, under `keys`.
+    pub(crate) fn publish(&self, keys: (u32, u32), access: AccessFlags, slice: &Slice, len: u64) -> Result<()> {
+        self.arena.publish(keys, access, &slice.seg, slice.addr(), len)
     }
 }
 
@@ -168,53 +164,44 @@ pub(crate) fn prefetch(p: *const u8, len: usize) {
     sys::prefetch(p, len, false);
 }
 
-/// Registered memory in an arena: freed (its pages given back) when dropped.
+/// Registered memory: a segment of its own, which peers reach only as granted.
 pub(crate) struct Slice {
-    arena: Arc<Arena>,
-    off: u64,
+    seg: Arc<arena::Segment>,
     words: usize,
 }
 
 impl Slice {
-    pub(crate) fn alloc(arena: &Arc<Arena>, len: usize) -> Result<Slice> {
-        let off = arena.alloc(len as u64)?;
+    /// `len` zeroed bytes for a registration with `access`.
+    pub(crate) fn alloc(len: usize, access: AccessFlags) -> Result<Slice> {
         Ok(Slice {
-            arena: arena.clone(),
-            off,
+            seg: arena::Segment::new(len, access != AccessFlags::NONE)?,
             words: len.div_ceil(8),
         })
     }
 
-    pub(crate) fn off(&self) -> u64 {
-        self.off
+    /// The address of the first byte in this process.
+    pub(crate) fn addr(&self) -> u64 {
+        self.seg.ptr() as u64
     }
 
     pub(crate) fn words(&self) -> &[u64] {
-        // SAFETY: the range is this slice's own allocation inside the arena mapping (page
-        // aligned, so aligned for u64), which lives as long as `self.arena`; peers may write
-        // it concurrently through their mappings, as a NIC writes registered memory by DMA.
-        unsafe { std::slice::from_raw_parts(self.arena.at(self.off).cast::<u64>(), self.words) }
+        // SAFETY: the range is inside this slice's own segment mapping (page aligned, so
+        // aligned for u64), which lives as long as `self.seg`; peers granted it may write it
+        // concurrently through their mappings, as a NIC writes registered memory by DMA.
+        unsafe { std::slice::from_raw_parts(self.seg.ptr().cast::<u64>(), self.words) }
     }
 
     pub(crate) fn words_mut(&mut self) -> &mut [u64] {
         // SAFETY: as in `words`; `&mut self` makes this the only local reference.
-        unsafe { std::slice::from_raw_parts_mut(self.arena.at(self.off).cast::<u64>(), self.words) }
+        unsafe { std::slice::from_raw_parts_mut(self.seg.ptr().cast::<u64>(), self.words) }
     }
-}
 
-impl Slice {
     /// Word `i` as an atomic (for the atomics peers also run on it).
     pub(crate) fn atomic_word(&self, i: usize) -> &std::sync::atomic::AtomicU64 {
         let i = i.min(self.words.saturating_sub(1));
-        // SAFETY: word `i` is inside this slice's allocation (clamped above; regions are at
-        // least one word), 8-byte aligned (pages), alive as long as `self`; every atomic on it
-        // goes through AtomicU64.
-        unsafe { std::sync::atomic::AtomicU64::from_ptr(self.arena.at(self.off).cast::<u64>().add(i)) }
-    }
-}
-
-impl Drop for Slice {
-    fn drop(&mut self) {
-        self.arena.free(self.off, self.words as u64 * 8);
+        // SAFETY: word `i` is inside this slice's segment (clamped above; regions are at least
+        // one word), 8-byte aligned (pages), alive as long as `self`; every atomic on it goes
+        // through AtomicU64.
+        unsafe { std::sync::atomic::AtomicU64::from_ptr(self.seg.ptr().cast::<u64>().add(i)) }
     }
 }

@@ -1,7 +1,8 @@
 //! Connection set-up for the shm provider, shaped like the tcp provider's: a listener on an
 //! abstract Unix socket named after the `SocketAddr` it is given (`rdma-rpc-shm:<ip>:<port>`,
 //! so the same addresses work on every provider; port 0 picks a free one), a handshake carrying
-//! the private data and, as descriptors, each side's arena and inbox ring.
+//! the private data and, as descriptors, each side's key table (read-only), inbox ring, receive
+//! queue and doorbell. Memory is granted later, key by key, on the same socket (`grant`).
 
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -12,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::arena::{Arena, PeerArena};
+use super::grant::{self, Grants, Server};
 use super::link::ShmLink;
 use super::ring::{self, Ring};
 use super::rq::{self, OwnRq, PeerRq};
@@ -26,7 +28,8 @@ const MAGIC: &[u8; 8] = b"RDRPCSHM";
 /// 3: receive entries carry the head of each message (`Completion::head`), fields narrowed.
 /// 4: read responses sent as frames go in parts (the tcp wire's `READ_PART`).
 /// 5: each ring's header carries its consumer's heartbeat (`link::KEEPALIVE`).
-const VERSION: u16 = 5;
+/// 6: a key table (read-only) instead of the whole arena; memory granted key by key (`grant`).
+const VERSION: u16 = 6;
 const HANDSHAKE: Duration = Duration::from_secs(10);
 
 fn name(addr: SocketAddr) -> Result<UnixAddr> {
@@ -36,12 +39,16 @@ fn name(addr: SocketAddr) -> Result<UnixAddr> {
 /// What one side brings to a connection.
 pub(crate) struct Side {
     pub(crate) arena: Arc<Arena>,
+    /// The arena's key table, read-only: what the peer gets of our memory at set-up.
+    table_fd: OwnedFd,
     pub(crate) inbox_fd: OwnedFd,
     pub(crate) inbox: Arc<Mapping>,
     rq_fd: OwnedFd,
     rq: Option<OwnRq>,
     /// The receive CQ's doorbell, for the peer to ring after delivering into our receives.
     bell_fd: OwnedFd,
+    /// Once joined: the grants' server, to start pushing when the handshake is over.
+    server: Option<Arc<Server>>,
 }
 
 /// A connection's pieces, once both sides' descriptors are in.
@@ -57,19 +64,22 @@ impl Side {
             sys::sealed_memfd("rdma-rpc-shm-ring", ring::BYTES as u64).map_err(|e| Error::io("creating a ring", e))?;
         let inbox = Arc::new(Mapping::map(&fd, ring::BYTES).map_err(|e| Error::io("mapping a ring", e))?);
         let (rq_fd, rq) = OwnRq::create(rq::capacity(max_recv_wr))?;
+        let table_fd = sys::reopen_read_only(&arena.table_fd).map_err(|e| Error::io("opening the key table", e))?;
         Ok(Side {
             arena,
+            table_fd,
             inbox_fd: fd,
             inbox,
             rq_fd,
             rq: Some(rq),
             bell_fd,
+            server: None,
         })
     }
 
     fn fds(&self) -> [std::os::fd::RawFd; 4] {
         [
-            self.arena.fd.as_raw_fd(),
+            self.table_fd.as_raw_fd(),
             self.inbox_fd.as_raw_fd(),
             self.rq_fd.as_raw_fd(),
             self.bell_fd.as_raw_fd(),
@@ -79,10 +89,11 @@ impl Side {
     /// The link, the peer's memory and receive queue, from the peer's descriptors. Our
     /// descriptors stay with `self` until they were sent.
     fn join(&mut self, sock: UnixStream, peer_fds: Vec<OwnedFd>) -> Result<Joined> {
-        let [arena_fd, inbox_fd, rq_fd, bell]: [OwnedFd; 4] = peer_fds
+        let [table_fd, inbox_fd, rq_fd, bell]: [OwnedFd; 4] = peer_fds
             .try_into()
             .map_err(|_| Error::Protocol("the peer sent the wrong descriptors".into()))?;
-        let arena = PeerArena::map(&arena_fd)?;
+        let requests = sock.try_clone().map_err(|e| Error::io("cloning the socket", e))?;
+        let grants = Arc::new(Grants::new(&table_fd, requests)?);
         let peer_rq = PeerRq::map(&rq_fd)?;
         let size = sys::peer_memfd(&inbox_fd).map_err(|e| Error::io("checking the peer's ring", e))?;
         if size != ring::BYTES as u64 {
@@ -97,15 +108,19 @@ impl Side {
         let dead = Arc::new(AtomicBool::new(false));
         let rx = Ring::new(self.inbox.clone(), dead.clone()).ok_or_else(|| Error::Protocol("ring".into()))?;
         let tx = Ring::new(tx_map, dead.clone()).ok_or_else(|| Error::Protocol("ring".into()))?;
-        let link = ShmLink::new(rx, tx, sock, dead).map_err(|e| Error::io("starting the shm watcher", e))?;
         let own_rq = self
             .rq
             .take()
             .ok_or_else(|| Error::Protocol("side joined twice".into()))?;
+        let pushes = sock.try_clone().map_err(|e| Error::io("cloning the socket", e))?;
+        let server = Server::start(self.arena.clone(), own_rq.keys(), pushes);
+        self.server = Some(server.clone());
+        let link = ShmLink::new(rx, tx, sock, dead, server, grants.clone())
+            .map_err(|e| Error::io("starting the shm watcher", e))?;
         Ok(Joined {
             link,
             peer: Arc::new(Peer {
-                arena,
+                arena: PeerArena::new(grants),
                 rq: peer_rq,
                 bell,
             }),
@@ -267,6 +282,11 @@ impl Pending {
             Pending::Reply { stream, side } => {
                 let mut reply = vec![1u8];
                 reply.extend_from_slice(private_data);
+                // The grants of what the peer may use at once go first (`connect` keeps them),
+                // so that it holds them even if this process stops right after the reply.
+                if let Some(server) = &side.server {
+                    server.ready();
+                }
                 sys::send_with_fds(&stream, &reply, &side.fds()).map_err(|e| Error::io("answering", e))?;
                 Ok(Vec::new())
             }
@@ -326,15 +346,34 @@ pub(crate) fn connect(
     sys::send_with_fds(&stream, &hello(private_data), &side.fds())
         .map_err(|e| Error::io("sending the handshake", e))?;
     let longest = 1 + MAX_PRIVATE_DATA.max(crate::cm::MAX_REJECT_REASON);
-    let (reply, fds) = sys::recv_with_fds(&stream, longest).map_err(|e| match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout(crate::cm::NO_HANDSHAKE),
-        _ => Error::io("reading the handshake", e),
-    })?;
+    // The grants the server pushes come just before its reply, each read on its own (a read
+    // ends with the message whose descriptors it took): kept for the link.
+    let deadline = std::time::Instant::now() + timeout;
+    let mut pushed = Vec::new();
+    let (reply, fds) = loop {
+        let (m, fds) = sys::recv_with_fds(&stream, longest).map_err(|e| match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout(crate::cm::NO_HANDSHAKE),
+            _ => Error::io("reading the handshake", e),
+        })?;
+        if !grant::is_grant(&m) {
+            break (m, fds);
+        }
+        if pushed.len() >= grant::MAX_PUSHED || std::time::Instant::now() > deadline {
+            return Err(Error::Protocol("the server sent grants and no reply".into()));
+        }
+        pushed.push((m, fds));
+    };
     match reply.split_first() {
         Some((1, data)) => {
             let data = data.to_vec();
             let _ = stream.set_read_timeout(None);
             let joined = side.join(stream, fds)?;
+            for (m, fds) in pushed {
+                joined.peer.arena.grants().take_pushed(&m, fds);
+            }
+            if let Some(server) = &side.server {
+                server.ready();
+            }
             drop(side);
             Ok((joined, data))
         }
@@ -361,10 +400,10 @@ mod tests {
         assert!(parse_hello(b"RDRPC").is_err(), "too short");
     }
 
-    /// The four descriptors a side sends, taken from a real side (a protection domain's arena,
-    /// a ring, a receive queue, a CQ's doorbell), as raw descriptors of our own.
+    /// The four descriptors a side sends, taken from a real side (a protection domain's key
+    /// table, a ring, a receive queue, a CQ's doorbell), as raw descriptors of our own.
     struct Fds {
-        arena: OwnedFd,
+        table: OwnedFd,
         inbox: OwnedFd,
         rq: OwnedFd,
         bell: OwnedFd,
@@ -388,7 +427,7 @@ mod tests {
         };
         let [a, i, r, b] = side.fds();
         Fds {
-            arena: dup(a),
+            table: dup(a),
             inbox: dup(i),
             rq: dup(r),
             bell: dup(b),
@@ -453,10 +492,10 @@ mod tests {
         let server = serve(listener, 8);
         let g = good_fds();
         let sealed = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
-        let huge_arena = memfd(libc::MFD_HUGETLB, super::super::arena::ARENA, sealed);
+        let huge_table = memfd(libc::MFD_HUGETLB, 2 << 20, sealed);
         let huge_rq = memfd(libc::MFD_HUGETLB, 2 << 20, sealed);
         let unsealed_ring = memfd(0, ring::BYTES as u64, 0);
-        let small_arena = memfd(0, super::super::arena::ARENA / 2, sealed);
+        let small_table = memfd(0, super::super::arena::TABLE as u64 / 2, sealed);
         let odd_rq = memfd(0, rq::bytes(4) as u64 + 64, sealed);
         let [pipe_r, _pipe_w] = {
             let mut p = [0; 2];
@@ -465,36 +504,36 @@ mod tests {
             // SAFETY: fresh descriptors nothing else owns.
             p.map(|fd| unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
         };
-        let file = tempfile_of(super::super::arena::ARENA);
+        let file = tempfile_of(super::super::arena::TABLE as u64);
         let cases: [(&str, [&OwnedFd; 4], &str); 7] = [
             (
-                "a hugetlbfs arena",
-                [&huge_arena, &g.inbox, &g.rq, &g.bell],
+                "a hugetlbfs key table",
+                [&huge_table, &g.inbox, &g.rq, &g.bell],
                 "hugetlbfs",
             ),
             (
                 "a hugetlbfs receive queue",
-                [&g.arena, &g.inbox, &huge_rq, &g.bell],
+                [&g.table, &g.inbox, &huge_rq, &g.bell],
                 "hugetlbfs",
             ),
             (
                 "an unsealed ring",
-                [&g.arena, &unsealed_ring, &g.rq, &g.bell],
+                [&g.table, &unsealed_ring, &g.rq, &g.bell],
                 "not sealed",
             ),
             (
-                "an arena of the wrong size",
-                [&small_arena, &g.inbox, &g.rq, &g.bell],
-                "arena is",
+                "a key table of the wrong size",
+                [&small_table, &g.inbox, &g.rq, &g.bell],
+                "key table is",
             ),
             (
                 "a receive queue of no valid size",
-                [&g.arena, &g.inbox, &odd_rq, &g.bell],
+                [&g.table, &g.inbox, &odd_rq, &g.bell],
                 "receive queue is",
             ),
             (
                 "a pipe as the doorbell",
-                [&g.arena, &g.inbox, &g.rq, &pipe_r],
+                [&g.table, &g.inbox, &g.rq, &pipe_r],
                 "not an eventfd",
             ),
             // On a tmpfs /tmp a plain file passes as memory, but cannot be sealed.
@@ -514,7 +553,7 @@ mod tests {
             }
         }
         // The same server, still alive, takes a side whose descriptors are all in order.
-        try_join(addr, [&g.arena, &g.inbox, &g.rq, &g.bell]).expect("a good side is accepted");
+        try_join(addr, [&g.table, &g.inbox, &g.rq, &g.bell]).expect("a good side is accepted");
         assert_eq!(
             server.join().expect("the server thread"),
             1,
@@ -558,7 +597,7 @@ mod tests {
         // The attacker: a side of its own, then the server's receive queue, mapped.
         let g = good_fds();
         let stream = UnixStream::connect_addr(&name(addr).expect("name")).expect("connect");
-        let raw = [&g.arena, &g.inbox, &g.rq, &g.bell].map(|f| f.as_raw_fd());
+        let raw = [&g.table, &g.inbox, &g.rq, &g.bell].map(|f| f.as_raw_fd());
         sys::send_with_fds(&stream, &hello(b""), &raw).expect("send the handshake");
         let (reply, fds) = sys::recv_with_fds(&stream, 512).expect("the reply");
         assert_eq!(reply.first(), Some(&1), "accepted");
@@ -580,5 +619,183 @@ mod tests {
         let c = done.first().expect("the receive completed");
         assert_eq!((c.wr_id, c.status), (7, WcStatus::LocLenErr), "{c:?}");
         drop(stream);
+    }
+
+    /// A raw peer's side of a grant: the verdict, the length, the descriptor.
+    struct Granted {
+        verdict: u8,
+        len: u64,
+        fd: Option<OwnedFd>,
+    }
+
+    /// The grant messages a raw peer reads, parsed as the protocol says (`grant`'s module
+    /// doc), by hand.
+    struct RawGrants {
+        stream: UnixStream,
+        bytes: Vec<u8>,
+        fds: std::collections::VecDeque<OwnedFd>,
+    }
+
+    impl RawGrants {
+        /// The next message: `(want, key, grant)`, or `None` when none comes within the
+        /// socket's read timeout.
+        fn next(&mut self) -> Option<(u8, u32, Granted)> {
+            while self.bytes.len() < 48 {
+                let (b, fds) = sys::recv_with_fds(&self.stream, 4096).ok()?;
+                self.bytes.extend_from_slice(&b);
+                self.fds.extend(fds);
+            }
+            let a: Vec<u8> = self.bytes.drain(..48).collect();
+            assert_eq!(a[0], 2, "a grant or a refusal");
+            let fd = if a[2] == 0 { None } else { self.fds.pop_front() };
+            assert!(a[2] == 0 || fd.is_some(), "a grant carries a descriptor");
+            let key = u32::from_le_bytes([a[4], a[5], a[6], a[7]]);
+            let len = u64::from_le_bytes(std::array::from_fn(|j| a[32 + j]));
+            Some((a[1], key, Granted { verdict: a[2], len, fd }))
+        }
+
+        /// Asks for `key` and reads the answer (nothing else may be in flight).
+        fn ask(&mut self, want: u8, key: u32) -> Granted {
+            let mut m = [0u8; 48];
+            m[0] = 1;
+            m[1] = want;
+            m[4..8].copy_from_slice(&key.to_le_bytes());
+            sys::send_with_fds(&self.stream, &m, &[]).expect("send a request");
+            let (w, k, got) = self.next().expect("an answer");
+            assert_eq!((w, k), (want, key), "the answer to this request");
+            got
+        }
+    }
+
+    /// `mmap` of `len` bytes of `fd` with `prot`, shared: the mapping, or the errno.
+    fn raw_map(fd: &OwnedFd, len: usize, prot: libc::c_int) -> std::result::Result<*mut u8, i32> {
+        // SAFETY: a fresh mapping the kernel places; nothing in this process refers to it.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        if p == libc::MAP_FAILED {
+            Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
+        } else {
+            Ok(p.cast())
+        }
+    }
+
+    /// A process that joins properly and then uses no check of ours: what it gets of the
+    /// server's memory is what a NIC would let it reach, and the kernel holds it to that. The
+    /// key table cannot be mapped writable; a REMOTE_READ registration comes read-only (no
+    /// writable mapping, no mprotect to writable); a REMOTE_WRITE one read-write; a receive
+    /// buffer read-write only once a receive from it is posted on this connection; a private
+    /// registration, an lkey asked for as an rkey, or a made-up key, not at all.
+    #[test]
+    fn a_raw_peer_reaches_only_what_it_was_granted_and_the_kernel_holds_it_to_that() {
+        use crate::{AccessFlags, RecvWr};
+        let dev = crate::Device::open("shm").expect("shm");
+        let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(16).expect("cq"));
+        let listener = crate::Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let opts = crate::QpOptions::new(&pd, &cq);
+        let mut ro = pd
+            .register(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)
+            .expect("read-only");
+        ro.write_at(0, b"read me").expect("write");
+        let rw = pd
+            .register(8192, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+            .expect("writable");
+        let private = pd.register(4096, AccessFlags::LOCAL_WRITE).expect("private");
+        let recv = pd.register(4096, AccessFlags::LOCAL_WRITE).expect("receive buffer");
+        let (recv_lkey, private_keys) = (recv.lkey(), (private.lkey(), private.rkey()));
+        let server = std::thread::spawn(move || {
+            let qp = listener
+                .accept(Some(Duration::from_secs(20)))
+                .expect("a request")
+                .accept(&opts, b"")
+                .expect("accepted");
+            qp.post_recv(RecvWr::new(7, recv)).map_err(|e| e.error).expect("post");
+            qp
+        });
+        let g = good_fds();
+        let stream = UnixStream::connect_addr(&name(addr).expect("name")).expect("connect");
+        stream
+            .set_read_timeout(Some(Duration::from_millis(500)))
+            .expect("timeout");
+        let raw = [&g.table, &g.inbox, &g.rq, &g.bell].map(|f| f.as_raw_fd());
+        sys::send_with_fds(&stream, &hello(b""), &raw).expect("send the handshake");
+        // Before the reply, the grants of what it may use at once, each read on its own.
+        let mut early = Vec::new();
+        let (reply, fds) = loop {
+            let (m, fds) = sys::recv_with_fds(&stream, 512).expect("the reply");
+            if m.len() == 48 && m[0] == 2 {
+                early.push((m, fds));
+            } else {
+                break (m, fds);
+            }
+        };
+        assert_eq!(reply.first(), Some(&1), "accepted");
+        let qp = server.join().expect("the server thread");
+        let mut peer = RawGrants {
+            stream,
+            bytes: early.iter().flat_map(|(m, _)| m.clone()).collect(),
+            fds: early.into_iter().flat_map(|(_, f)| f).collect(),
+        };
+        // Pushed unasked: the registrations with remote access, and the posted receive's buffer.
+        let mut pushed = std::collections::BTreeMap::new();
+        while let Some((want, key, got)) = peer.next() {
+            assert!(got.verdict != 0, "nothing refused unasked");
+            pushed.insert((want, key), (got.verdict, got.len));
+        }
+        let expected: std::collections::BTreeMap<_, _> = [
+            ((1, ro.rkey()), (1, 4096)),
+            ((1, rw.rkey()), (2, 8192)),
+            ((2, recv_lkey), (2, 4096)),
+        ]
+        .into();
+        assert_eq!(pushed, expected, "what was pushed");
+        // The table: read-only, whatever the peer tries.
+        let table = &fds[0];
+        let table_len = super::super::arena::TABLE;
+        assert_eq!(
+            raw_map(table, table_len, libc::PROT_READ | libc::PROT_WRITE),
+            Err(libc::EACCES)
+        );
+        assert!(raw_map(table, table_len, libc::PROT_READ).is_ok(), "readable");
+        // A REMOTE_READ registration: read-only.
+        let got = peer.ask(1, ro.rkey());
+        assert_eq!((got.verdict, got.len), (1, 4096), "granted read-only");
+        let fd = got.fd.expect("a descriptor");
+        assert_eq!(
+            raw_map(&fd, 4096, libc::PROT_READ | libc::PROT_WRITE),
+            Err(libc::EACCES)
+        );
+        let p = raw_map(&fd, 4096, libc::PROT_READ).expect("readable");
+        // SAFETY: `p` maps 4096 readable bytes.
+        let head = unsafe { std::slice::from_raw_parts(p, 7) }.to_vec();
+        assert_eq!(head, b"read me");
+        // SAFETY: `p` is our own mapping of 4096 bytes.
+        let r = unsafe { libc::mprotect(p.cast(), 4096, libc::PROT_READ | libc::PROT_WRITE) };
+        assert_eq!(r, -1, "mprotect to writable is refused");
+        // A REMOTE_WRITE registration: written through the grant, seen by its owner.
+        let got = peer.ask(1, rw.rkey());
+        assert_eq!((got.verdict, got.len), (2, 8192), "granted read-write");
+        let p = raw_map(&got.fd.expect("a descriptor"), 8192, libc::PROT_READ | libc::PROT_WRITE).expect("writable");
+        // SAFETY: `p` maps 8192 writable bytes.
+        unsafe { std::ptr::copy_nonoverlapping(b"written".as_ptr(), p.add(100), 7) };
+        assert_eq!(&rw.bytes()[100..107], b"written");
+        // Nothing else.
+        for (what, want, key) in [
+            ("a private registration's rkey", 1, private_keys.1),
+            ("a private registration's lkey as an rkey", 1, private_keys.0),
+            ("a private registration's lkey as a receive", 2, private_keys.0),
+            ("a receive buffer's lkey as an rkey", 1, recv_lkey),
+            ("a made-up key", 1, 0x5eed_0001),
+        ] {
+            let got = peer.ask(want, key);
+            assert!(got.verdict == 0 && got.fd.is_none(), "{what} was granted");
+        }
+        // A posted receive's buffer: read-write, to this connection.
+        let got = peer.ask(2, recv_lkey);
+        assert_eq!((got.verdict, got.len), (2, 4096), "the posted receive's buffer");
+        // A withdrawn registration: no longer granted.
+        let rw_rkey = rw.rkey();
+        drop(rw);
+        assert_eq!(peer.ask(1, rw_rkey).verdict, 0, "deregistered");
+        drop((qp, ro, private, peer));
     }
 }

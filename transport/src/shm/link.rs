@@ -1,6 +1,6 @@
 //! A queue pair's byte link over shared memory: our inbox ring (we consume), the peer's inbox
-//! ring (we produce), and the Unix socket the connection was set up on, kept open only to learn
-//! that the peer process died (the kernel closes it then). A process that stops or hangs keeps
+//! ring (we produce), and the Unix socket the connection was set up on, which carries the
+//! grants of memory (`grant`) and tells that the peer process died (the kernel closes it then). A process that stops or hangs keeps
 //! its socket open: each side's watcher thread beats in its own inbox's header, and takes a
 //! peer whose beat stands still for [`KEEPALIVE`] to be dead, as a NIC's retries give up on a
 //! host that stopped answering.
@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::grant::{Grants, Inbound, Server, MSG};
 use super::ring::{Ring, RingError};
+use super::sys;
 use crate::tcp::{Link, BEAT, KEEPALIVE};
 
 pub(crate) struct ShmLink {
@@ -32,7 +34,14 @@ fn io_err(e: RingError) -> io::Error {
 impl ShmLink {
     /// Starts the watcher thread that beats, and turns the socket's end, or a peer whose beat
     /// stood still for [`KEEPALIVE`], into `peer_dead`.
-    pub(crate) fn new(rx: Ring, tx: Ring, sock: UnixStream, peer_dead: Arc<AtomicBool>) -> io::Result<Arc<ShmLink>> {
+    pub(crate) fn new(
+        rx: Ring,
+        tx: Ring,
+        sock: UnixStream,
+        peer_dead: Arc<AtomicBool>,
+        server: Arc<Server>,
+        grants: Arc<Grants>,
+    ) -> io::Result<Arc<ShmLink>> {
         let link = Arc::new(ShmLink {
             rx,
             tx,
@@ -46,18 +55,26 @@ impl ShmLink {
         std::thread::Builder::new()
             .name("rdma-shm-watch".into())
             .spawn(move || {
-                let mut b = [0u8; 64];
+                let mut inbound = Inbound::new();
                 let (mut seen, mut since) = (None, Instant::now());
                 loop {
-                    // Nothing is ever sent on the socket after set-up: a return with no bytes
-                    // or an error other than the timeout means it ended.
-                    match io::Read::read(&mut &watch, &mut b) {
-                        Ok(0) => break,
-                        Ok(_) => {}
+                    // After set-up the socket carries grants only (`grant`): the end, an error
+                    // other than the timeout, or a broken message ends the connection.
+                    match sys::recv_with_fds(&watch, 64 * MSG) {
+                        Ok((bytes, fds)) => {
+                            if let Err(e) = inbound.take(&bytes, fds, &watch, &server, &grants) {
+                                tracing::warn!("shm peer dropped: {e}");
+                                break;
+                            }
+                        }
                         Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
                         Err(_) => break,
                     }
-                    let Some(l) = weak.upgrade() else { return };
+                    grants.sweep();
+                    let Some(l) = weak.upgrade() else {
+                        grants.close();
+                        return;
+                    };
                     l.rx.beat();
                     let beat = l.tx.peer_beat();
                     if seen != Some(beat) {
@@ -67,6 +84,7 @@ impl ShmLink {
                         break;
                     }
                 }
+                grants.close();
                 if let Some(l) = weak.upgrade() {
                     l.peer_dead.store(true, Ordering::Release);
                     l.rx.wake_all();

@@ -121,6 +121,8 @@ pub(crate) struct OwnRq {
     /// Entries posted: the owner's own count, which the shared `tail` only publishes (the peer
     /// can write that word, and must not make the owner drain receives it never posted).
     posted: AtomicU64,
+    /// The lkeys posted, the only ones the peer is granted for deliveries.
+    keys: Arc<super::grant::Posted>,
 }
 
 /// One completed receive, as drained.
@@ -149,12 +151,16 @@ impl OwnRq {
                 seg,
                 drained: AtomicU64::new(0),
                 posted: AtomicU64::new(0),
+                keys: Arc::default(),
             },
         ))
     }
 
     /// Publishes a posted receive (the owner's engine holds its state lock).
     pub(crate) fn post(&self, seq: u64, addr: u64, len: u64, lkey: u32) {
+        if len > 0 {
+            self.keys.note(lkey);
+        }
         let h = self.seg.header();
         let tail = self.posted.load(Ordering::Relaxed);
         let e = self.seg.entry(tail);
@@ -167,6 +173,11 @@ impl OwnRq {
         e.state.store(POSTED, Ordering::Relaxed);
         self.posted.store(tail.wrapping_add(1), Ordering::Relaxed);
         h.tail.store(tail.wrapping_add(1), Ordering::Release);
+    }
+
+    /// The lkeys posted so far (for the grants of this connection).
+    pub(crate) fn keys(&self) -> Arc<super::grant::Posted> {
+        self.keys.clone()
     }
 
     /// Tells the peer which CPU our poller runs on (a store only when that changed).

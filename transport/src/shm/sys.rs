@@ -115,13 +115,28 @@ unsafe impl Sync for Mapping {}
 
 impl Mapping {
     pub(crate) fn map(fd: &OwnedFd, len: usize) -> io::Result<Mapping> {
+        Self::map_as(fd, len, true)
+    }
+
+    /// A read-only shared mapping (the kernel refuses a writable one of a descriptor opened
+    /// read-only, and refuses making this one writable later).
+    pub(crate) fn map_read_only(fd: &OwnedFd, len: usize) -> io::Result<Mapping> {
+        Self::map_as(fd, len, false)
+    }
+
+    fn map_as(fd: &OwnedFd, len: usize, writable: bool) -> io::Result<Mapping> {
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
         // SAFETY: mapping a descriptor we own; the kernel picks the address; the result is
         // checked before use.
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
-                libc::PROT_READ | libc::PROT_WRITE,
+                prot,
                 libc::MAP_SHARED | libc::MAP_NORESERVE,
                 fd.as_raw_fd(),
                 0,
@@ -150,17 +165,15 @@ impl Drop for Mapping {
     }
 }
 
-/// Gives the pages of `[off, off + len)` back to the system (they read as zeros after).
-pub(crate) fn punch_hole(fd: &OwnedFd, off: u64, len: u64) {
-    // SAFETY: a plain syscall on a descriptor we own; failure only keeps the pages.
-    unsafe {
-        libc::fallocate(
-            fd.as_raw_fd(),
-            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-            off as libc::off_t,
-            len as libc::off_t,
-        )
-    };
+/// A new descriptor of the same memfd, opened read-only: what a peer is given where it may only
+/// read. Nothing it does with it (mmap, mprotect, write) can write the memory.
+pub(crate) fn reopen_read_only(fd: &OwnedFd) -> io::Result<OwnedFd> {
+    let path = std::ffi::CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: `path` is a valid NUL-terminated string for the duration of the call.
+    let r = check(unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) })?;
+    // SAFETY: open returned a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(r) })
 }
 
 /// Sleeps while `*word == seen`, at most `timeout` (a shared futex: works across processes).
@@ -189,6 +202,15 @@ pub(crate) fn futex_wake(word: &AtomicU32) {
 
 /// Sends `bytes` with `fds` attached (SCM_RIGHTS).
 pub(crate) fn send_with_fds(sock: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    send_with(sock, bytes, fds, libc::MSG_NOSIGNAL)
+}
+
+/// As [`send_with_fds`], but `WouldBlock` where the socket's buffer is full.
+pub(crate) fn send_with_fds_nowait(sock: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    send_with(sock, bytes, fds, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
+}
+
+fn send_with(sock: &UnixStream, bytes: &[u8], fds: &[RawFd], flags: libc::c_int) -> io::Result<()> {
     let mut iov = libc::iovec {
         iov_base: bytes.as_ptr() as *mut libc::c_void,
         iov_len: bytes.len(),
@@ -212,7 +234,7 @@ pub(crate) fn send_with_fds(sock: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> i
         std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<RawFd>(), fds.len());
     }
     // SAFETY: `msg` points at live buffers for the duration of the call.
-    let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, flags) };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }

@@ -1,0 +1,493 @@
+//! Grants: how a peer gets the memory one key names, and nothing else.
+//!
+//! The owner pushes a grant to each connected peer when it registers memory with remote access
+//! (and, at set-up, of what it registered before), and when it first posts a receive from a
+//! registration on a connection: a descriptor of the registration's memfd, opened read-only
+//! unless the key allows writing, on the connection's Unix socket. So one-sided operations
+//! and deliveries need no CPU of the owner's, as on a NIC: a stopped owner is still read and
+//! written. An initiator that meets a key it holds no grant for asks (a grant pushed but not
+//! yet taken in, or one dropped for the cap) and waits for either; the owner's watcher thread
+//! answers from its registrations (`arena`), or refuses. The initiator maps what it is given
+//! and keeps it while the owner's table says the registration lives. Messages are [`MSG`]
+//! bytes each way:
+//!
+//! - request: `[1, want, 0, 0, key: u32]`, zero-padded;
+//! - grant, asked for or pushed: `[2, want, verdict, 0, key: u32, slot: u32, access: u32,
+//!   tag: u64, addr: u64, len: u64]`, zero-padded, with one descriptor unless the verdict is a
+//!   refusal.
+//!
+//! Integers are little-endian. Everything read from the other side is checked: a peer that
+//! lies about a grant gets refusals, never an access outside what it sent.
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use foldhash::{HashMap, HashMapExt, HashSet};
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use super::arena::{self, Arena};
+use super::sys::{self, Mapping};
+use crate::tcp::KEEPALIVE;
+use crate::{AccessFlags, WcStatus};
+
+/// Bytes of a message, either way.
+pub(crate) const MSG: usize = 48;
+const REQUEST: u8 = 1;
+const ANSWER: u8 = 2;
+const REFUSED: u8 = 0;
+const READ_ONLY: u8 = 1;
+const READ_WRITE: u8 = 2;
+/// Descriptors received and not yet matched to an answer, beyond which the peer is broken.
+const MAX_LOOSE_FDS: usize = 16;
+/// Grants a connection keeps that nobody asked for (pushed), at most: each is a mapping, and
+/// a process has a bounded number of them (`vm.max_map_count`). Past it, keys are asked for.
+pub(crate) const MAX_PUSHED: usize = 4096;
+
+/// What a grant is for.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub(crate) enum Want {
+    /// One-sided operations under an rkey.
+    Remote = 1,
+    /// Deliveries into receives posted under an lkey.
+    Receive = 2,
+}
+
+impl Want {
+    fn from_byte(b: u8) -> Option<Want> {
+        match b {
+            1 => Some(Want::Remote),
+            2 => Some(Want::Receive),
+            _ => None,
+        }
+    }
+}
+
+/// The lkeys of the receives a connection's owner posted: the only keys it grants the peer
+/// for deliveries.
+#[derive(Default)]
+pub(crate) struct Posted {
+    /// The key noted last (0: none), so that posting from one buffer takes no lock.
+    last: AtomicU32,
+    keys: Mutex<HashSet<u32>>,
+    /// The connection's server, which pushes the grant of a key posted the first time.
+    server: Mutex<std::sync::Weak<Server>>,
+}
+
+impl Posted {
+    /// Notes a receive posted under `lkey` (before the peer can see it); the first time, the
+    /// peer is sent its grant.
+    pub(crate) fn note(&self, lkey: u32) {
+        if self.last.load(Ordering::Relaxed) != lkey {
+            let new = self.keys.lock().insert(lkey);
+            self.last.store(lkey, Ordering::Relaxed);
+            if new {
+                if let Some(server) = self.server.lock().upgrade() {
+                    server.push(Want::Receive, lkey);
+                }
+            }
+        }
+    }
+
+    pub(crate) fn contains(&self, lkey: u32) -> bool {
+        self.keys.lock().contains(&lkey)
+    }
+
+    /// Forgets `lkey` (its registration was withdrawn).
+    pub(crate) fn forget(&self, lkey: u32) {
+        let mut keys = self.keys.lock();
+        keys.remove(&lkey);
+        if self.last.load(Ordering::Relaxed) == lkey {
+            self.last.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The owner's side of one connection: pushes grants to its peer and answers its requests.
+pub(crate) struct Server {
+    arena: Arc<Arena>,
+    posted: Arc<Posted>,
+    sock: UnixStream,
+    /// Set once the handshake's last message is out: nothing may go before it.
+    ready: AtomicBool,
+}
+
+impl Server {
+    /// Serves the peer at the other end of `sock`; pushes nothing before [`Server::ready`].
+    pub(crate) fn start(arena: Arc<Arena>, posted: Arc<Posted>, sock: UnixStream) -> Arc<Server> {
+        let server = Arc::new(Server {
+            arena,
+            posted,
+            sock,
+            ready: AtomicBool::new(false),
+        });
+        *server.posted.server.lock() = Arc::downgrade(&server);
+        server.arena.track(&server);
+        server
+    }
+
+    /// The handshake is over: pushes the grants of what the peer may already use
+    /// (registrations with remote access, receives posted), and from here on each new one.
+    pub(crate) fn ready(&self) {
+        // Set before the snapshots: a registration or a post either sees it set and pushes
+        // its own grant, or is in the snapshot (or both: a grant pushed twice is harmless).
+        self.ready.store(true, Ordering::SeqCst);
+        for key in self.arena.remote_keys() {
+            self.push(Want::Remote, key);
+        }
+        let posted: Vec<u32> = self.posted.keys.lock().iter().copied().collect();
+        for key in posted {
+            self.push(Want::Receive, key);
+        }
+    }
+
+    /// Sends the peer the grant of `key`, if there is one and the handshake is over; a peer
+    /// that does not take it in asks later.
+    pub(crate) fn push(&self, want: Want, key: u32) {
+        if !self.ready.load(Ordering::SeqCst) {
+            return;
+        }
+        if let (m, Some(fd)) = self.answer(want, key) {
+            send(&self.sock, &m, Some(&fd));
+        }
+    }
+
+    /// Forgets a receive key (its registration was withdrawn).
+    pub(crate) fn forget(&self, lkey: u32) {
+        self.posted.forget(lkey);
+    }
+
+    /// The answer to a request for `key`, and the descriptor to send with it.
+    fn answer(&self, want: Want, key: u32) -> ([u8; MSG], Option<OwnedFd>) {
+        let mut m = [0u8; MSG];
+        m[0] = ANSWER;
+        m[1] = want as u8;
+        m[4..8].copy_from_slice(&key.to_le_bytes());
+        let Some(p) = self.arena.lookup(key) else {
+            return (m, None);
+        };
+        let writes = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
+        let verdict = match want {
+            Want::Remote if p.access.bits() & writes.bits() != 0 => READ_WRITE,
+            Want::Remote if p.access.contains(AccessFlags::REMOTE_READ) => READ_ONLY,
+            Want::Receive if p.access.contains(AccessFlags::LOCAL_WRITE) && self.posted.contains(key) => READ_WRITE,
+            _ => return (m, None),
+        };
+        let Some(own) = &p.seg.fd else { return (m, None) };
+        let fd = if verdict == READ_WRITE {
+            own.try_clone()
+        } else {
+            sys::reopen_read_only(own)
+        };
+        let Ok(fd) = fd else { return (m, None) }; // out of descriptors: refused
+        m[2] = verdict;
+        m[8..12].copy_from_slice(&p.slot.to_le_bytes());
+        m[12..16].copy_from_slice(&p.access.bits().to_le_bytes());
+        m[16..24].copy_from_slice(&p.tag.to_le_bytes());
+        m[24..32].copy_from_slice(&p.addr.to_le_bytes());
+        m[32..40].copy_from_slice(&p.len.to_le_bytes());
+        (m, Some(fd))
+    }
+}
+
+/// A peer's registration as granted to us, mapped.
+pub(crate) struct Grant {
+    map: Mapping,
+    slot: u32,
+    tag: u64,
+    addr: u64,
+    len: u64,
+    access: AccessFlags,
+}
+
+impl Grant {
+    /// Where `len` bytes at the owner's `addr` are in our mapping, after the NIC's checks:
+    /// the access flag, the range inside the registration.
+    pub(crate) fn at(&self, addr: u64, len: usize, need: AccessFlags) -> Result<*mut u8, WcStatus> {
+        if !self.access.contains(need) {
+            return Err(WcStatus::RemAccessErr);
+        }
+        let end = addr.checked_add(len as u64).ok_or(WcStatus::RemAccessErr)?;
+        if addr < self.addr || end > self.addr + self.len {
+            return Err(WcStatus::RemAccessErr);
+        }
+        // `addr + len - self.addr <= self.len <= the mapping's length` (checked when mapped).
+        Ok(self.map.ptr().wrapping_add((addr - self.addr) as usize))
+    }
+}
+
+/// A request out: how many wait on it, and the verdict once it came.
+type Asked = (usize, Option<bool>);
+
+/// The initiator's side of one connection: the owner's table, the grants so far, the requests
+/// waiting for an answer.
+pub(crate) struct Grants {
+    table: Mapping,
+    cache: RwLock<HashMap<(u32, Want), Grant>>,
+    /// Requests out: how many wait on each, and the verdict once it came.
+    pending: Mutex<HashMap<(u32, Want), Asked>>,
+    answered: Condvar,
+    sock: UnixStream,
+    dead: AtomicBool,
+}
+
+impl Grants {
+    /// Maps the peer's table (read-only, whatever the descriptor allows); requests go on `sock`.
+    pub(crate) fn new(table_fd: &OwnedFd, sock: UnixStream) -> crate::Result<Grants> {
+        let size = sys::peer_memfd(table_fd).map_err(|e| crate::Error::io("checking the peer's key table", e))?;
+        if size != arena::TABLE as u64 {
+            return Err(crate::Error::Protocol(format!(
+                "the peer's key table is {size} bytes, not {}",
+                arena::TABLE
+            )));
+        }
+        let table = Mapping::map_read_only(table_fd, arena::TABLE)
+            .map_err(|e| crate::Error::io("mapping the peer's key table", e))?;
+        Ok(Grants {
+            table,
+            cache: RwLock::new(HashMap::new()),
+            pending: Mutex::new(HashMap::new()),
+            answered: Condvar::new(),
+            sock,
+            dead: AtomicBool::new(false),
+        })
+    }
+
+    /// Runs `f` on the grant of `key` for `want`, asking the owner first if need be. A
+    /// refusal, or a registration withdrawn since, is `RemAccessErr`; an owner that does not
+    /// answer within the keepalive bound, `RetryExcErr`.
+    pub(crate) fn with<R>(
+        &self,
+        key: u32,
+        want: Want,
+        f: impl FnOnce(&Grant) -> Result<R, WcStatus>,
+    ) -> Result<R, WcStatus> {
+        let k = (key, want);
+        for asked in [false, true] {
+            if let Some(g) = self.cache.read().get(&k) {
+                if arena::live(&self.table, g.slot, g.tag) {
+                    return f(g);
+                }
+            }
+            if asked {
+                break;
+            }
+            // None yet, or one of a registration withdrawn since (the key may name a new one).
+            self.cache.write().remove(&k);
+            self.ask(k)?;
+        }
+        Err(WcStatus::RemAccessErr)
+    }
+
+    /// Runs `f` on a grant already held, if it is; asks nothing.
+    pub(crate) fn if_granted(&self, key: u32, want: Want, f: impl FnOnce(&Grant)) {
+        if let Some(g) = self.cache.read().get(&(key, want)) {
+            f(g);
+        }
+    }
+
+    /// Asks the owner for `k`, or waits for the answer to a request already out; the grant is
+    /// in the cache when this returns `Ok`.
+    fn ask(&self, k: (u32, Want)) -> Result<(), WcStatus> {
+        let mut pending = self.pending.lock();
+        let deadline = Instant::now() + KEEPALIVE;
+        let out = match pending.get_mut(&k) {
+            Some((waiting, None)) => {
+                *waiting += 1;
+                true
+            }
+            _ => false,
+        };
+        if !out {
+            let mut m = [0u8; MSG];
+            m[0] = REQUEST;
+            m[1] = k.1 as u8;
+            m[4..8].copy_from_slice(&k.0.to_le_bytes());
+            if self.dead.load(Ordering::Acquire) || !send(&self.sock, &m, None) {
+                return Err(WcStatus::RetryExcErr);
+            }
+            pending.insert(k, (1, None));
+        }
+        let verdict = loop {
+            match pending.get(&k) {
+                Some((_, Some(v))) => break Ok(*v),
+                _ if self.dead.load(Ordering::Acquire) => break Err(WcStatus::RetryExcErr),
+                _ => {}
+            }
+            if self.answered.wait_until(&mut pending, deadline).timed_out() {
+                break Err(WcStatus::RetryExcErr);
+            }
+        };
+        if let Some((waiting, _)) = pending.get_mut(&k) {
+            *waiting -= 1;
+            if *waiting == 0 {
+                pending.remove(&k);
+            }
+        }
+        match verdict? {
+            true => Ok(()),
+            false => Err(WcStatus::RemAccessErr),
+        }
+    }
+
+    /// Takes in a grant or a refusal (on the watcher thread): maps what was granted, after
+    /// checking it, and wakes the requests waiting. One nobody asked for (pushed) is kept up
+    /// to [`MAX_PUSHED`].
+    fn answered(&self, m: &[u8; MSG], fd: Option<OwnedFd>) {
+        let Some(want) = Want::from_byte(m[1]) else { return };
+        let u32_at = |i: usize| u32::from_le_bytes([m[i], m[i + 1], m[i + 2], m[i + 3]]);
+        let u64_at = |i: usize| u64::from_le_bytes(std::array::from_fn(|j| m[i + j]));
+        let k = (u32_at(4), want);
+        let mut pending = self.pending.lock();
+        let grant = fd.and_then(|fd| {
+            let writable = match m[2] {
+                READ_WRITE => true,
+                READ_ONLY => false,
+                _ => return None,
+            };
+            let (slot, access, tag, addr, len) = (u32_at(8), u32_at(12), u64_at(16), u64_at(24), u64_at(32));
+            let size = sys::peer_memfd(&fd).ok()?;
+            if len == 0 || len > size || addr.checked_add(len).is_none() || slot as usize >= arena::SLOTS {
+                return None;
+            }
+            let size = usize::try_from(size).ok()?;
+            let map = if writable {
+                Mapping::map(&fd, size)
+            } else {
+                Mapping::map_read_only(&fd, size)
+            };
+            let mut access = AccessFlags::from_bits_truncate(access);
+            if !writable {
+                // Whatever the owner claims, a read-only mapping serves reads only.
+                access = AccessFlags::from_bits_truncate(access.bits() & AccessFlags::REMOTE_READ.bits());
+            }
+            Some(Grant {
+                map: map.ok()?,
+                slot,
+                tag,
+                addr,
+                len,
+                access,
+            })
+        });
+        let waited = match pending.get_mut(&k) {
+            Some((_, verdict @ None)) => {
+                *verdict = Some(grant.is_some());
+                true
+            }
+            _ => false,
+        };
+        if let Some(g) = grant {
+            let mut cache = self.cache.write();
+            if waited || cache.len() < MAX_PUSHED || cache.contains_key(&k) {
+                cache.insert(k, g);
+            }
+        }
+        if waited {
+            self.answered.notify_all();
+        }
+    }
+
+    /// Takes in a grant read before the link existed (during the handshake).
+    pub(crate) fn take_pushed(&self, m: &[u8], mut fds: Vec<OwnedFd>) {
+        if let Ok(m) = <&[u8; MSG]>::try_from(m) {
+            self.answered(m, if m[2] == REFUSED { None } else { fds.pop() });
+        }
+    }
+
+    /// Drops the grants of registrations the owner withdrew (their memory goes with them).
+    pub(crate) fn sweep(&self) {
+        let stale: Vec<_> = self
+            .cache
+            .read()
+            .iter()
+            .filter(|(_, g)| !arena::live(&self.table, g.slot, g.tag))
+            .map(|(k, _)| *k)
+            .collect();
+        if !stale.is_empty() {
+            let mut cache = self.cache.write();
+            for k in stale {
+                cache.remove(&k);
+            }
+        }
+    }
+
+    /// The connection ended: requests waiting fail, the grants go.
+    pub(crate) fn close(&self) {
+        self.dead.store(true, Ordering::Release);
+        let _pending = self.pending.lock();
+        self.answered.notify_all();
+        drop(_pending);
+        self.cache.write().clear();
+    }
+}
+
+/// Whether `m` is a grant or a refusal (not a handshake message).
+pub(crate) fn is_grant(m: &[u8]) -> bool {
+    m.len() == MSG && m[0] == ANSWER
+}
+
+/// Sends one message (and a descriptor), without waiting: a peer that leaves its socket full
+/// is not reading what we send it.
+fn send(sock: &UnixStream, m: &[u8; MSG], fd: Option<&OwnedFd>) -> bool {
+    let fds: Vec<_> = fd.iter().map(|f| f.as_raw_fd()).collect();
+    sys::send_with_fds_nowait(sock, m, &fds).is_ok()
+}
+
+/// What a connection's watcher reads from its socket: requests it answers, answers it hands to
+/// the requests waiting.
+pub(crate) struct Inbound {
+    bytes: Vec<u8>,
+    fds: VecDeque<OwnedFd>,
+}
+
+impl Inbound {
+    pub(crate) fn new() -> Inbound {
+        Inbound {
+            bytes: Vec::new(),
+            fds: VecDeque::new(),
+        }
+    }
+
+    /// Takes in what one read gave. `Err` when the peer broke the protocol or does not read
+    /// our answers: the connection is then over.
+    pub(crate) fn take(
+        &mut self,
+        bytes: &[u8],
+        fds: Vec<OwnedFd>,
+        sock: &UnixStream,
+        server: &Server,
+        grants: &Grants,
+    ) -> io::Result<()> {
+        let broken = |why: &str| Err(io::Error::new(io::ErrorKind::InvalidData, why.to_owned()));
+        self.bytes.extend_from_slice(bytes);
+        self.fds.extend(fds);
+        if self.fds.len() > MAX_LOOSE_FDS {
+            return broken("the peer sent descriptors nobody asked for");
+        }
+        let whole = self.bytes.len() / MSG * MSG;
+        for chunk in self.bytes[..whole].chunks_exact(MSG) {
+            let m: &[u8; MSG] = chunk.try_into().map_err(|_| io::ErrorKind::InvalidData)?;
+            let key = u32::from_le_bytes([m[4], m[5], m[6], m[7]]);
+            match (m[0], Want::from_byte(m[1])) {
+                (REQUEST, Some(want)) => {
+                    let (answer, fd) = server.answer(want, key);
+                    if !send(sock, &answer, fd.as_ref()) {
+                        return broken("the peer does not read the answers to its requests");
+                    }
+                }
+                (ANSWER, Some(_)) => {
+                    let fd = if m[2] == REFUSED { None } else { self.fds.pop_front() };
+                    grants.answered(m, fd);
+                }
+                _ => return broken("the peer sent a message that is not a request or an answer"),
+            }
+        }
+        self.bytes.drain(..whole);
+        Ok(())
+    }
+}
