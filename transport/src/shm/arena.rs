@@ -229,6 +229,12 @@ impl Arena {
     }
 }
 
+/// A grant just written through, still held. Letting it go is a locked instruction, which
+/// waits until the copy's stores have left this core: dropped after the completion the peer
+/// polls for is written, it delays nothing the peer waits for (dropped before, it delayed
+/// each delivery by the time the copied lines take to reach the peer's core).
+pub(crate) struct Held<'a>(#[allow(dead_code)] parking_lot::MappedRwLockReadGuard<'a, super::grant::Grant>);
+
 /// A peer's memory as granted to us: the target of one-sided operations and deliveries.
 pub(crate) struct PeerArena {
     grants: Arc<Grants>,
@@ -256,17 +262,17 @@ impl PeerArena {
     }
 
     /// Delivers a Send's payload into a receive the peer posted: `addr`/`lkey` are the
-    /// receive's, granted to this connection for receives.
-    pub(crate) fn write_local(&self, addr: u64, lkey: u32, src: &[u8]) -> std::result::Result<(), WcStatus> {
-        self.grants.with(lkey, Want::Receive, |g| {
-            let dst = g.at(addr, src.len(), AccessFlags::LOCAL_WRITE)?;
-            // SAFETY: as in `read`, the other way; a receive grant is mapped writable.
-            unsafe { super::copy::for_peer(src.as_ptr(), dst, src.len()) };
-            // The receiver reads the head of the message first (a header, most often).
-            // SAFETY: `at` proved `[dst, dst + len)` inside our mapping.
-            unsafe { super::sys::demote(dst, src.len()) };
-            Ok(())
-        })
+    /// receive's, granted to this connection for receives. Hold the result until the
+    /// completion is written (see [`Held`]).
+    pub(crate) fn write_local(&self, addr: u64, lkey: u32, src: &[u8]) -> std::result::Result<Held<'_>, WcStatus> {
+        let g = self.grants.get(lkey, Want::Receive)?;
+        let dst = g.at(addr, src.len(), AccessFlags::LOCAL_WRITE)?;
+        // SAFETY: as in `read`, the other way; a receive grant is mapped writable.
+        unsafe { super::copy::for_peer(src.as_ptr(), dst, src.len()) };
+        // The receiver reads the head of the message first (a header, most often).
+        // SAFETY: `at` proved `[dst, dst + len)` inside our mapping.
+        unsafe { super::sys::demote(dst, src.len()) };
+        Ok(Held(g))
     }
 
     /// Starts fetching for writing the first cache lines of `len` bytes at `addr` of a receive
@@ -279,14 +285,13 @@ impl PeerArena {
         });
     }
 
-    /// RDMA Write: `src` to `addr`.
-    pub(crate) fn write(&self, addr: u64, rkey: u32, src: &[u8]) -> std::result::Result<(), WcStatus> {
-        self.grants.with(rkey, Want::Remote, |g| {
-            let dst = g.at(addr, src.len(), AccessFlags::REMOTE_WRITE)?;
-            // SAFETY: as in `read`, the other way; REMOTE_WRITE grants are mapped writable.
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
-            Ok(())
-        })
+    /// RDMA Write: `src` to `addr`. Hold the result until the completion is written.
+    pub(crate) fn write(&self, addr: u64, rkey: u32, src: &[u8]) -> std::result::Result<Held<'_>, WcStatus> {
+        let g = self.grants.get(rkey, Want::Remote)?;
+        let dst = g.at(addr, src.len(), AccessFlags::REMOTE_WRITE)?;
+        // SAFETY: as in `read`, the other way; REMOTE_WRITE grants are mapped writable.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        Ok(Held(g))
     }
 
     /// CAS or FAA on the 8-byte word at `addr`, with a real atomic instruction on the shared

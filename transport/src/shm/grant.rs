@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use foldhash::{HashMap, HashMapExt, HashSet};
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Condvar, MappedRwLockReadGuard, Mutex, RwLock, RwLockReadGuard};
 
 use super::arena::{self, Arena};
 use super::sys::{self, Mapping};
@@ -69,26 +69,48 @@ impl Want {
 
 /// The lkeys of the receives a connection's owner posted: the only keys it grants the peer
 /// for deliveries.
-#[derive(Default)]
 pub(crate) struct Posted {
-    /// The key noted last (0: none), so that posting from one buffer takes no lock.
-    last: AtomicU32,
+    /// Keys noted recently, by a hash of the key (0: none), so that reposting a ring of
+    /// receives takes no lock.
+    seen: [AtomicU32; SEEN],
     keys: Mutex<HashSet<u32>>,
     /// The connection's server, which pushes the grant of a key posted the first time.
     server: Mutex<std::sync::Weak<Server>>,
+}
+
+/// Entries of [`Posted::seen`] (a power of two).
+const SEEN: usize = 256;
+
+fn seen_slot(key: u32) -> usize {
+    (key.wrapping_mul(0x9e37_79b1) >> 24) as usize % SEEN
+}
+
+impl Default for Posted {
+    fn default() -> Self {
+        Posted {
+            seen: std::array::from_fn(|_| AtomicU32::new(0)),
+            keys: Mutex::default(),
+            server: Mutex::default(),
+        }
+    }
 }
 
 impl Posted {
     /// Notes a receive posted under `lkey` (before the peer can see it); the first time, the
     /// peer is sent its grant.
     pub(crate) fn note(&self, lkey: u32) {
-        if self.last.load(Ordering::Relaxed) != lkey {
-            let new = self.keys.lock().insert(lkey);
-            self.last.store(lkey, Ordering::Relaxed);
-            if new {
-                if let Some(server) = self.server.lock().upgrade() {
-                    server.push(Want::Receive, lkey);
-                }
+        let seen = &self.seen[seen_slot(lkey)];
+        if seen.load(Ordering::Relaxed) == lkey {
+            return;
+        }
+        let new = {
+            let mut keys = self.keys.lock();
+            seen.store(lkey, Ordering::Relaxed);
+            keys.insert(lkey)
+        };
+        if new {
+            if let Some(server) = self.server.lock().upgrade() {
+                server.push(Want::Receive, lkey);
             }
         }
     }
@@ -101,9 +123,7 @@ impl Posted {
     pub(crate) fn forget(&self, lkey: u32) {
         let mut keys = self.keys.lock();
         keys.remove(&lkey);
-        if self.last.load(Ordering::Relaxed) == lkey {
-            self.last.store(0, Ordering::Relaxed);
-        }
+        let _ = self.seen[seen_slot(lkey)].compare_exchange(lkey, 0, Ordering::Relaxed, Ordering::Relaxed);
     }
 }
 
@@ -257,21 +277,19 @@ impl Grants {
         })
     }
 
-    /// Runs `f` on the grant of `key` for `want`, asking the owner first if need be. A
-    /// refusal, or a registration withdrawn since, is `RemAccessErr`; an owner that does not
-    /// answer within the keepalive bound, `RetryExcErr`.
-    pub(crate) fn with<R>(
-        &self,
-        key: u32,
-        want: Want,
-        f: impl FnOnce(&Grant) -> Result<R, WcStatus>,
-    ) -> Result<R, WcStatus> {
+    /// The grant of `key` for `want`, asking the owner first if need be; held (under a read
+    /// lock) while it is used. A refusal, or a registration withdrawn since, is
+    /// `RemAccessErr`; an owner that does not answer within the keepalive bound, `RetryExcErr`.
+    pub(crate) fn get(&self, key: u32, want: Want) -> Result<MappedRwLockReadGuard<'_, Grant>, WcStatus> {
         let k = (key, want);
         for asked in [false, true] {
-            if let Some(g) = self.cache.read().get(&k) {
-                if arena::live(&self.table, g.slot, g.tag) {
-                    return f(g);
-                }
+            let table = &self.table;
+            let held = RwLockReadGuard::try_map(self.cache.read(), |c| {
+                c.get(&k).filter(|g| arena::live(table, g.slot, g.tag))
+            });
+            match held {
+                Ok(g) => return Ok(g),
+                Err(unmapped) => drop(unmapped), // before the write lock below
             }
             if asked {
                 break;
@@ -281,6 +299,16 @@ impl Grants {
             self.ask(k)?;
         }
         Err(WcStatus::RemAccessErr)
+    }
+
+    /// Runs `f` on the grant of `key` for `want` (see [`Grants::get`]).
+    pub(crate) fn with<R>(
+        &self,
+        key: u32,
+        want: Want,
+        f: impl FnOnce(&Grant) -> Result<R, WcStatus>,
+    ) -> Result<R, WcStatus> {
+        f(&*self.get(key, want)?)
     }
 
     /// Runs `f` on a grant already held, if it is; asks nothing.

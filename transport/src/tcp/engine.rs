@@ -435,7 +435,7 @@ fn direct(peer: &crate::shm::Peer, d: &SendDesc<'_>, local: Option<&View>) -> Op
                 return Some(Ok(0));
             }
             match local_bytes(d.len) {
-                Some(src) => arena.write(remote.addr, remote.rkey, &src).map(|()| 0),
+                Some(src) => arena.write(remote.addr, remote.rkey, &src).map(|_| 0),
                 None => Err(WcStatus::LocLenErr),
             }
         }
@@ -462,12 +462,14 @@ fn direct(peer: &crate::shm::Peer, d: &SendDesc<'_>, local: Option<&View>) -> Op
                 (taken.complete(WcStatus::Success, flags, 0, imm.unwrap_or(0)), Ok(0))
             } else {
                 match arena.write_local(taken.addr, taken.lkey, bytes) {
-                    Ok(()) => {
+                    Ok(held) => {
                         let n = bytes.len() as u64;
                         // A copy of its first bytes beside the completion, which a protocol
                         // reads its header from (see `Head`).
                         let taken = taken.with_head(bytes);
-                        (taken.complete(WcStatus::Success, flags, n, imm.unwrap_or(0)), Ok(0))
+                        let ring = taken.complete(WcStatus::Success, flags, n, imm.unwrap_or(0));
+                        drop(held); // after the completion (see `Held`)
+                        (ring, Ok(0))
                     }
                     Err(_) => (taken.complete(WcStatus::LocProtErr, 0, 0, 0), Err(WcStatus::RemOpErr)),
                 }
@@ -489,18 +491,26 @@ fn direct(peer: &crate::shm::Peer, d: &SendDesc<'_>, local: Option<&View>) -> Op
                 Ok(None) => return None,
                 Err(()) => return Some(Err(WcStatus::RemOpErr)),
             };
-            if d.len > 0 {
-                let written = match local_bytes(d.len) {
-                    Some(src) => arena.write(remote.addr, remote.rkey, &src),
-                    None => Err(WcStatus::LocLenErr),
-                };
-                // A failed write consumes no receive; the peer learns of the error (Fatal).
-                if let Err(status) = written {
-                    return Some(Err(status));
-                }
-            }
+            let src = match d.len {
+                0 => None,
+                len => match local_bytes(len) {
+                    Some(src) => Some(src),
+                    None => return Some(Err(WcStatus::LocLenErr)),
+                },
+            };
+            let held = match &src {
+                Some(src) => match arena.write(remote.addr, remote.rkey, src) {
+                    Ok(held) => Some(held),
+                    // A failed write consumes no receive; the peer learns of the error (Fatal).
+                    Err(status) => return Some(Err(status)),
+                },
+                None => None,
+            };
             let flags = crate::shm::rq::HAS_IMM | crate::shm::rq::WRITE_IMM;
-            if taken.complete(WcStatus::Success, flags, d.len as u64, imm) {
+            let ring = taken.complete(WcStatus::Success, flags, d.len as u64, imm);
+            // Both locks go after the completion (see `Held`).
+            drop((held, src));
+            if ring {
                 peer.ring();
             }
             Ok(0)
