@@ -456,3 +456,44 @@ fn lock_clients_in_separate_processes_lose_no_update_and_share_no_ticket() {
     tickets.sort_unstable();
     assert_eq!(tickets, (0..clients * each).collect::<Vec<_>>(), "every ticket once");
 }
+
+/// A server process that stops (SIGSTOP) keeps its connection open, so nothing closes: a call
+/// made to it with no deadline still ends, with the connection lost, once the provider's
+/// keepalive gives up on the silent peer (10 s on `tcp` and `shm`). `verbs` has no keepalive
+/// yet (a known gap): there the same call with a deadline must end by it.
+#[test]
+fn a_call_to_a_stopped_server_ends_without_a_deadline() {
+    let (server, addr) = start("echo", &["--listen", &format!("{}:0", ip())]);
+    let addr: std::net::SocketAddr = addr.parse().expect("the server's address");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let dev = rdma_rpc::transport::Device::open_default().expect("the provider");
+        let client = echo_service::EchoClient::connect(&dev, addr, rdma_rpc::Config::default())
+            .await
+            .expect("connect");
+        assert_eq!(client.hello("before".into()).await.expect("served"), "hello, before");
+        let stopped = Command::new("kill")
+            .args(["-STOP", &server.child.0.id().to_string()])
+            .status()
+            .expect("kill -STOP");
+        assert!(stopped.success(), "the server stopped");
+        let started = std::time::Instant::now();
+        let verbs = dev.provider() == "verbs";
+        let options = rdma_rpc::CallOptions {
+            deadline: verbs.then_some(std::time::Duration::from_secs(5)),
+            ..Default::default()
+        };
+        let client = client.with_options(options);
+        let call = client.hello("while stopped".into());
+        let err = tokio::time::timeout(std::time::Duration::from_secs(60), call)
+            .await
+            .expect("the call ended within 60 s")
+            .expect_err("a stopped server answers nothing");
+        match (verbs, &err) {
+            (false, rdma_rpc::RpcError::ConnectionLost(_)) | (true, rdma_rpc::RpcError::DeadlineExceeded) => {}
+            _ => panic!("{err}"),
+        }
+        println!("a call to a stopped server ended after {:?}: {err}", started.elapsed());
+    });
+    drop(server); // killed, stopped or not
+}

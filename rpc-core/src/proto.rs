@@ -75,4 +75,8 @@ pub enum ProtoError {
     /// between the pieces of one.
     #[error("bad fragment: {0}")]
     BadFragment(&'static str),
+    /// The allocator refused the memory for a message being joined from its pieces (its
+    /// length is within the configured maximum): the connection ends, the process goes on.
+    #[error("no memory for a {0}-byte message: lower eager_threshold, or give the process more memory")]
+    NoMemory(usize),
 }

@@ -2069,3 +2069,71 @@ fn a_lent_answer_nobody_reads_ends_the_connection_after_its_time() {
     assert!(!s.is_lost());
     assert_eq!(s.unanswered(), 0);
 }
+
+/// The client's side of a server that gives nothing back: first no credits at all, then
+/// credits but no answer, no read of a lent body (so no ReadDone) and no answer to a cancel.
+/// The client sends no more messages than its credits allow, every call ends by its deadline,
+/// and a call that did counts until the server answers its cancel (the server may still run
+/// it), so the client stops at its call limit: new calls wait unsent and end by their
+/// deadline, and what it lends (request bodies the server may still be reading) stays within
+/// that limit.
+#[test]
+fn a_server_that_gives_nothing_back_holds_the_client_to_its_credits_and_its_call_limit() {
+    let limit = 4;
+    for credits_back in [false, true] {
+        let t0 = Instant::now();
+        let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+        a.s.limit_calls(limit);
+        let mut now = t0;
+        let mut sent = 0;
+        for i in 0..200usize {
+            // Every other call's body is lent (rendezvous above eager_max), the rest go eager.
+            let len = if i % 2 == 0 { 500 } else { 10 };
+            a.call(len, None, Some(Duration::from_millis(1)), now);
+            pump(&mut a, &mut b);
+            let taken = std::mem::take(&mut b.inbox).len();
+            sent += taken;
+            if credits_back && taken > 0 {
+                // A raw server: it takes the messages and returns their credits in a Credit
+                // message, and nothing else.
+                let mut m = Vec::new();
+                Header {
+                    kind: Kind::Credit,
+                    flags: 0,
+                    call_id: 0,
+                    method: 0,
+                    status: 0,
+                    credits: taken as u16,
+                    body_len: 0,
+                    budget_us: 0,
+                }
+                .encode(&mut m);
+                a.inbox.push_back(Wire::Send(m));
+                deliver(&mut a, now).expect("a credit");
+            }
+            now += Duration::from_millis(2);
+            a.s.handle_timeout(now);
+            a.drain_events();
+            assert!(a.s.pending_calls() <= limit as usize);
+            assert!(
+                a.lent.len() <= limit as usize,
+                "{} bodies lent with a limit of {limit} calls (credits back: {credits_back})",
+                a.lent.len()
+            );
+        }
+        let most = if credits_back {
+            2 * limit as usize
+        } else {
+            RING as usize
+        };
+        assert!(
+            sent <= most,
+            "{sent} messages sent (credits back: {credits_back}): calls and their cancels only"
+        );
+        assert_eq!(a.done.len(), 200, "every call ended");
+        assert!(
+            a.done.values().all(|r| matches!(r, Err(RpcError::DeadlineExceeded))),
+            "every call ended by its deadline"
+        );
+    }
+}

@@ -1469,11 +1469,11 @@ impl Session {
                     body_len: total as u32,
                     ..*h
                 };
-                self.joining.insert(Joining {
-                    header,
-                    total,
-                    body: Vec::with_capacity(total),
-                })
+                // The length is within the configuration's maximum; the allocator may still
+                // refuse it, which ends this connection rather than the process.
+                let mut body = Vec::new();
+                body.try_reserve_exact(total).map_err(|_| ProtoError::NoMemory(total))?;
+                self.joining.insert(Joining { header, total, body })
             }
         };
         if j.body.len() + piece.len() > j.total {
