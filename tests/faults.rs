@@ -4,9 +4,11 @@
 //!
 //! Promises checked: every pending call ends with a clear error — `DeadlineExceeded` within its
 //! deadline, `ConnectionLost` within the transport's dead-peer bound (TCP user timeout 5 s plus
-//! keepalive) — never a hang; a new connection works once the network does; no handler runs
-//! twice for one call (calls are never retried by the framework); registered bytes return to
-//! their starting level on both sides.
+//! keepalive) — never a hang; a new connection works once the network does; every transfer in
+//! flight is accounted for against what the server ran (answered: ran once; failed as not run:
+//! never ran; failed otherwise: at most once), and no handler runs twice for one call (calls
+//! are never retried by the framework); registered bytes return to their starting level on
+//! both sides.
 //!
 //! Needs root, `ip` (iproute2) and `nft` (nftables). Without them the tests say so and pass,
 //! unless `RDMA_RPC_REQUIRE_NETNS=1` (set by scripts/test.sh), which makes that a failure.
@@ -227,6 +229,30 @@ fn slow(id: u64, ms: u64) -> Vec<u8> {
     v
 }
 
+/// A `len`-byte BIG request whose first 8 bytes are its id (the server reports it as run).
+fn big_request(id: u64, len: usize, fill: u8) -> Vec<u8> {
+    let mut v = vec![fill; len.max(8)];
+    v[..8].copy_from_slice(&id.to_le_bytes());
+    v
+}
+
+/// Checks what became of call `id` against what the server reported running: answered, it ran
+/// exactly once; failed as not run, it never ran (also not later); failed otherwise, at most once.
+async fn assert_fate(server: &Child, id: u64, result: &Result<Vec<u8>, RpcError>) {
+    match result {
+        Ok(_) => {
+            // The server reports the run before it answers; its line may still be on its way.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while server.runs_of(id) == 0 && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert_eq!(server.runs_of(id), 1, "call {id} was answered");
+        }
+        Err(e) if e.did_not_run() => assert_eq!(server.runs_of(id), 0, "call {id} failed as not run: {e}"),
+        Err(e) => assert!(server.runs_of(id) <= 1, "call {id}: {e}"),
+    }
+}
+
 fn u64_of(b: &[u8]) -> u64 {
     u64::from_le_bytes(b.get(..8).and_then(|s| s.try_into().ok()).unwrap_or([0; 8]))
 }
@@ -252,6 +278,7 @@ fn fault_server() {
                 Ok(id.to_le_bytes().to_vec())
             })
             .handler(BIG, |r: Vec<u8>| async move {
+                println!("RAN {}", u64_of(&r));
                 let sum = r
                     .iter()
                     .fold(0u64, |a, b| a.wrapping_mul(31).wrapping_add(u64::from(*b)));
@@ -351,13 +378,19 @@ async fn a_cut_link_ends_every_pending_call_in_time_and_clients_reconnect() {
     let (c1, c2, c3) = (client.clone(), client.clone(), client.clone());
     let with_deadline = tokio::spawn(async move { c1.call_with(SLOW, slow(1, 5000), with_deadline(1500)).await });
     let without = tokio::spawn(async move { c2.call(SLOW, slow(2, 5000)).await });
-    // Rendezvous transfers back to back, so that one is in flight when the link goes.
+    // Rendezvous transfers back to back, so that one is in flight when the link goes; each
+    // with its id and outcome.
     let big = tokio::spawn(async move {
-        loop {
-            if let Err(e) = c3.call(BIG, vec![1u8; 4 << 20]).await {
-                break Err::<Vec<u8>, RpcError>(e);
+        let mut fates = Vec::new();
+        for id in 100.. {
+            let r = c3.call(BIG, big_request(id, 4 << 20, 1)).await;
+            let failed = r.is_err();
+            fates.push((id, r));
+            if failed {
+                break;
             }
         }
+        fates
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
     net.link(false);
@@ -369,9 +402,11 @@ async fn a_cut_link_ends_every_pending_call_in_time_and_clients_reconnect() {
         "{:?}",
         t0.elapsed()
     );
-    for r in [without.await.expect("task"), big.await.expect("task")] {
-        assert!(matches!(r, Err(RpcError::ConnectionLost(_))), "{r:?}");
-    }
+    let without = without.await.expect("task");
+    assert!(matches!(without, Err(RpcError::ConnectionLost(_))), "{without:?}");
+    let bigs = big.await.expect("task");
+    let last = bigs.last().map(|(_, r)| r);
+    assert!(matches!(last, Some(Err(RpcError::ConnectionLost(_)))), "{last:?}");
     let failed_after = t0.elapsed();
     assert!(failed_after < DEAD_PEER_BOUND, "calls took {failed_after:?} to fail");
     assert!(matches!(
@@ -385,10 +420,17 @@ async fn a_cut_link_ends_every_pending_call_in_time_and_clients_reconnect() {
     let again = connect(&dev, server.addr).await;
     assert_eq!(again.call(ECHO, b"back".to_vec()).await.expect("echo"), b"back");
     server_settles(&again, one_connection).await;
-    assert!(server.runs_of(1) <= 1 && server.runs_of(2) <= 1);
+    // Every transfer in flight: answered and run once, or failed and run at most once (never,
+    // where the error says it did not run).
+    assert_fate(&server, 1, &r1).await;
+    assert_fate(&server, 2, &without).await;
+    for (id, r) in &bigs {
+        assert_fate(&server, *id, r).await;
+    }
     server.assert_nothing_ran_twice();
     println!(
-        "cut link: pending calls failed after {failed_after:?}; reconnected; server memory back to one connection's"
+        "cut link: pending calls failed after {failed_after:?} ({} transfers, the last in flight); reconnected; server memory back to one connection's",
+        bigs.len()
     );
 }
 
@@ -445,16 +487,25 @@ async fn a_server_killed_mid_rendezvous_fails_the_call_and_a_restarted_one_serve
     let t0 = Instant::now();
     // 32 MiB requests: the server is reading one by RDMA Read when it dies.
     let big = tokio::spawn(async move {
-        loop {
-            if let Err(e) = c.call(BIG, vec![3u8; 32 << 20]).await {
-                return e;
+        let mut fates = Vec::new();
+        for id in 200.. {
+            let r = c.call(BIG, big_request(id, 32 << 20, 3)).await;
+            let failed = r.is_err();
+            fates.push((id, r));
+            if failed {
+                break;
             }
         }
+        fates
     });
     tokio::time::sleep(Duration::from_millis(400)).await;
     server.child.start_kill().expect("kill");
     let killed = Instant::now();
-    let e = big.await.expect("task");
+    let bigs = big.await.expect("task");
+    let e = bigs
+        .last()
+        .and_then(|(_, r)| r.as_ref().err())
+        .expect("the last transfer failed");
     assert!(matches!(e, RpcError::ConnectionLost(_)), "{e:?}");
     assert!(
         killed.elapsed() < Duration::from_secs(5),
@@ -462,13 +513,18 @@ async fn a_server_killed_mid_rendezvous_fails_the_call_and_a_restarted_one_serve
         killed.elapsed()
     );
     let _ = server.child.wait().await;
+    // What the killed server reported running before it died: each transfer answered ran
+    // once, the one in flight at most once.
+    for (id, r) in &bigs {
+        assert_fate(&server, *id, r).await;
+    }
     drop(client);
     client_settles(&dev).await;
 
     let restarted = net.server().await;
     let again = connect(&dev, restarted.addr).await;
     let r = again
-        .call(BIG, vec![5u8; 1 << 20])
+        .call(BIG, big_request(300, 1 << 20, 5))
         .await
         .expect("the restarted server serves");
     assert_eq!(r.len(), 1 << 20);
@@ -538,7 +594,7 @@ async fn a_delaying_proxy_fires_deadlines_and_runs_nothing_twice() {
         .expect("fits");
     assert_eq!(u64_of(&r), 31);
     let r = client
-        .call(BIG, vec![9u8; 1 << 20])
+        .call(BIG, big_request(32, 1 << 20, 9))
         .await
         .expect("rendezvous through the proxy");
     assert_eq!(r.len(), 1 << 20);
@@ -546,5 +602,6 @@ async fn a_delaying_proxy_fires_deadlines_and_runs_nothing_twice() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(server.runs_of(30) <= 1);
     assert_eq!(server.runs_of(31), 1);
+    assert_eq!(server.runs_of(32), 1);
     server.assert_nothing_ran_twice();
 }

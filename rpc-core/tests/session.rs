@@ -2114,18 +2114,14 @@ fn a_server_that_gives_nothing_back_holds_the_client_to_its_credits_and_its_call
             now += Duration::from_millis(2);
             a.s.handle_timeout(now);
             a.drain_events();
-            assert!(a.s.pending_calls() <= limit as usize);
+            assert!(a.s.pending_calls() <= limit);
             assert!(
-                a.lent.len() <= limit as usize,
+                a.lent.len() <= limit,
                 "{} bodies lent with a limit of {limit} calls (credits back: {credits_back})",
                 a.lent.len()
             );
         }
-        let most = if credits_back {
-            2 * limit as usize
-        } else {
-            RING as usize
-        };
+        let most = if credits_back { 2 * limit } else { RING as usize };
         assert!(
             sent <= most,
             "{sent} messages sent (credits back: {credits_back}): calls and their cancels only"
