@@ -8,14 +8,26 @@
 //! Both sides read words the other writes: everything read is checked, so a peer writing
 //! garbage gets errors, never an access outside the segment.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
+
+// The model-checking build (`--cfg rdma_loom`) runs this protocol on loom's atomics: the
+// queue's memory is still a mapped memfd, with loom's atomics built in place (`Segment::init`).
+#[cfg(rdma_loom)]
+use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+#[cfg(not(rdma_loom))]
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 use super::sys::{self, Mapping};
 use crate::{Error, Head, Result, WcStatus, HEAD_MAX};
 
-const HEADER: usize = 4096;
-const ENTRY: usize = 64;
+/// Bytes of the header: a page (more under loom, whose atomics are larger).
+const HEADER: usize = if std::mem::size_of::<Header>() > 4096 {
+    std::mem::size_of::<Header>().next_multiple_of(4096)
+} else {
+    4096
+};
+/// Bytes of an entry: a cache line (more under loom).
+const ENTRY: usize = std::mem::size_of::<Entry>();
 /// Words of a message's head an entry carries ([`HEAD_MAX`] bytes).
 const HEAD_WORDS: usize = HEAD_MAX / 4;
 
@@ -69,7 +81,8 @@ struct Entry {
     head: [AtomicU32; HEAD_WORDS],
 }
 
-const _: () = assert!(std::mem::size_of::<Entry>() == ENTRY && std::mem::size_of::<Header>() <= HEADER);
+#[cfg(not(rdma_loom))]
+const _: () = assert!(ENTRY == 64 && HEADER == 4096);
 
 /// Bytes of a segment for `cap` entries (a power of two).
 pub(crate) fn bytes(cap: usize) -> usize {
@@ -96,6 +109,40 @@ impl Segment {
             1usize << (usize::BITS - 1 - n.leading_zeros())
         };
         Some(Segment { map, cap })
+    }
+
+    /// Builds loom's atomics in the fresh (zeroed) segment; the standard ones need nothing, as
+    /// zero bytes are a valid atomic.
+    #[cfg(rdma_loom)]
+    fn init(&self) {
+        let zero = || AtomicU32::new(0);
+        // SAFETY: the segment is HEADER + cap * ENTRY bytes of our own fresh mapping, page
+        // aligned, and nothing refers to it yet; each value is written once, at its own place.
+        unsafe {
+            self.map.ptr().cast::<Header>().write(Header {
+                tail: AtomicU64::new(0),
+                _p0: [0; 56],
+                head: AtomicU64::new(0),
+                _p1: [0; 56],
+                armed: zero(),
+                _p2: [0; 60],
+                cpu: zero(),
+                _p3: [0; 60],
+            });
+            for i in 0..self.cap {
+                self.map.ptr().add(HEADER + i * ENTRY).cast::<Entry>().write(Entry {
+                    addr: AtomicU64::new(0),
+                    len: zero(),
+                    lkey: zero(),
+                    seq: zero(),
+                    state: zero(),
+                    info: zero(),
+                    imm: zero(),
+                    byte_len: zero(),
+                    head: std::array::from_fn(|_| zero()),
+                });
+            }
+        }
     }
 
     fn header(&self) -> &Header {
@@ -145,6 +192,8 @@ impl OwnRq {
             sys::sealed_memfd("rdma-rpc-shm-rq", len as u64).map_err(|e| Error::io("creating a receive queue", e))?;
         let map = Arc::new(Mapping::map(&fd, len).map_err(|e| Error::io("mapping a receive queue", e))?);
         let seg = Segment::new(map).ok_or_else(|| Error::InvalidArgument("receive queue too small".into()))?;
+        #[cfg(rdma_loom)]
+        seg.init();
         Ok((
             fd,
             OwnRq {
@@ -194,7 +243,7 @@ impl OwnRq {
     /// was not rung for.
     pub(crate) fn arm(&self) {
         self.seg.header().armed.store(1, Ordering::SeqCst);
-        std::sync::atomic::fence(Ordering::SeqCst);
+        fence(Ordering::SeqCst);
     }
 
     /// Whether the peer took an entry not drained yet (a cheap look before locking anything).
@@ -406,7 +455,7 @@ impl<'a> Taken<'a> {
         h.head.store(self.head.wrapping_add(1), Ordering::Release);
         // Pairs with the fence in `OwnRq::arm`: either the owner's poll after arming sees this
         // entry, or this sees the owner armed.
-        std::sync::atomic::fence(Ordering::SeqCst);
+        fence(Ordering::SeqCst);
         h.armed.load(Ordering::Relaxed) != 0 && h.armed.swap(0, Ordering::AcqRel) != 0
     }
 }
@@ -506,5 +555,77 @@ mod tests {
         // The owner's next post goes where its own count says, whatever the peer wrote.
         own.post(8, 0x2000, 64, 1);
         assert_eq!(peer.seg.header().tail.load(Ordering::Acquire), 2);
+    }
+}
+
+/// Models of the queue's synchronisation under loom, which runs each body in every
+/// interleaving of its threads that the C++ memory model allows (within loom's bounds):
+/// `RUSTFLAGS="--cfg rdma_loom" cargo test -p rdma-rpc-transport --release --lib shm::rq::models`.
+#[cfg(all(test, rdma_loom))]
+mod models {
+    use super::*;
+
+    /// The owner arms its CQ and polls once more while the peer completes a receive: the
+    /// owner sees the completion, or the peer rings its doorbell, never neither (a lost
+    /// wake-up would leave the owner asleep with a completion waiting).
+    #[test]
+    fn a_completion_is_seen_after_arming_or_rung_for() {
+        loom::model(|| {
+            let (fd, own) = OwnRq::create(2).expect("rq");
+            let peer = PeerRq::map(&fd).expect("map");
+            own.post(1, 0x1000, 0, 1);
+            let sender = loom::thread::spawn(move || {
+                let t = peer.take().expect("sane counters").expect("the posted receive");
+                t.complete(WcStatus::Success, 0, 5, 0)
+            });
+            let before = own.next_done().is_some();
+            own.arm();
+            let after = before || own.next_done().is_some();
+            let rung = sender.join().expect("the sender");
+            assert!(after || rung, "a completion neither seen after arming nor rung for");
+        });
+    }
+
+    /// Receives posted while the peer completes earlier ones, around the ring (two entries):
+    /// the owner drains every completion once, in order, with the fields the peer wrote for
+    /// that receive (no entry's old completion read again, none torn), and the peer takes
+    /// each receive once, with the fields the owner posted.
+    #[test]
+    fn completions_around_the_ring_are_drained_once_in_order_and_whole() {
+        loom::model(|| {
+            const N: u32 = 3;
+            let (fd, own) = OwnRq::create(2).expect("rq");
+            let peer = PeerRq::map(&fd).expect("map");
+            own.post(1, 0x1000, 0, 1);
+            let sender = loom::thread::spawn(move || {
+                let mut next = 1;
+                while next <= N {
+                    match peer.take().expect("sane counters") {
+                        Some(t) => {
+                            assert_eq!(t.addr, 0x1000 * u64::from(next), "the receive posted");
+                            let _ = t.complete(WcStatus::Success, 0, u64::from(next) * 10, next);
+                            next += 1;
+                        }
+                        None => loom::thread::yield_now(),
+                    }
+                }
+            });
+            let (mut posted, mut drained) = (1, 0);
+            while drained < N {
+                if posted < N && posted - drained < 2 {
+                    posted += 1;
+                    own.post(u64::from(posted), 0x1000 * u64::from(posted), 0, 1);
+                }
+                match own.next_done() {
+                    Some(d) => {
+                        drained += 1;
+                        assert_eq!((d.seq, d.byte_len, d.imm), (drained, drained * 10, drained));
+                    }
+                    None => loom::thread::yield_now(),
+                }
+            }
+            sender.join().expect("the sender");
+            assert!(own.next_done().is_none(), "nothing drained twice");
+        });
     }
 }
