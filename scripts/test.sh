@@ -31,8 +31,8 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet || fail=1
 step "fuzz: every libFuzzer target for 20 s from the committed corpus (nightly; see scripts/fuzz.sh)"
 scripts/fuzz.sh 20 || fail=1
 
-step "models: the shm receive queue's synchronisation under loom (every interleaving within loom's bounds)"
-RUSTFLAGS="--cfg rdma_loom" CARGO_TARGET_DIR=target/loom cargo test -p rdma-rpc-transport --release --lib shm::rq::models || fail=1
+step "models: the shm receive queue's and byte rings' synchronisation under loom (every interleaving within loom's bounds)"
+RUSTFLAGS="--cfg rdma_loom" CARGO_TARGET_DIR=target/loom cargo test -p rdma-rpc-transport --release --lib models || fail=1
 
 step "all tests on provider tcp"
 # RDMA_RPC_REQUIRE_NETNS: the fault tests must build their namespaces here, not skip.

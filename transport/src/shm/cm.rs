@@ -63,6 +63,8 @@ impl Side {
         let fd =
             sys::sealed_memfd("rdma-rpc-shm-ring", ring::BYTES as u64).map_err(|e| Error::io("creating a ring", e))?;
         let inbox = Arc::new(Mapping::map(&fd, ring::BYTES).map_err(|e| Error::io("mapping a ring", e))?);
+        #[cfg(rdma_loom)]
+        ring::init(&inbox);
         let (rq_fd, rq) = OwnRq::create(rq::capacity(max_recv_wr))?;
         let table_fd = sys::reopen_read_only(&arena.table_fd).map_err(|e| Error::io("opening the key table", e))?;
         Ok(Side {

@@ -5,9 +5,14 @@
 //! words the other writes, so every word read from the ring is checked: a peer that writes
 //! garbage can make the ring report a protocol error, never make us read out of bounds.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+// The model-checking build (`--cfg rdma_loom`): loom's atomics, built in place (`init`).
+#[cfg(rdma_loom)]
+use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+#[cfg(not(rdma_loom))]
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 use super::sys::{self, Mapping};
 
@@ -19,8 +24,8 @@ const HEADER: usize = 4096;
 pub(crate) const BYTES: usize = HEADER + CAP;
 /// How long a sleeper waits before it looks at the peer's liveness again.
 const NAP: Duration = Duration::from_millis(50);
-/// Busy polls before sleeping.
-const SPINS: u32 = 2000;
+/// Busy polls before sleeping (none in the models: loom explores the sleeping path).
+const SPINS: u32 = if cfg!(rdma_loom) { 0 } else { 2000 };
 
 /// The header, at the start of the memfd. Each counter has its own cache line.
 #[repr(C, align(64))]
@@ -50,7 +55,59 @@ struct Header {
     beat: AtomicU64,
 }
 
+#[cfg(not(rdma_loom))]
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER);
+
+/// Builds loom's atomics in a fresh (zeroed) ring's header; the standard ones need nothing, as
+/// zero bytes are a valid atomic.
+#[cfg(rdma_loom)]
+pub(crate) fn init(map: &Mapping) {
+    let zero = || AtomicU32::new(0);
+    // SAFETY: a fresh mapping of at least BYTES, page aligned, that nothing refers to yet.
+    unsafe {
+        map.ptr().cast::<Header>().write(Header {
+            head: AtomicU64::new(0),
+            _p0: [0; 56],
+            tail: AtomicU64::new(0),
+            _p1: [0; 56],
+            data_seq: zero(),
+            consumer_sleeping: zero(),
+            _p2: [0; 56],
+            space_seq: zero(),
+            producer_sleeping: zero(),
+            _p3: [0; 56],
+            closed: zero(),
+            gone: zero(),
+            _p4: [0; 56],
+            beat: AtomicU64::new(0),
+        })
+    };
+}
+
+/// Sleeps while `word` is `seen`, for at most `timeout`.
+#[cfg(not(rdma_loom))]
+fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
+    sys::futex_wait(word, seen, timeout);
+}
+
+/// Wakes the sleepers on `word`.
+#[cfg(not(rdma_loom))]
+fn futex_wake(word: &AtomicU32) {
+    sys::futex_wake(word);
+}
+
+/// In the models a sleep has no timeout: a waiter nobody wakes never returns, and loom reports
+/// the model as stuck. (The real sleep ends after [`NAP`], which bounds a lost wake-up to a
+/// stall; the models allow none.)
+#[cfg(rdma_loom)]
+fn futex_wait(word: &AtomicU32, seen: u32, _timeout: Duration) {
+    while word.load(Ordering::Acquire) == seen {
+        loom::thread::yield_now();
+    }
+}
+
+#[cfg(rdma_loom)]
+fn futex_wake(_word: &AtomicU32) {}
 
 /// One end of a ring.
 pub(crate) struct Ring {
@@ -93,9 +150,9 @@ impl Ring {
     pub(crate) fn wake_all(&self) {
         let h = self.header();
         h.data_seq.fetch_add(1, Ordering::AcqRel);
-        sys::futex_wake(&h.data_seq);
+        futex_wake(&h.data_seq);
         h.space_seq.fetch_add(1, Ordering::AcqRel);
-        sys::futex_wake(&h.space_seq);
+        futex_wake(&h.space_seq);
     }
 
     /// Producer: no more bytes.
@@ -103,7 +160,7 @@ impl Ring {
         let h = self.header();
         h.closed.store(1, Ordering::Release);
         h.data_seq.fetch_add(1, Ordering::AcqRel);
-        sys::futex_wake(&h.data_seq);
+        futex_wake(&h.data_seq);
     }
 
     /// Consumer: this process is alive (its heartbeat, for the producer).
@@ -121,7 +178,7 @@ impl Ring {
         let h = self.header();
         h.gone.store(1, Ordering::Release);
         h.space_seq.fetch_add(1, Ordering::AcqRel);
-        sys::futex_wake(&h.space_seq);
+        futex_wake(&h.space_seq);
     }
 
     /// Bytes in the ring, checked.
@@ -157,9 +214,12 @@ impl Ring {
             std::ptr::copy_nonoverlapping(bytes.as_ptr().add(first), self.data(), n - first);
         }
         h.tail.store(tail.wrapping_add(n as u64), Ordering::Release);
-        if h.consumer_sleeping.load(Ordering::SeqCst) != 0 {
+        // Pairs with the fence in `wait`: either the consumer, about to sleep, sees these
+        // bytes, or this sees it sleeping and wakes it.
+        fence(Ordering::SeqCst);
+        if h.consumer_sleeping.load(Ordering::Relaxed) != 0 {
             h.data_seq.fetch_add(1, Ordering::AcqRel);
-            sys::futex_wake(&h.data_seq);
+            futex_wake(&h.data_seq);
         }
         Ok(n)
     }
@@ -226,9 +286,11 @@ impl Ring {
             std::ptr::copy_nonoverlapping(self.data(), buf.as_mut_ptr().add(first), n - first);
         }
         h.head.store(head.wrapping_add(n as u64), Ordering::Release);
-        if h.producer_sleeping.load(Ordering::SeqCst) != 0 {
+        // As in `try_write`, for the producer waiting for space.
+        fence(Ordering::SeqCst);
+        if h.producer_sleeping.load(Ordering::Relaxed) != 0 {
             h.space_seq.fetch_add(1, Ordering::AcqRel);
-            sys::futex_wake(&h.space_seq);
+            futex_wake(&h.space_seq);
         }
         Ok(n)
     }
@@ -249,7 +311,10 @@ impl Ring {
         };
         loop {
             let seen = word.load(Ordering::Acquire);
-            flag.store(1, Ordering::SeqCst);
+            flag.store(1, Ordering::Relaxed);
+            // Pairs with the fences after `tail` and `head` move: either the other side sees
+            // the flag and bumps `word`, or `ready` sees what it published.
+            fence(Ordering::SeqCst);
             if ready(self)? {
                 flag.store(0, Ordering::SeqCst);
                 return Ok(());
@@ -263,7 +328,7 @@ impl Ring {
                 flag.store(0, Ordering::SeqCst);
                 return Err(RingError::Closed);
             }
-            sys::futex_wait(word, seen, NAP);
+            futex_wait(word, seen, NAP);
             flag.store(0, Ordering::SeqCst);
         }
     }
@@ -329,5 +394,41 @@ mod tests {
         dead.store(true, Ordering::Release);
         tx2.wake_all();
         assert_eq!(t.join().expect("reader"), Err(RingError::Closed));
+    }
+}
+
+/// Models of the ring's synchronisation under loom (see `rq`'s): `RUSTFLAGS="--cfg rdma_loom"
+/// cargo test -p rdma-rpc-transport --release --lib shm::ring::models`.
+#[cfg(all(test, rdma_loom))]
+mod models {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    /// A producer writes while the consumer goes to sleep for want of bytes, and the other
+    /// way round: every byte arrives, in order, and no side sleeps with nobody left to wake it.
+    #[test]
+    fn no_side_sleeps_through_the_others_progress() {
+        loom::model(|| {
+            let fd = sys::sealed_memfd("model-ring", BYTES as u64).expect("memfd");
+            let m = Arc::new(Mapping::map(&fd, BYTES).expect("map"));
+            init(&m);
+            let dead = Arc::new(AtomicBool::new(false));
+            let tx = Ring::new(m.clone(), dead.clone()).expect("ring");
+            let rx = Ring::new(m, dead).expect("ring");
+            let producer = loom::thread::spawn(move || {
+                for b in [1u8, 2] {
+                    tx.write_all(&[b]).expect("write");
+                }
+            });
+            let mut got = Vec::new();
+            while got.len() < 2 {
+                let mut buf = [0u8; 2];
+                rx.wait_data().expect("bytes or an end");
+                let n = rx.try_read(&mut buf).expect("read");
+                got.extend_from_slice(&buf[..n]);
+            }
+            producer.join().expect("the producer");
+            assert_eq!(got, [1, 2]);
+        });
     }
 }
