@@ -246,12 +246,10 @@ fn an_echo_client_whose_server_is_killed_says_the_connection_is_lost_and_why() {
 
 #[test]
 fn a_server_out_of_file_descriptors_tells_each_client_it_refuses_why() {
-    // The echo server under a limit of open files which a few connections use up: 64, or 512
-    // on shm, where each of a connection's 64 receive slots holds a descriptor (a memfd a
-    // peer may be granted).
+    // The echo server under a limit of 64 open files, which a few connections use up.
     let echo = example("echo");
     let dev = rdma_rpc::transport::Device::open_default().expect("the provider");
-    let limit = if dev.provider() == "shm" { 512 } else { 64 };
+    let limit = 64;
     let script = format!("ulimit -n {limit} && exec '{}' --listen {}:0", echo.display(), ip());
     let mut child = Kill(
         Command::new("sh")

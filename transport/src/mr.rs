@@ -138,17 +138,6 @@ impl Region {
         RwLockReadGuard::map(self.mem.read_recursive(), |m| &m.bytes()[off..off + len])
     }
 
-    /// Asks the CPU to start loading the first bytes of `[off, off + len)` (shared memory only,
-    /// where a peer's core just wrote them): the application is about to read them.
-    /// No lock: a shm region's bytes stay at `addr` for its whole life, and a prefetch reads
-    /// nothing into the program.
-    pub(crate) fn prefetch(&self, off: usize, len: usize) {
-        if let RegionImpl::Shm(..) = self.imp {
-            let len = len.min(self.len.saturating_sub(off));
-            crate::shm::prefetch((self.addr as *const u8).wrapping_add(off), len);
-        }
-    }
-
     /// As [`read_range`](Self::read_range) if nobody holds the lock for writing; `None` if
     /// somebody does.
     pub(crate) fn try_read_range(&self, off: usize, len: usize) -> Option<MappedRwLockReadGuard<'_, [u8]>> {

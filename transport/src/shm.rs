@@ -1,20 +1,20 @@
 //! Provider `shm`: software RDMA between processes on one host, through shared memory.
 //!
-//! - **Memory.** Each registration is a sealed memfd of its own. A peer gets one only when it
-//!   first uses a key, by asking the owner on the connection's socket (`grant`), and only as a
-//!   NIC would let it reach the memory: read-only under an rkey with REMOTE_READ alone,
-//!   read-write under one with REMOTE_WRITE or REMOTE_ATOMIC, read-write under the lkey of a
-//!   receive posted on its own connection, and otherwise not at all. The protection domain's
-//!   key table, which peers map read-only, holds one word per registration that says whether
-//!   it lives, so a deregistered key fails at once.
+//! - **Memory.** Each registration is a sealed memfd of its own. A peer is given one (pushed
+//!   by the owner, or asked for under a key: `grant`) only as a NIC would let it reach the
+//!   memory: read-only under an rkey with REMOTE_READ alone, read-write under one with
+//!   REMOTE_WRITE or REMOTE_ATOMIC, and otherwise not at all. The protection domain's key
+//!   table, which peers map read-only, holds one word per registration that says whether it
+//!   lives, so a deregistered key fails at once.
 //! - **One-sided operations without the target's CPU.** RDMA Read, Write (without immediate)
 //!   and the atomics are executed by the initiator itself, on its mapping of the granted
 //!   registration, after the checks a NIC makes (bounds, access flags); atomics are real
 //!   atomic instructions on the shared word.
 //! - **Two-sided operations.** The receiver publishes its receive queue in shared memory
 //!   (`rq`); a Send or Write-with-immediate that finds a posted receive is delivered by the
-//!   sender, which writes the payload and the completion into the entry; the receiver's CQ
-//!   drains completed entries in order. Only when the receiver waits (its CQ armed, a one-shot
+//!   sender, which writes the payload into the queue's staging area and the completion into
+//!   the entry; the receiver's CQ drains completed entries in order, copying each payload into
+//!   the receive's own buffer, which no peer ever maps. Only when the receiver waits (its CQ armed, a one-shot
 //!   flag in the queue's header) does the sender ring its doorbell, an eventfd the waiting task
 //!   sleeps on in tokio's IO driver: one wake-up per message, none while it polls. One that
 //!   finds no receive goes as
@@ -27,13 +27,13 @@
 //!
 //! Trust model: peers are processes of the same user by default (`shm:any-user` admits any).
 //! The kernel holds a peer to what it was granted: it holds no descriptor of any other memory
-//! of ours, and one opened read-only cannot be mapped writable. Every word read from shared
-//! memory is validated, so garbage in the rings, the receive queue or a grant gives errors,
-//! never out-of-bounds accesses; memfds are sealed so a peer cannot shrink them under us (no
-//! SIGBUS). What the kernel cannot narrow: a peer granted a registration reaches all of it
-//! until it is deregistered (REMOTE_ATOMIC allows plain writes too), a receive buffer once
-//! posted on its connection included; after that it reaches only pages this process no longer
-//! uses. Each registration a peer may be granted holds one descriptor here.
+//! of ours (receive buffers included), and one opened read-only cannot be mapped writable.
+//! Every word read from shared memory is validated, so garbage in the rings, the receive queue
+//! or a grant gives errors, never out-of-bounds accesses; memfds are sealed so a peer cannot
+//! shrink them under us (no SIGBUS). What the kernel cannot narrow: a peer granted a
+//! registration reaches all of it until it is deregistered (REMOTE_ATOMIC allows plain writes
+//! too); after that it reaches only pages this process no longer uses. Each registration with
+//! remote access holds one descriptor here.
 
 mod arena;
 pub(crate) mod bell;
@@ -158,10 +158,10 @@ impl Pd {
     }
 }
 
-/// Starts fetching the first cache lines of `len` bytes at `p` into this core's cache: a peer's
-/// core just wrote them, and the application is about to read them. A hint (never faults).
-pub(crate) fn prefetch(p: *const u8, len: usize) {
-    sys::prefetch(p, len, false);
+/// Whether `access` lets peers reach a registration (and so be granted its memory).
+fn remote(access: AccessFlags) -> bool {
+    let any = AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
+    access.bits() & any.bits() != 0
 }
 
 /// Registered memory: a segment of its own, which peers reach only as granted.
@@ -174,7 +174,7 @@ impl Slice {
     /// `len` zeroed bytes for a registration with `access`.
     pub(crate) fn alloc(len: usize, access: AccessFlags) -> Result<Slice> {
         Ok(Slice {
-            seg: arena::Segment::new(len, access != AccessFlags::NONE)?,
+            seg: arena::Segment::new(len, remote(access))?,
             words: len.div_ceil(8),
         })
     }

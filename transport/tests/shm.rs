@@ -318,3 +318,78 @@ async fn a_stopped_peer_is_taken_for_dead_within_the_keepalive() {
     println!("a stopped peer was taken for dead after {:?}", started.elapsed());
     assert!(qp.is_error());
 }
+
+/// Sends are delivered through the receiver's staging area (1 MiB), which its polls copy into
+/// the receives' own buffers. Past it, Sends go on as frames: 48 Sends of 32 KiB into 48
+/// receives nobody drains meanwhile all arrive, whole and in order. And a poll made while the
+/// application holds a borrow of the registration the receives are pieces of returns; their
+/// completions come once it lets go.
+#[tokio::test]
+async fn sends_past_the_staging_area_and_behind_a_held_buffer_arrive_whole_and_in_order() {
+    const N: usize = 48;
+    const LEN: usize = 32 << 10;
+    let dev = Device::open("shm").expect("shm");
+    let mk = || (dev.alloc_pd().expect("pd"), dev.create_cq(256).expect("cq"));
+    let ((spd, scq), (cpd, ccq)) = (mk(), mk());
+    let listener = Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let sopts = QpOptions::new(&spd, &scq);
+    let accepting = std::thread::spawn(move || {
+        let req = listener.accept(Some(WAIT)).expect("a connection");
+        req.accept(&sopts, b"").expect("accept")
+    });
+    let (cqp, _) = connect(addr, &QpOptions::new(&cpd, &ccq), b"", WAIT).expect("connect");
+    let sqp = accepting.join().expect("accept thread");
+    let mut fill = 0u8;
+    for (sends, hold) in [(N, false), (4, true)] {
+        // One registration: the receive pieces, and a last piece the application keeps.
+        let mut all = spd
+            .register((sends + 1) * LEN, AccessFlags::LOCAL_WRITE)
+            .expect("register");
+        let kept = all.split_off(sends * LEN).expect("split");
+        for i in 0..sends {
+            let rest = all.split_off(LEN).expect("split");
+            sqp.post_recv(RecvWr::new(i as u64, std::mem::replace(&mut all, rest)))
+                .map_err(|e| e.error)
+                .expect("post_recv");
+        }
+        let guard = hold.then(|| kept.bytes());
+        let first = fill;
+        for i in 0..sends {
+            let mut b = cpd.register(LEN, AccessFlags::LOCAL_WRITE).expect("buf");
+            fill = fill.wrapping_add(1);
+            b.write_at(0, &vec![fill; LEN]).expect("fill");
+            cqp.post_send(SendWr::send(100 + i as u64, b))
+                .map_err(|e| e.error)
+                .expect("post_send");
+        }
+        for _ in 0..sends {
+            assert!(one(&ccq).await.status.is_success(), "every Send completed");
+        }
+        let mut got = Vec::new();
+        if guard.is_some() {
+            // Every Send sits in the staging area; a poll holding the borrow returns without it.
+            for _ in 0..100 {
+                scq.poll(&mut got, 64).expect("poll");
+            }
+            assert!(got.is_empty(), "completed into a buffer the application borrows");
+        }
+        drop(guard);
+        let deadline = Instant::now() + WAIT;
+        while got.len() < sends && Instant::now() < deadline {
+            scq.poll(&mut got, 64).expect("poll");
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(got.len(), sends, "every Send arrived (holding: {hold})");
+        for (i, c) in got.iter().enumerate() {
+            assert_eq!(
+                (c.wr_id, c.status, c.byte_len as usize),
+                (i as u64, WcStatus::Success, LEN)
+            );
+            let b = c.buf.as_ref().expect("the receive's buffer");
+            let want = first.wrapping_add(i as u8 + 1);
+            assert!(b.bytes().iter().all(|&x| x == want), "receive {i} holds its Send whole");
+        }
+        drop(kept);
+    }
+}

@@ -1,10 +1,9 @@
 //! Registered memory of the shm provider, and what a peer may reach of it.
 //!
 //! Each registration is a sealed memfd of its own (a segment), mapped by this process. A peer
-//! gets no segment at set-up: it asks for one under a key (`grant`), and gets it only as a NIC
-//! would let it reach the memory: read-only where only REMOTE_READ was granted, read-write
-//! where REMOTE_WRITE or REMOTE_ATOMIC was, read-write for a receive buffer posted on its own
-//! connection, nothing otherwise. The kernel enforces what it was given: a descriptor opened
+//! gets a segment only under a key (`grant`), and only as a NIC would let it reach the memory:
+//! read-only where only REMOTE_READ was granted, read-write where REMOTE_WRITE or REMOTE_ATOMIC
+//! was, nothing otherwise (receives are delivered through the receive queue, `rq`). The kernel enforces what it was given: a descriptor opened
 //! read-only cannot be mapped writable, and no descriptor of the rest ever leaves the process.
 //!
 //! The protection domain's table (one memfd, which peers map read-only) holds a word per
@@ -35,14 +34,15 @@ const RESERVED: [u32; 2] = [0, u32::MAX];
 
 /// One registration's memory: a sealed memfd, mapped here; peers map it only once granted.
 pub(crate) struct Segment {
-    /// Kept while a peer may be granted it (one descriptor per such registration).
+    /// Kept while a peer may be granted it (one descriptor per registration with remote
+    /// access).
     pub(crate) fd: Option<OwnedFd>,
     map: Mapping,
 }
 
 impl Segment {
     /// `len` zeroed bytes (rounded up to pages); `grantable` keeps the descriptor, for
-    /// registrations a peer may reach (remote access, or LOCAL_WRITE: a receive buffer).
+    /// registrations a peer may reach (remote access).
     pub(crate) fn new(len: usize, grantable: bool) -> Result<Arc<Segment>> {
         let size = len.max(1).div_ceil(PAGE) * PAGE;
         let fd = sys::sealed_memfd("rdma-rpc-shm-mr", size as u64).map_err(|e| Error::io("creating shm memory", e))?;
@@ -78,8 +78,7 @@ struct Registry {
     free: Vec<u32>,
     next_slot: u32,
     next_tag: u64,
-    /// The connections of this protection domain: pushed the grants of new registrations,
-    /// told to forget withdrawn receive keys.
+    /// The connections of this protection domain: pushed the grants of new registrations.
     servers: Vec<Weak<Server>>,
 }
 
@@ -179,21 +178,13 @@ impl Arena {
         Ok(())
     }
 
-    /// Takes a registration out: a peer's next access under either key fails, and no
-    /// connection may be granted it for a receive any more.
+    /// Takes a registration out: a peer's next access under either key fails.
     pub(crate) fn withdraw(&self, (lkey, rkey): (u32, u32)) {
         let mut reg = self.reg.lock();
         let Some(p) = reg.keys.remove(&rkey) else { return };
         reg.keys.remove(&lkey);
         word(&self.table, p.slot).store(0, Ordering::Release);
         reg.free.push(p.slot);
-        reg.servers.retain(|w| match w.upgrade() {
-            Some(server) => {
-                server.forget(lkey);
-                true
-            }
-            None => false,
-        });
     }
 
     /// The registration `key` names, if published.
@@ -259,30 +250,6 @@ impl PeerArena {
             unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
             Ok(())
         })
-    }
-
-    /// Delivers a Send's payload into a receive the peer posted: `addr`/`lkey` are the
-    /// receive's, granted to this connection for receives. Hold the result until the
-    /// completion is written (see [`Held`]).
-    pub(crate) fn write_local(&self, addr: u64, lkey: u32, src: &[u8]) -> std::result::Result<Held<'_>, WcStatus> {
-        let g = self.grants.get(lkey, Want::Receive)?;
-        let dst = g.at(addr, src.len(), AccessFlags::LOCAL_WRITE)?;
-        // SAFETY: as in `read`, the other way; a receive grant is mapped writable.
-        unsafe { super::copy::for_peer(src.as_ptr(), dst, src.len()) };
-        // The receiver reads the head of the message first (a header, most often).
-        // SAFETY: `at` proved `[dst, dst + len)` inside our mapping.
-        unsafe { super::sys::demote(dst, src.len()) };
-        Ok(Held(g))
-    }
-
-    /// Starts fetching for writing the first cache lines of `len` bytes at `addr` of a receive
-    /// buffer already granted: a hint, nothing is written and nothing is asked for.
-    pub(crate) fn prefetch_local(&self, addr: u64, lkey: u32, len: usize) {
-        self.grants.if_granted(lkey, Want::Receive, |g| {
-            if let Ok(p) = g.at(addr, len, AccessFlags::LOCAL_WRITE) {
-                super::sys::prefetch(p, len, true);
-            }
-        });
     }
 
     /// RDMA Write: `src` to `addr`. Hold the result until the completion is written.

@@ -115,7 +115,7 @@ impl Side {
             .take()
             .ok_or_else(|| Error::Protocol("side joined twice".into()))?;
         let pushes = sock.try_clone().map_err(|e| Error::io("cloning the socket", e))?;
-        let server = Server::start(self.arena.clone(), own_rq.keys(), pushes);
+        let server = Server::start(self.arena.clone(), pushes);
         self.server = Some(server.clone());
         let link = ShmLink::new(rx, tx, sock, dead, server, grants.clone())
             .map_err(|e| Error::io("starting the shm watcher", e))?;
@@ -683,9 +683,9 @@ mod tests {
     /// A process that joins properly and then uses no check of ours: what it gets of the
     /// server's memory is what a NIC would let it reach, and the kernel holds it to that. The
     /// key table cannot be mapped writable; a REMOTE_READ registration comes read-only (no
-    /// writable mapping, no mprotect to writable); a REMOTE_WRITE one read-write; a receive
-    /// buffer read-write only once a receive from it is posted on this connection; a private
-    /// registration, an lkey asked for as an rkey, or a made-up key, not at all.
+    /// writable mapping, no mprotect to writable); a REMOTE_WRITE one read-write; a private
+    /// registration, a posted receive's buffer, an lkey, a made-up key or a kind of grant that
+    /// does not exist, not at all; and the receive queue names no buffer of ours.
     #[test]
     fn a_raw_peer_reaches_only_what_it_was_granted_and_the_kernel_holds_it_to_that() {
         use crate::{AccessFlags, RecvWr};
@@ -737,18 +737,14 @@ mod tests {
             bytes: early.iter().flat_map(|(m, _)| m.clone()).collect(),
             fds: early.into_iter().flat_map(|(_, f)| f).collect(),
         };
-        // Pushed unasked: the registrations with remote access, and the posted receive's buffer.
+        // Pushed unasked: the registrations with remote access, nothing else.
         let mut pushed = std::collections::BTreeMap::new();
         while let Some((want, key, got)) = peer.next() {
             assert!(got.verdict != 0, "nothing refused unasked");
             pushed.insert((want, key), (got.verdict, got.len));
         }
-        let expected: std::collections::BTreeMap<_, _> = [
-            ((1, ro.rkey()), (1, 4096)),
-            ((1, rw.rkey()), (2, 8192)),
-            ((2, recv_lkey), (2, 4096)),
-        ]
-        .into();
+        let expected: std::collections::BTreeMap<_, _> =
+            [((1, ro.rkey()), (1, 4096)), ((1, rw.rkey()), (2, 8192))].into();
         assert_eq!(pushed, expected, "what was pushed");
         // The table: read-only, whatever the peer tries.
         let table = &fds[0];
@@ -784,16 +780,25 @@ mod tests {
         for (what, want, key) in [
             ("a private registration's rkey", 1, private_keys.1),
             ("a private registration's lkey as an rkey", 1, private_keys.0),
-            ("a private registration's lkey as a receive", 2, private_keys.0),
-            ("a receive buffer's lkey as an rkey", 1, recv_lkey),
+            ("a private registration's lkey for a receive", 2, private_keys.0),
+            ("a posted receive's lkey", 1, recv_lkey),
+            ("a posted receive's lkey for a receive", 2, recv_lkey),
             ("a made-up key", 1, 0x5eed_0001),
         ] {
             let got = peer.ask(want, key);
             assert!(got.verdict == 0 && got.fd.is_none(), "{what} was granted");
         }
-        // A posted receive's buffer: read-write, to this connection.
-        let got = peer.ask(2, recv_lkey);
-        assert_eq!((got.verdict, got.len), (2, 4096), "the posted receive's buffer");
+        // The receive queue: the posted receive's length, and no address or key of its buffer.
+        let rq = PeerRq::map(&fds[2]).expect("the server's receive queue");
+        let t = rq.take().expect("sane counters").expect("the posted receive");
+        assert_eq!(t.len, 4096);
+        // SAFETY: the queue's memfd is at least a page: its header, then the first entry,
+        // whose first 16 bytes are where a buffer's address and key could go.
+        let entry =
+            unsafe { std::slice::from_raw_parts(raw_map(&fds[2], 8192, libc::PROT_READ).expect("map").add(4096), 16) };
+        assert_eq!(&entry[..8], &[0; 8], "no address");
+        assert_eq!(&entry[8..12], &4096u32.to_le_bytes(), "the length");
+        assert_eq!(&entry[12..16], &[1, 0, 0, 0], "whether it may be written, and no key");
         // A withdrawn registration: no longer granted.
         let rw_rkey = rw.rkey();
         drop(rw);

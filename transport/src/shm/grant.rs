@@ -1,11 +1,11 @@
 //! Grants: how a peer gets the memory one key names, and nothing else.
 //!
 //! The owner pushes a grant to each connected peer when it registers memory with remote access
-//! (and, at set-up, of what it registered before), and when it first posts a receive from a
-//! registration on a connection: a descriptor of the registration's memfd, opened read-only
-//! unless the key allows writing, on the connection's Unix socket. So one-sided operations
-//! and deliveries need no CPU of the owner's, as on a NIC: a stopped owner is still read and
-//! written. An initiator that meets a key it holds no grant for asks (a grant pushed but not
+//! (and, at set-up, of what it registered before): a descriptor of the registration's memfd,
+//! opened read-only unless the key allows writing, on the connection's Unix socket. So
+//! one-sided operations need no CPU of the owner's, as on a NIC: a stopped owner is still read
+//! and written. (Receive buffers are never granted: Sends go through the receive queue's
+//! staging area, `rq`.) An initiator that meets a key it holds no grant for asks (a grant pushed but not
 //! yet taken in, or one dropped for the cap) and waits for either; the owner's watcher thread
 //! answers from its registrations (`arena`), or refuses. The initiator maps what it is given
 //! and keeps it while the owner's table says the registration lives. Messages are [`MSG`]
@@ -23,11 +23,11 @@ use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use foldhash::{HashMap, HashMapExt, HashSet};
+use foldhash::{HashMap, HashMapExt};
 use parking_lot::{Condvar, MappedRwLockReadGuard, Mutex, RwLock, RwLockReadGuard};
 
 use super::arena::{self, Arena};
@@ -48,89 +48,25 @@ const MAX_LOOSE_FDS: usize = 16;
 /// a process has a bounded number of them (`vm.max_map_count`). Past it, keys are asked for.
 pub(crate) const MAX_PUSHED: usize = 4096;
 
-/// What a grant is for.
+/// What a grant is for: one-sided operations under an rkey (the only kind there is; the byte
+/// leaves room for others, and a request for an unknown kind is refused).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub(crate) enum Want {
-    /// One-sided operations under an rkey.
     Remote = 1,
-    /// Deliveries into receives posted under an lkey.
-    Receive = 2,
 }
 
 impl Want {
     fn from_byte(b: u8) -> Option<Want> {
         match b {
             1 => Some(Want::Remote),
-            2 => Some(Want::Receive),
             _ => None,
         }
-    }
-}
-
-/// The lkeys of the receives a connection's owner posted: the only keys it grants the peer
-/// for deliveries.
-pub(crate) struct Posted {
-    /// Keys noted recently, by a hash of the key (0: none), so that reposting a ring of
-    /// receives takes no lock.
-    seen: [AtomicU32; SEEN],
-    keys: Mutex<HashSet<u32>>,
-    /// The connection's server, which pushes the grant of a key posted the first time.
-    server: Mutex<std::sync::Weak<Server>>,
-}
-
-/// Entries of [`Posted::seen`] (a power of two).
-const SEEN: usize = 256;
-
-fn seen_slot(key: u32) -> usize {
-    (key.wrapping_mul(0x9e37_79b1) >> 24) as usize % SEEN
-}
-
-impl Default for Posted {
-    fn default() -> Self {
-        Posted {
-            seen: std::array::from_fn(|_| AtomicU32::new(0)),
-            keys: Mutex::default(),
-            server: Mutex::default(),
-        }
-    }
-}
-
-impl Posted {
-    /// Notes a receive posted under `lkey` (before the peer can see it); the first time, the
-    /// peer is sent its grant.
-    pub(crate) fn note(&self, lkey: u32) {
-        let seen = &self.seen[seen_slot(lkey)];
-        if seen.load(Ordering::Relaxed) == lkey {
-            return;
-        }
-        let new = {
-            let mut keys = self.keys.lock();
-            seen.store(lkey, Ordering::Relaxed);
-            keys.insert(lkey)
-        };
-        if new {
-            if let Some(server) = self.server.lock().upgrade() {
-                server.push(Want::Receive, lkey);
-            }
-        }
-    }
-
-    pub(crate) fn contains(&self, lkey: u32) -> bool {
-        self.keys.lock().contains(&lkey)
-    }
-
-    /// Forgets `lkey` (its registration was withdrawn).
-    pub(crate) fn forget(&self, lkey: u32) {
-        let mut keys = self.keys.lock();
-        keys.remove(&lkey);
-        let _ = self.seen[seen_slot(lkey)].compare_exchange(lkey, 0, Ordering::Relaxed, Ordering::Relaxed);
     }
 }
 
 /// The owner's side of one connection: pushes grants to its peer and answers its requests.
 pub(crate) struct Server {
     arena: Arc<Arena>,
-    posted: Arc<Posted>,
     sock: UnixStream,
     /// Set once the handshake's last message is out: nothing may go before it.
     ready: AtomicBool,
@@ -138,30 +74,24 @@ pub(crate) struct Server {
 
 impl Server {
     /// Serves the peer at the other end of `sock`; pushes nothing before [`Server::ready`].
-    pub(crate) fn start(arena: Arc<Arena>, posted: Arc<Posted>, sock: UnixStream) -> Arc<Server> {
+    pub(crate) fn start(arena: Arc<Arena>, sock: UnixStream) -> Arc<Server> {
         let server = Arc::new(Server {
             arena,
-            posted,
             sock,
             ready: AtomicBool::new(false),
         });
-        *server.posted.server.lock() = Arc::downgrade(&server);
         server.arena.track(&server);
         server
     }
 
     /// The handshake is over: pushes the grants of what the peer may already use
-    /// (registrations with remote access, receives posted), and from here on each new one.
+    /// (registrations with remote access), and from here on each new one.
     pub(crate) fn ready(&self) {
-        // Set before the snapshots: a registration or a post either sees it set and pushes
-        // its own grant, or is in the snapshot (or both: a grant pushed twice is harmless).
+        // Set before the snapshot: a registration either sees it set and pushes its own
+        // grant, or is in the snapshot (or both: a grant pushed twice is harmless).
         self.ready.store(true, Ordering::SeqCst);
         for key in self.arena.remote_keys() {
             self.push(Want::Remote, key);
-        }
-        let posted: Vec<u32> = self.posted.keys.lock().iter().copied().collect();
-        for key in posted {
-            self.push(Want::Receive, key);
         }
     }
 
@@ -171,30 +101,24 @@ impl Server {
         if !self.ready.load(Ordering::SeqCst) {
             return;
         }
-        if let (m, Some(fd)) = self.answer(want, key) {
+        if let (m, Some(fd)) = self.answer(want as u8, key) {
             send(&self.sock, &m, Some(&fd));
         }
     }
 
-    /// Forgets a receive key (its registration was withdrawn).
-    pub(crate) fn forget(&self, lkey: u32) {
-        self.posted.forget(lkey);
-    }
-
     /// The answer to a request for `key`, and the descriptor to send with it.
-    fn answer(&self, want: Want, key: u32) -> ([u8; MSG], Option<OwnedFd>) {
+    fn answer(&self, want: u8, key: u32) -> ([u8; MSG], Option<OwnedFd>) {
         let mut m = [0u8; MSG];
         m[0] = ANSWER;
-        m[1] = want as u8;
+        m[1] = want;
         m[4..8].copy_from_slice(&key.to_le_bytes());
         let Some(p) = self.arena.lookup(key) else {
             return (m, None);
         };
         let writes = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
-        let verdict = match want {
-            Want::Remote if p.access.bits() & writes.bits() != 0 => READ_WRITE,
-            Want::Remote if p.access.contains(AccessFlags::REMOTE_READ) => READ_ONLY,
-            Want::Receive if p.access.contains(AccessFlags::LOCAL_WRITE) && self.posted.contains(key) => READ_WRITE,
+        let verdict = match Want::from_byte(want) {
+            Some(Want::Remote) if p.access.bits() & writes.bits() != 0 => READ_WRITE,
+            Some(Want::Remote) if p.access.contains(AccessFlags::REMOTE_READ) => READ_ONLY,
             _ => return (m, None),
         };
         let Some(own) = &p.seg.fd else { return (m, None) };
@@ -309,13 +233,6 @@ impl Grants {
         f: impl FnOnce(&Grant) -> Result<R, WcStatus>,
     ) -> Result<R, WcStatus> {
         f(&*self.get(key, want)?)
-    }
-
-    /// Runs `f` on a grant already held, if it is; asks nothing.
-    pub(crate) fn if_granted(&self, key: u32, want: Want, f: impl FnOnce(&Grant)) {
-        if let Some(g) = self.cache.read().get(&(key, want)) {
-            f(g);
-        }
     }
 
     /// Asks the owner for `k`, or waits for the answer to a request already out; the grant is
@@ -502,8 +419,8 @@ impl Inbound {
             let m: &[u8; MSG] = chunk.try_into().map_err(|_| io::ErrorKind::InvalidData)?;
             let key = u32::from_le_bytes([m[4], m[5], m[6], m[7]]);
             match (m[0], Want::from_byte(m[1])) {
-                (REQUEST, Some(want)) => {
-                    let (answer, fd) = server.answer(want, key);
+                (REQUEST, _) => {
+                    let (answer, fd) = server.answer(m[1], key);
                     if !send(sock, &answer, fd.as_ref()) {
                         return broken("the peer does not read the answers to its requests");
                     }

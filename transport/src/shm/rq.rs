@@ -1,9 +1,10 @@
 //! A queue pair's receive queue in shared memory, so that a peer can deliver a Send (or a
-//! Write-with-immediate) into a posted receive by itself, as a NIC does, without a thread of the
-//! receiving process. The owner posts entries; the peer takes the oldest, writes the payload into
-//! the entry's buffer (checked against the owner's published table under the entry's lkey),
-//! writes the completion into the entry and moves `head`; the owner drains completed entries into
-//! its CQ in order.
+//! Write-with-immediate) by itself, as a NIC does, without a thread of the receiving process.
+//! The owner posts entries; the peer takes the oldest, writes a Send's payload into the queue's
+//! staging area (after the entries, used in order as a ring), writes the completion into the
+//! entry and moves `head`; the owner drains completed entries into its CQ in order, copying each
+//! payload from the staging area into the receive's own buffer. So no receive buffer is ever
+//! shared: a peer reaches the staging area and the entries, nothing else of ours.
 //!
 //! Both sides read words the other writes: everything read is checked, so a peer writing
 //! garbage gets errors, never an access outside the segment.
@@ -28,6 +29,9 @@ const HEADER: usize = if std::mem::size_of::<Header>() > 4096 {
 };
 /// Bytes of an entry: a cache line (more under loom).
 const ENTRY: usize = std::mem::size_of::<Entry>();
+/// Bytes of the staging area: what direct deliveries not yet drained may hold; a Send that
+/// finds no room goes as a frame (the receiver's engine copies it).
+pub(crate) const STAGE: usize = 1 << 20;
 /// Words of a message's head an entry carries ([`HEAD_MAX`] bytes).
 const HEAD_WORDS: usize = HEAD_MAX / 4;
 
@@ -58,6 +62,9 @@ struct Header {
     /// misleads our spinning.
     cpu: AtomicU32,
     _p3: [u8; 60],
+    /// Staging bytes the owner has copied out (the peer may write up to `STAGE` past it).
+    stage_head: AtomicU64,
+    _p4: [u8; 56],
 }
 
 /// A posted receive, in one cache line: what the owner wrote when posting it, then what the
@@ -66,10 +73,13 @@ struct Header {
 /// message, not two in a row (this one, then the buffer's first).
 #[repr(C, align(64))]
 struct Entry {
-    addr: AtomicU64,
+    /// Unused (zero): the receive's buffer is none of the peer's business.
+    _r0: AtomicU64,
     /// The buffer's length (at most `u32::MAX`: far above the largest message).
     len: AtomicU32,
-    lkey: AtomicU32,
+    /// 1 when the receive may be written into (its buffer has LOCAL_WRITE), as a NIC checks
+    /// before it delivers; the owner checks again as it copies the payload in.
+    writable: AtomicU32,
     /// The low bits of the common layer's sequence number, a check of the order.
     seq: AtomicU32,
     state: AtomicU32,
@@ -84,9 +94,9 @@ struct Entry {
 #[cfg(not(rdma_loom))]
 const _: () = assert!(ENTRY == 64 && HEADER == 4096);
 
-/// Bytes of a segment for `cap` entries (a power of two).
+/// Bytes of a segment for `cap` entries (a power of two), staging area included.
 pub(crate) fn bytes(cap: usize) -> usize {
-    HEADER + cap * ENTRY
+    HEADER + cap * ENTRY + STAGE
 }
 
 /// The capacity for a queue of `max_recv_wr`.
@@ -101,7 +111,7 @@ struct Segment {
 
 impl Segment {
     fn new(map: Arc<Mapping>) -> Option<Segment> {
-        let n = map.len().checked_sub(HEADER)? / ENTRY;
+        let n = map.len().checked_sub(HEADER + STAGE)? / ENTRY;
         // The largest power of two that fits: both sides derive the same from the same size.
         let cap = if n == 0 {
             return None;
@@ -128,12 +138,14 @@ impl Segment {
                 _p2: [0; 60],
                 cpu: zero(),
                 _p3: [0; 60],
+                stage_head: AtomicU64::new(0),
+                _p4: [0; 56],
             });
             for i in 0..self.cap {
                 self.map.ptr().add(HEADER + i * ENTRY).cast::<Entry>().write(Entry {
-                    addr: AtomicU64::new(0),
+                    _r0: AtomicU64::new(0),
                     len: zero(),
-                    lkey: zero(),
+                    writable: zero(),
                     seq: zero(),
                     state: zero(),
                     info: zero(),
@@ -149,6 +161,11 @@ impl Segment {
         // SAFETY: the mapping is at least HEADER bytes, page aligned; Header is all atomics,
         // valid for any bits, only accessed atomically.
         unsafe { &*self.map.ptr().cast::<Header>() }
+    }
+
+    /// The staging area's first byte (after the entries).
+    fn stage(&self) -> *mut u8 {
+        self.map.ptr().wrapping_add(HEADER + self.cap * ENTRY)
     }
 
     fn entry(&self, i: u64) -> &Entry {
@@ -168,8 +185,8 @@ pub(crate) struct OwnRq {
     /// Entries posted: the owner's own count, which the shared `tail` only publishes (the peer
     /// can write that word, and must not make the owner drain receives it never posted).
     posted: AtomicU64,
-    /// The lkeys posted, the only ones the peer is granted for deliveries.
-    keys: Arc<super::grant::Posted>,
+    /// Staging bytes copied out: the owner's own count (`stage_head` publishes it).
+    staged: AtomicU64,
 }
 
 /// One completed receive, as drained.
@@ -200,23 +217,19 @@ impl OwnRq {
                 seg,
                 drained: AtomicU64::new(0),
                 posted: AtomicU64::new(0),
-                keys: Arc::default(),
+                staged: AtomicU64::new(0),
             },
         ))
     }
 
     /// Publishes a posted receive (the owner's engine holds its state lock).
-    pub(crate) fn post(&self, seq: u64, addr: u64, len: u64, lkey: u32) {
-        if len > 0 {
-            self.keys.note(lkey);
-        }
+    pub(crate) fn post(&self, seq: u64, len: u64, writable: bool) {
         let h = self.seg.header();
         let tail = self.posted.load(Ordering::Relaxed);
         let e = self.seg.entry(tail);
         e.seq.store(seq as u32, Ordering::Relaxed);
-        e.addr.store(addr, Ordering::Relaxed);
         e.len.store(len.min(u64::from(u32::MAX)) as u32, Ordering::Relaxed);
-        e.lkey.store(lkey, Ordering::Relaxed);
+        e.writable.store(u32::from(writable), Ordering::Relaxed);
         e.info.store(0, Ordering::Relaxed);
         e.byte_len.store(0, Ordering::Relaxed);
         e.state.store(POSTED, Ordering::Relaxed);
@@ -224,9 +237,30 @@ impl OwnRq {
         h.tail.store(tail.wrapping_add(1), Ordering::Release);
     }
 
-    /// The lkeys posted so far (for the grants of this connection).
-    pub(crate) fn keys(&self) -> Arc<super::grant::Posted> {
-        self.keys.clone()
+    /// Copies the next `dst.len()` staged bytes (a drained Send's payload, `len <= STAGE`)
+    /// into `dst`, the receive's own buffer, and gives their room back to the peer.
+    pub(crate) fn take_staged(&self, dst: &mut [u8]) {
+        let n = dst.len().min(STAGE);
+        let pos = self.staged.load(Ordering::Relaxed);
+        let at = (pos % STAGE as u64) as usize;
+        let first = n.min(STAGE - at);
+        // SAFETY: `at + first <= STAGE` and `n - first <= STAGE`: both copies stay inside the
+        // staging area of our mapping; `dst` is our own memory, `n` bytes long. The peer
+        // wrote these bytes before the entry's DONE (read with Acquire); one that writes them
+        // again now only garbles its own message.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.seg.stage().add(at), dst.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.seg.stage(), dst.as_mut_ptr().add(first), n - first);
+        }
+        self.skip_staged(n);
+    }
+
+    /// Gives the room of `len` staged bytes back without reading them (a delivery that failed
+    /// on this side).
+    pub(crate) fn skip_staged(&self, len: usize) {
+        let pos = self.staged.load(Ordering::Relaxed).wrapping_add(len as u64);
+        self.staged.store(pos, Ordering::Relaxed);
+        self.seg.header().stage_head.store(pos, Ordering::Release);
     }
 
     /// Tells the peer which CPU our poller runs on (a store only when that changed).
@@ -268,8 +302,16 @@ impl OwnRq {
     /// first entry that is not done (the peer marks entries in order, each before it moves
     /// `head` past it; a peer that lies stalls itself). Each call moves past what it returns,
     /// so a caller may drain again while handling an entry.
+    #[cfg(test)]
     pub(crate) fn next_done(&self) -> Option<Done> {
-        let (d, e) = self.oldest_done()?;
+        let done = self.peek_done()?;
+        self.pass();
+        Some(done)
+    }
+
+    /// As [`OwnRq::next_done`], leaving the entry where it is: [`OwnRq::pass`] moves past it.
+    pub(crate) fn peek_done(&self) -> Option<Done> {
+        let (_, e) = self.oldest_done()?;
         let info = e.info.load(Ordering::Relaxed);
         let status = match info & 0xff {
             0 => WcStatus::Success,
@@ -283,9 +325,15 @@ impl OwnRq {
             imm: e.imm.load(Ordering::Relaxed),
             head: e.head((info >> 16) as usize & 0xff),
         };
-        e.state.store(POSTED, Ordering::Relaxed);
-        self.drained.store(d.wrapping_add(1), Ordering::Relaxed);
         Some(done)
+    }
+
+    /// Moves past the oldest completed entry (after [`OwnRq::peek_done`] showed it).
+    pub(crate) fn pass(&self) {
+        if let Some((d, e)) = self.oldest_done() {
+            e.state.store(POSTED, Ordering::Relaxed);
+            self.drained.store(d.wrapping_add(1), Ordering::Relaxed);
+        }
     }
 
     /// The owner's engine takes the oldest receive for a request that came as a frame. Fails
@@ -314,6 +362,10 @@ pub(crate) struct PeerRq {
     /// caught up with what it saw: once per ring's worth of messages in a steady ping-pong.
     /// Sends (its only users) are serialised by the QP's engine.
     tail_seen: AtomicU64,
+    /// Staging bytes written (this side's own count), and the owner's `stage_head` as last
+    /// read (read again only when the room it shows is short).
+    staged: AtomicU64,
+    stage_head_seen: AtomicU64,
 }
 
 /// A receive the peer posted, taken.
@@ -323,9 +375,9 @@ pub(crate) struct Taken<'a> {
     msg_head: &'a [u8],
     head: u64,
     rq: &'a PeerRq,
-    pub(crate) addr: u64,
     pub(crate) len: u64,
-    pub(crate) lkey: u32,
+    /// Whether the receive's buffer may be written (as its owner said).
+    pub(crate) writable: bool,
 }
 
 impl PeerRq {
@@ -343,6 +395,8 @@ impl PeerRq {
         Ok(PeerRq {
             seg,
             tail_seen: AtomicU64::new(0),
+            staged: AtomicU64::new(0),
+            stage_head_seen: AtomicU64::new(0),
         })
     }
 
@@ -377,9 +431,8 @@ impl PeerRq {
             msg_head: &[],
             head,
             rq: self,
-            addr: entry.addr.load(Ordering::Relaxed),
             len: u64::from(entry.len.load(Ordering::Relaxed)),
-            lkey: entry.lkey.load(Ordering::Relaxed),
+            writable: entry.writable.load(Ordering::Relaxed) == 1,
         }))
     }
 }
@@ -391,19 +444,36 @@ impl PeerRq {
     }
 
     /// Where the next Send will land, when the peer has a receive posted beyond the one taken
-    /// last: the entry's cache line is fetched for writing, and its buffer's address and key
-    /// returned, so the caller can fetch the buffer's first lines too. A hint only.
-    pub(crate) fn prefetch_next(&self) -> Option<(u64, u32)> {
+    /// last: the entry's cache line and the first lines of the next `len` staging bytes are
+    /// fetched for writing. A hint only.
+    pub(crate) fn prefetch_next(&self, len: usize) {
         let head = self.seg.header().head.load(Ordering::Relaxed);
         // Only what was seen posted: reading the shared `tail` here would fetch its line from
         // the owner's core after every post.
         let posted = self.tail_seen.load(Ordering::Relaxed).wrapping_sub(head);
         if posted == 0 || posted > self.seg.cap as u64 {
-            return None;
+            return;
         }
         let entry = self.seg.entry(head);
         sys::prefetch(std::ptr::from_ref(entry).cast(), ENTRY, true);
-        Some((entry.addr.load(Ordering::Relaxed), entry.lkey.load(Ordering::Relaxed)))
+        let at = (self.staged.load(Ordering::Relaxed) % STAGE as u64) as usize;
+        sys::prefetch(self.seg.stage().wrapping_add(at), len.min(STAGE - at), true);
+    }
+
+    /// Room for `len` more staged bytes, reading the owner's `stage_head` again only when the
+    /// room last seen is short. `false` also when the owner's count makes no sense.
+    fn stage_room(&self, len: usize) -> bool {
+        let staged = self.staged.load(Ordering::Relaxed);
+        let fits = |head: u64| staged.wrapping_sub(head) <= (STAGE - len) as u64;
+        if len > STAGE {
+            return false;
+        }
+        if fits(self.stage_head_seen.load(Ordering::Relaxed)) {
+            return true;
+        }
+        let head = self.seg.header().stage_head.load(Ordering::Acquire);
+        self.stage_head_seen.store(head, Ordering::Relaxed);
+        fits(head)
     }
 }
 
@@ -431,6 +501,31 @@ impl Entry {
 }
 
 impl<'a> Taken<'a> {
+    /// Writes a Send's payload into the staging area, where the owner's drain takes it; `false`
+    /// (nothing written, the entry still untaken) when there is no room: the Send goes another
+    /// way. A successful completion of `msg.len()` bytes must follow.
+    pub(crate) fn stage(&self, msg: &[u8]) -> bool {
+        let rq = self.rq;
+        if !rq.stage_room(msg.len()) {
+            return false;
+        }
+        let pos = rq.staged.load(Ordering::Relaxed);
+        let at = (pos % STAGE as u64) as usize;
+        let first = msg.len().min(STAGE - at);
+        let dst = rq.seg.stage();
+        // SAFETY: both copies stay inside the staging area (`at + first <= STAGE`, the rest
+        // from its start, `msg.len() <= STAGE`), in room the owner gave back (`stage_room`);
+        // it reads them only after the entry's DONE.
+        unsafe {
+            super::copy::for_peer(msg.as_ptr(), dst.add(at), first);
+            std::ptr::copy_nonoverlapping(msg.as_ptr().add(first), dst, msg.len() - first);
+            // The owner's drain reads them next: from the shared cache, not this core's.
+            sys::demote(dst.add(at), first);
+        }
+        rq.staged.store(pos.wrapping_add(msg.len() as u64), Ordering::Relaxed);
+        true
+    }
+
     /// A copy of the message's first bytes goes with the completion (see [`Head`]).
     pub(crate) fn with_head(self, msg: &'a [u8]) -> Self {
         Taken { msg_head: msg, ..self }
@@ -469,11 +564,11 @@ mod tests {
         let (fd, own) = OwnRq::create(4).expect("rq");
         let peer = PeerRq::map(&fd).expect("map");
         assert!(!own.has_taken() && own.next_done().is_none(), "nothing posted");
-        own.post(7, 0x1000, 64, 1);
-        own.post(8, 0x2000, 64, 1);
+        own.post(7, 64, true);
+        own.post(8, 128, true);
         assert!(!own.has_taken(), "posted, not completed");
         let t = peer.take().expect("counters").expect("a posted receive");
-        assert_eq!((t.addr, t.len, t.lkey), (0x1000, 64, 1));
+        assert_eq!(t.len, 64);
         assert!(!t.complete(WcStatus::Success, HAS_IMM, 5, 9), "not armed: no doorbell");
         assert!(own.has_taken());
         let d = own.next_done().expect("done");
@@ -489,7 +584,7 @@ mod tests {
         assert!(!own.has_taken() && own.next_done().is_none());
         // Reposted after a wrap-around: a drained entry's old completion is not seen again.
         for seq in 9..12 {
-            own.post(seq, 0x1000 * seq, 64, 1);
+            own.post(seq, 64 * seq, true);
         }
         assert!(!own.has_taken(), "fresh entries over drained ones");
         own.arm();
@@ -497,11 +592,11 @@ mod tests {
         assert!(t.complete(WcStatus::Success, 0, 1, 0), "armed: ring the doorbell once");
         assert_eq!(own.next_done().map(|d| d.seq), Some(9));
         // Posted after the peer last looked: it finds them once it has taken what it saw.
-        own.post(12, 0x1000 * 12, 64, 1);
-        own.post(13, 0x1000 * 13, 64, 1);
+        own.post(12, 64 * 12, true);
+        own.post(13, 64 * 13, true);
         for seq in 10..14 {
             let t = peer.take().expect("counters").expect("posted");
-            assert_eq!(t.addr, 0x1000 * seq, "taken in posting order");
+            assert_eq!(t.len, 64 * seq, "taken in posting order");
             assert!(!t.complete(WcStatus::Success, 0, 1, 0));
         }
         assert!(peer.take().expect("counters").is_none(), "all taken");
@@ -513,8 +608,8 @@ mod tests {
         );
         // A copy of the message's first bytes goes with its completion; a peer's head length
         // past the entry's room reads as the room.
-        own.post(16, 0x1000 * 16, 64, 1);
-        own.post(17, 0x1000 * 17, 64, 1);
+        own.post(16, 64 * 16, true);
+        own.post(17, 64 * 17, true);
         let msg: Vec<u8> = (0..40).collect();
         let t = peer.take().expect("counters").expect("posted");
         assert!(!t.with_head(&msg).complete(WcStatus::Success, 0, 40, 0));
@@ -526,14 +621,14 @@ mod tests {
         assert_eq!(own.next_done().map(|d| d.head.bytes().len()), Some(HEAD_MAX));
         // A frame takes an entry the peer never saw posted: `head` passes what the peer saw,
         // and the peer must not take the entry after it, which nobody posted.
-        own.post(14, 0x1000 * 14, 64, 1);
+        own.post(14, 64 * 14, true);
         assert!(own.take_for_frame());
         assert!(
             peer.take().expect("counters").is_none(),
             "nothing posted past the frame's"
         );
-        own.post(15, 0x1000 * 15, 64, 1);
-        assert_eq!(peer.take().expect("counters").map(|t| t.addr), Some(0x1000 * 15));
+        own.post(15, 64 * 15, true);
+        assert_eq!(peer.take().expect("counters").map(|t| t.len), Some(64 * 15));
     }
 
     /// A peer that writes the shared `tail` and every entry's state word, as a hostile one
@@ -543,7 +638,7 @@ mod tests {
     fn a_peer_that_floods_tail_and_states_completes_no_more_than_was_posted() {
         let (fd, own) = OwnRq::create(4).expect("rq");
         let peer = PeerRq::map(&fd).expect("map");
-        own.post(7, 0x1000, 64, 1);
+        own.post(7, 64, true);
         for _ in 0..3 {
             peer.seg.header().tail.store(1000, Ordering::Release);
             for i in 0..4 {
@@ -553,7 +648,7 @@ mod tests {
             assert!(drained <= 1, "{drained} completions drained for 1 receive posted");
         }
         // The owner's next post goes where its own count says, whatever the peer wrote.
-        own.post(8, 0x2000, 64, 1);
+        own.post(8, 128, true);
         assert_eq!(peer.seg.header().tail.load(Ordering::Acquire), 2);
     }
 }
@@ -573,7 +668,7 @@ mod models {
         loom::model(|| {
             let (fd, own) = OwnRq::create(2).expect("rq");
             let peer = PeerRq::map(&fd).expect("map");
-            own.post(1, 0x1000, 0, 1);
+            own.post(1, 64, true);
             let sender = loom::thread::spawn(move || {
                 let t = peer.take().expect("sane counters").expect("the posted receive");
                 t.complete(WcStatus::Success, 0, 5, 0)
@@ -596,13 +691,13 @@ mod models {
             const N: u32 = 3;
             let (fd, own) = OwnRq::create(2).expect("rq");
             let peer = PeerRq::map(&fd).expect("map");
-            own.post(1, 0x1000, 0, 1);
+            own.post(1, 64, true);
             let sender = loom::thread::spawn(move || {
                 let mut next = 1;
                 while next <= N {
                     match peer.take().expect("sane counters") {
                         Some(t) => {
-                            assert_eq!(t.addr, 0x1000 * u64::from(next), "the receive posted");
+                            assert_eq!(t.len, 64 * u64::from(next), "the receive posted");
                             let _ = t.complete(WcStatus::Success, 0, u64::from(next) * 10, next);
                             next += 1;
                         }
@@ -614,7 +709,7 @@ mod models {
             while drained < N {
                 if posted < N && posted - drained < 2 {
                     posted += 1;
-                    own.post(u64::from(posted), 0x1000 * u64::from(posted), 0, 1);
+                    own.post(u64::from(posted), 64 * u64::from(posted), true);
                 }
                 match own.next_done() {
                     Some(d) => {

@@ -387,7 +387,17 @@ pub(crate) fn prefetch(p: *const u8, len: usize, write: bool) {
 /// # Safety
 /// `[p, p + len)` must lie in memory mapped into this process for as long as the call runs.
 pub(crate) unsafe fn demote(p: *const u8, len: usize) {
-    for i in 0..head_lines(p as usize, len) {
+    // SAFETY: this function's contract.
+    unsafe { demote_lines(p, head_lines(p as usize, len)) }
+}
+
+/// Demotes `lines` lines from the one holding `p` on.
+///
+/// # Safety
+/// As [`demote`], for those lines.
+unsafe fn demote_lines(p: *const u8, lines: usize) {
+    let p = (p as usize & !63) as *const u8;
+    for i in 0..lines {
         let at = p.wrapping_add(i * 64);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `at` is inside mapped memory (this function's contract); CLDEMOTE

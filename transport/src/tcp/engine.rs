@@ -352,8 +352,12 @@ impl Qp {
                 if let Some(rq) = &e.own_rq {
                     // Published for the peer to fill by itself (shm).
                     match &posted.local {
-                        Some(v) => rq.post(posted.seq, v.region.addr + v.off as u64, v.len as u64, v.region.lkey),
-                        None => rq.post(posted.seq, 0, 0, 0),
+                        Some(v) => {
+                            let writable =
+                                Arc::ptr_eq(&v.region.pd, &e.pd) && v.region.access.contains(AccessFlags::LOCAL_WRITE);
+                            rq.post(posted.seq, v.len as u64, writable)
+                        }
+                        None => rq.post(posted.seq, 0, true),
                     }
                 }
                 st.recvs.push_back(posted);
@@ -452,7 +456,8 @@ fn direct(peer: &crate::shm::Peer, d: &SendDesc<'_>, local: Option<&View>) -> Op
             let flags = if imm.is_some() { crate::shm::rq::HAS_IMM } else { 0 };
             let data = if d.len > 0 { local_bytes(d.len) } else { None };
             let bytes: &[u8] = data.as_deref().unwrap_or(&[]);
-            // The receiving NIC's checks: room in the receive, a receive buffer it may write.
+            // The receiving NIC's check of room in the receive (the receiver checks its buffer
+            // as it copies the payload in).
             let (ring, result) = if bytes.len() as u64 > taken.len {
                 (
                     taken.complete(WcStatus::LocLenErr, 0, 0, 0),
@@ -460,29 +465,25 @@ fn direct(peer: &crate::shm::Peer, d: &SendDesc<'_>, local: Option<&View>) -> Op
                 )
             } else if bytes.is_empty() {
                 (taken.complete(WcStatus::Success, flags, 0, imm.unwrap_or(0)), Ok(0))
+            } else if !taken.writable {
+                (taken.complete(WcStatus::LocProtErr, 0, 0, 0), Err(WcStatus::RemOpErr))
+            } else if taken.stage(bytes) {
+                let n = bytes.len() as u64;
+                // A copy of its first bytes beside the completion, which a protocol reads its
+                // header from (see `Head`).
+                let taken = taken.with_head(bytes);
+                (taken.complete(WcStatus::Success, flags, n, imm.unwrap_or(0)), Ok(0))
             } else {
-                match arena.write_local(taken.addr, taken.lkey, bytes) {
-                    Ok(held) => {
-                        let n = bytes.len() as u64;
-                        // A copy of its first bytes beside the completion, which a protocol
-                        // reads its header from (see `Head`).
-                        let taken = taken.with_head(bytes);
-                        let ring = taken.complete(WcStatus::Success, flags, n, imm.unwrap_or(0));
-                        drop(held); // after the completion (see `Held`)
-                        (ring, Ok(0))
-                    }
-                    Err(_) => (taken.complete(WcStatus::LocProtErr, 0, 0, 0), Err(WcStatus::RemOpErr)),
-                }
+                // No room in the staging area: the Send goes as a frame.
+                return None;
             };
             if ring {
                 peer.ring();
             }
-            // Off the path of this Send: the next one likely lands in the next posted receive,
-            // whose lines the peer's core last read; fetching them now keeps that Send from
-            // waiting for them.
-            if let Some((addr, lkey)) = peer.rq.prefetch_next() {
-                arena.prefetch_local(addr, lkey, bytes.len());
-            }
+            // Off the path of this Send: the next one likely lands in the next posted entry,
+            // whose line the peer's core last read; fetching it (and the staging lines) now
+            // keeps that Send from waiting for them.
+            peer.rq.prefetch_next(bytes.len());
             result
         }
         SendOp::Write { remote, imm: Some(imm) } => {
@@ -838,10 +839,54 @@ impl Engine {
         }
     }
 
-    /// shm: reports the receives the peer completed in our shared receive queue, in order.
-    fn drain_rq(&self, st: &mut State) {
-        let Some(rq) = &self.own_rq else { return };
-        while let Some(d) = rq.next_done() {
+    /// shm: reports the receives the peer completed in our shared receive queue, in order,
+    /// copying each Send's payload from the staging area into the receive's own buffer. Never
+    /// waits for that buffer's lock: one the application holds leaves the entry (and those
+    /// after it) for a later drain, so a poll made while holding it returns. True when every
+    /// completed entry was drained.
+    fn drain_rq(&self, st: &mut State) -> bool {
+        let Some(rq) = &self.own_rq else { return true };
+        while let Some(d) = rq.peek_done() {
+            let opcode = if d.flags & crate::shm::rq::WRITE_IMM != 0 {
+                WcOpcode::RecvRdmaWithImm
+            } else {
+                WcOpcode::Recv
+            };
+            let posted = st.recvs.front().and_then(|r| r.local.as_ref()).map_or(0, |v| v.len);
+            // The peer writes the entry: a Send's length past what was posted (or staged) is a
+            // lie a NIC could never tell, and would send the application past its buffer. (A
+            // Write-with-immediate's length is the Write's, into memory of its own.)
+            let staged_max = crate::shm::rq::STAGE.min(posted);
+            let mut status = d.status;
+            if status.is_success() && opcode == WcOpcode::Recv && d.byte_len as usize > staged_max {
+                tracing::warn!(
+                    qp = self.qp_num,
+                    d.byte_len,
+                    posted,
+                    "the peer completed a receive past its length"
+                );
+                status = WcStatus::LocLenErr;
+            } else if status.is_success() && opcode == WcOpcode::Recv && d.byte_len > 0 {
+                // A Send's payload waits in the staging area: into the receive's own buffer,
+                // with the NIC's local checks, as the frame path's `deliver` makes them.
+                let len = d.byte_len as usize;
+                match st.recvs.front().and_then(|r| r.local.as_ref()) {
+                    Some(v)
+                        if Arc::ptr_eq(&v.region.pd, &self.pd)
+                            && v.region.access.contains(AccessFlags::LOCAL_WRITE) =>
+                    {
+                        let Some(mut dst) = v.region.try_lock_range(v.off, len) else {
+                            return false; // the application holds the buffer: a later drain
+                        };
+                        rq.take_staged(&mut dst);
+                    }
+                    _ => {
+                        rq.skip_staged(len);
+                        status = WcStatus::LocProtErr;
+                    }
+                }
+            }
+            rq.pass();
             let Some(r) = st.recvs.pop_front() else {
                 tracing::warn!(qp = self.qp_num, "the peer completed a receive we never posted");
                 continue;
@@ -849,53 +894,33 @@ impl Engine {
             if r.seq as u32 != d.seq {
                 tracing::warn!(qp = self.qp_num, "the peer completed receives out of order");
             }
-            let opcode = if d.flags & crate::shm::rq::WRITE_IMM != 0 {
-                WcOpcode::RecvRdmaWithImm
-            } else {
-                WcOpcode::Recv
-            };
             let imm = (d.flags & crate::shm::rq::HAS_IMM != 0).then_some(d.imm);
-            // The peer writes the entry: a Send's length past what was posted is a lie a NIC
-            // could never tell, and would send the application past its buffer. (A
-            // Write-with-immediate's length is the Write's, into memory of its own.)
-            let posted = r.local.as_ref().map_or(0, |v| v.len);
-            let d = if d.status.is_success() && opcode == WcOpcode::Recv && d.byte_len as usize > posted {
-                tracing::warn!(
-                    qp = self.qp_num,
-                    d.byte_len,
-                    posted,
-                    "the peer completed a receive past its length"
-                );
-                crate::shm::rq::Done {
-                    status: WcStatus::LocLenErr,
-                    ..d
-                }
-            } else {
-                d
-            };
-            if d.status.is_success() {
-                if let Some(v) = &r.local {
-                    v.region.prefetch(v.off, (d.byte_len as usize).min(v.len));
-                }
+            if status.is_success() {
                 self.push_recv_head(r, WcStatus::Success, opcode, d.byte_len, imm, d.head);
             } else {
                 self.error.store(true, Ordering::Release);
-                self.push_recv(r, d.status, opcode, 0, None);
+                self.push_recv(r, status, opcode, 0, None);
                 if !st.error {
                     // As after a failed delivery: the QP goes to error (the peer sends Fatal too).
                     self.enter_error(st, None);
                 }
             }
         }
+        true
     }
 
-    /// shm: a request that came as a frame takes the oldest shared receive entry too.
-    fn take_for_frame(&self, st: &mut State) -> bool {
+    /// shm: a request that came as a frame takes the oldest shared receive entry too, once the
+    /// entries the peer completed before it are drained. `None` while one of them waits for a
+    /// buffer the application holds (the frame waits as for a receive, RNR); `Some(false)`
+    /// when the peer broke the queue.
+    fn take_for_frame(&self, st: &mut State) -> Option<bool> {
         match &self.own_rq {
-            None => true,
+            None => Some(true),
             Some(rq) => {
-                self.drain_rq(st);
-                rq.take_for_frame()
+                if !self.drain_rq(st) {
+                    return None;
+                }
+                Some(rq.take_for_frame())
             }
         }
     }
@@ -1121,8 +1146,13 @@ impl Engine {
                 head: DataHead::Send { ssn, imm, ack },
                 data,
             } => {
-                if !self.take_for_frame(st) {
-                    return fail(st, ssn, WcStatus::RemOpErr);
+                match self.take_for_frame(st) {
+                    Some(true) => {}
+                    Some(false) => return fail(st, ssn, WcStatus::RemOpErr),
+                    None => {
+                        let head = DataHead::Send { ssn, imm, ack };
+                        return self.start_stall(st, Frame::Data { head, data });
+                    }
                 }
                 let Some(r) = st.recvs.pop_front() else { return };
                 match deliver(&r, &data, &self.pd) {
@@ -1162,8 +1192,20 @@ impl Engine {
                     }
                 }
                 if let Some(imm) = imm {
-                    if !self.take_for_frame(st) {
-                        return fail(st, ssn, WcStatus::RemOpErr);
+                    match self.take_for_frame(st) {
+                        Some(true) => {}
+                        Some(false) => return fail(st, ssn, WcStatus::RemOpErr),
+                        None => {
+                            // Written already; written again when it runs (the same bytes).
+                            let head = DataHead::Write {
+                                ssn,
+                                addr,
+                                rkey,
+                                imm: Some(imm),
+                                ack,
+                            };
+                            return self.start_stall(st, Frame::Data { head, data });
+                        }
                     }
                     let Some(r) = st.recvs.pop_front() else { return };
                     self.push_recv(
@@ -1262,7 +1304,10 @@ impl super::CqSource for Engine {
     fn drain(self: Arc<Self>) {
         if self.own_rq.is_some() {
             let mut st = self.state.lock();
-            self.drain_rq(&mut st);
+            // A frame that waited for entries held up by a busy buffer runs once they drained.
+            if self.drain_rq(&mut st) && !st.stalled.is_empty() {
+                self.drain_stalled(&mut st);
+            }
         } else {
             self.poll_link();
         }
