@@ -2097,17 +2097,7 @@ fn a_server_that_gives_nothing_back_holds_the_client_to_its_credits_and_its_call
                 // A raw server: it takes the messages and returns their credits in a Credit
                 // message, and nothing else.
                 let mut m = Vec::new();
-                Header {
-                    kind: Kind::Credit,
-                    flags: 0,
-                    call_id: 0,
-                    method: 0,
-                    status: 0,
-                    credits: taken as u16,
-                    body_len: 0,
-                    budget_us: 0,
-                }
-                .encode(&mut m);
+                Header::credit(taken as u16).encode(&mut m);
                 a.inbox.push_back(Wire::Send(m));
                 deliver(&mut a, now).expect("a credit");
             }

@@ -9,8 +9,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rdma_rpc_transport::{
-    connect, AccessFlags, Completion, CompletionQueue, Device, Listener, QpOptions, RecvWr, RemoteRegion, SendOp,
-    SendWr, WcStatus,
+    connect, AccessFlags, Completion, CompletionQueue, Device, Listener, ProtectionDomain, QpOptions, QueuePair,
+    RecvWr, RemoteRegion, SendOp, SendWr, WcStatus,
 };
 
 const CHILD_ENV: &str = "RDMA_RPC_SHM_CHILD";
@@ -241,12 +241,15 @@ async fn a_peer_killed_mid_transfer_fails_the_transfer_at_once() {
     println!("first error {:?} {:?} after the kill", first.status, killed.elapsed());
 }
 
-/// A task asleep on its CQ (armed, no thread of its process polling) is woken by the peer's
-/// direct delivery into its posted receive: the sender rings the CQ's doorbell itself.
-#[tokio::test]
-async fn a_delivery_wakes_the_task_asleep_on_the_cq() {
+/// Two QPs of this process connected over shm, each with its PD and a CQ of `depth`.
+struct Connected {
+    server: (ProtectionDomain, CompletionQueue, QueuePair),
+    client: (ProtectionDomain, CompletionQueue, QueuePair),
+}
+
+fn connected(depth: u32) -> Connected {
     let dev = Device::open("shm").expect("shm");
-    let mk = || (dev.alloc_pd().expect("pd"), dev.create_cq(16).expect("cq"));
+    let mk = || (dev.alloc_pd().expect("pd"), dev.create_cq(depth).expect("cq"));
     let ((spd, scq), (cpd, ccq)) = (mk(), mk());
     let listener = Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
     let addr = listener.local_addr().expect("addr");
@@ -257,6 +260,20 @@ async fn a_delivery_wakes_the_task_asleep_on_the_cq() {
     });
     let (cqp, _) = connect(addr, &QpOptions::new(&cpd, &ccq), b"", WAIT).expect("connect");
     let sqp = accepting.join().expect("accept thread");
+    Connected {
+        server: (spd, scq, sqp),
+        client: (cpd, ccq, cqp),
+    }
+}
+
+/// A task asleep on its CQ (armed, no thread of its process polling) is woken by the peer's
+/// direct delivery into its posted receive: the sender rings the CQ's doorbell itself.
+#[tokio::test]
+async fn a_delivery_wakes_the_task_asleep_on_the_cq() {
+    let Connected {
+        server: (spd, scq, sqp),
+        client: (cpd, ccq, cqp),
+    } = connected(16);
     for round in 0..3u64 {
         let recv = RecvWr::new(round, spd.register(64, AccessFlags::LOCAL_WRITE).expect("recv buffer"));
         sqp.post_recv(recv).map_err(|e| e.error).expect("post recv");
@@ -328,18 +345,10 @@ async fn a_stopped_peer_is_taken_for_dead_within_the_keepalive() {
 async fn sends_past_the_staging_area_and_behind_a_held_buffer_arrive_whole_and_in_order() {
     const N: usize = 48;
     const LEN: usize = 32 << 10;
-    let dev = Device::open("shm").expect("shm");
-    let mk = || (dev.alloc_pd().expect("pd"), dev.create_cq(256).expect("cq"));
-    let ((spd, scq), (cpd, ccq)) = (mk(), mk());
-    let listener = Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let sopts = QpOptions::new(&spd, &scq);
-    let accepting = std::thread::spawn(move || {
-        let req = listener.accept(Some(WAIT)).expect("a connection");
-        req.accept(&sopts, b"").expect("accept")
-    });
-    let (cqp, _) = connect(addr, &QpOptions::new(&cpd, &ccq), b"", WAIT).expect("connect");
-    let sqp = accepting.join().expect("accept thread");
+    let Connected {
+        server: (spd, scq, sqp),
+        client: (cpd, ccq, cqp),
+    } = connected(256);
     let mut fill = 0u8;
     for (sends, hold) in [(N, false), (4, true)] {
         // One registration: the receive pieces, and a last piece the application keeps.

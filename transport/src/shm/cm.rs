@@ -573,15 +573,21 @@ mod tests {
         f.into()
     }
 
+    /// A protection domain, a CQ and a listener of the shm provider.
+    fn listening() -> (crate::ProtectionDomain, crate::CompletionQueue, crate::Listener) {
+        let dev = crate::Device::open("shm").expect("shm");
+        let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(16).expect("cq"));
+        let listener = crate::Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+        (pd, cq, listener)
+    }
+
     /// A peer that joins properly, then writes a completion into one of our receives with a
     /// length past the receive's buffer: the receive completes with an error, never with that
     /// length (which would send the application past its buffer).
     #[test]
     fn a_receive_completed_past_its_length_is_an_error() {
         use crate::{AccessFlags, RecvWr, WcStatus};
-        let dev = crate::Device::open("shm").expect("shm");
-        let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(16).expect("cq"));
-        let listener = crate::Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+        let (pd, cq, listener) = listening();
         let addr = listener.local_addr().expect("addr");
         let opts = crate::QpOptions::new(&pd, &cq);
         let server = std::thread::spawn(move || {
@@ -689,9 +695,7 @@ mod tests {
     #[test]
     fn a_raw_peer_reaches_only_what_it_was_granted_and_the_kernel_holds_it_to_that() {
         use crate::{AccessFlags, RecvWr};
-        let dev = crate::Device::open("shm").expect("shm");
-        let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(16).expect("cq"));
-        let listener = crate::Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+        let (pd, cq, listener) = listening();
         let addr = listener.local_addr().expect("addr");
         let opts = crate::QpOptions::new(&pd, &cq);
         let mut ro = pd
