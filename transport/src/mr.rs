@@ -30,6 +30,11 @@ pub(crate) struct Region {
     pub(crate) access: AccessFlags,
     /// Registered from an application's vector ([`MemoryRegion::into_vec`] gives it back).
     pub(crate) from_vec: bool,
+    /// A peer may write it at any time, without this process's lock: registered with
+    /// REMOTE_WRITE or REMOTE_ATOMIC on `shm` (the peer's process writes its mapping) or
+    /// `verbs` (the NIC). No Rust reference to its bytes is ever made while it is registered:
+    /// they are copied in and out through raw pointers ([`BufRef`], [`BufMut`]).
+    pub(crate) exposed: bool,
 }
 
 /// The bytes of a registration: on the heap (tcp, verbs), in a shm arena that peers map, or an
@@ -126,40 +131,95 @@ fn ask_allocator<T>(n: usize, len: usize) -> Result<()> {
 }
 
 impl Region {
-    /// Locks the bytes `[off, off + len)` of the region for writing.
-    pub(crate) fn lock_range(&self, off: usize, len: usize) -> MappedRwLockWriteGuard<'_, [u8]> {
-        RwLockWriteGuard::map(self.mem.write(), |m| &mut m.bytes_mut()[off..off + len])
+    /// The first byte of `[off, off + len)`, checked to be inside the region.
+    fn at(&self, off: usize, len: usize) -> *mut u8 {
+        assert!(
+            off.checked_add(len).is_some_and(|end| end <= self.len),
+            "a range outside the region"
+        );
+        (self.addr as *mut u8).wrapping_add(off)
     }
 
-    /// Locks the bytes `[off, off + len)` of the region for reading, beside other readers. A
-    /// thread that already reads the region may read it again even while a writer waits (the
-    /// second borrow of a buffer in one expression must not deadlock).
-    pub(crate) fn read_range(&self, off: usize, len: usize) -> MappedRwLockReadGuard<'_, [u8]> {
-        RwLockReadGuard::map(self.mem.read_recursive(), |m| &m.bytes()[off..off + len])
+    /// A copy of the bytes `[off, off + len)`, taken under the region's lock the caller holds
+    /// (`_lock`: local writers wait) through a raw pointer: for an exposed region, whose bytes
+    /// a peer may write while they are copied (the copy then holds some mix, as a NIC's DMA
+    /// read would).
+    fn snapshot_locked(&self, _lock: &Mem, off: usize, len: usize) -> Box<[u8]> {
+        let mut copy = vec![0u8; len].into_boxed_slice();
+        // SAFETY: `at` checked the range inside the registration, whose memory lives (and does
+        // not move) as long as `self`; `copy` is our own, `len` bytes; no reference to the
+        // registration's bytes is made.
+        unsafe { std::ptr::copy_nonoverlapping(self.at(off, len), copy.as_mut_ptr(), len) };
+        copy
+    }
+
+    /// Writes `src` at `off` through a raw pointer, under the region's lock held by the caller
+    /// (`_lock`): for an exposed region.
+    fn write_raw(&self, _lock: &Mem, off: usize, src: &[u8]) {
+        // SAFETY: `at` checked the range; the memory lives as long as `self`; `src` is the
+        // caller's own memory, never the registration's.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.at(off, src.len()), src.len()) };
+    }
+
+    /// Locks the bytes `[off, off + len)` of the region for writing (a copy written back when
+    /// dropped, for an exposed region: see [`BufMut`]).
+    pub(crate) fn lock_range(&self, off: usize, len: usize) -> BufMut<'_> {
+        self.writable(self.mem.write(), off, len)
+    }
+
+    /// Locks the bytes `[off, off + len)` of the region for reading, beside other readers (a
+    /// copy, for an exposed region: see [`BufRef`]). A thread that already reads the region may
+    /// read it again even while a writer waits (the second borrow of a buffer in one expression
+    /// must not deadlock).
+    pub(crate) fn read_range(&self, off: usize, len: usize) -> BufRef<'_> {
+        self.readable(self.mem.read_recursive(), off, len)
     }
 
     /// As [`read_range`](Self::read_range) if nobody holds the lock for writing; `None` if
     /// somebody does.
-    pub(crate) fn try_read_range(&self, off: usize, len: usize) -> Option<MappedRwLockReadGuard<'_, [u8]>> {
-        let mem = self.mem.try_read_recursive()?;
-        Some(RwLockReadGuard::map(mem, |m| &m.bytes()[off..off + len]))
+    pub(crate) fn try_read_range(&self, off: usize, len: usize) -> Option<BufRef<'_>> {
+        Some(self.readable(self.mem.try_read_recursive()?, off, len))
     }
 
     /// As [`try_read_range`](Self::try_read_range), waiting up to `wait` for a writer to let go.
-    pub(crate) fn read_range_within(
-        &self,
-        off: usize,
-        len: usize,
-        wait: Duration,
-    ) -> Option<MappedRwLockReadGuard<'_, [u8]>> {
-        let mem = self.mem.try_read_recursive_for(wait)?;
-        Some(RwLockReadGuard::map(mem, |m| &m.bytes()[off..off + len]))
+    pub(crate) fn read_range_within(&self, off: usize, len: usize, wait: Duration) -> Option<BufRef<'_>> {
+        Some(self.readable(self.mem.try_read_recursive_for(wait)?, off, len))
     }
 
     /// As [`lock_range`](Self::lock_range) if nobody holds the lock; `None` if somebody does.
-    pub(crate) fn try_lock_range(&self, off: usize, len: usize) -> Option<MappedRwLockWriteGuard<'_, [u8]>> {
-        let mem = self.mem.try_write()?;
-        Some(RwLockWriteGuard::map(mem, |m| &mut m.bytes_mut()[off..off + len]))
+    pub(crate) fn try_lock_range(&self, off: usize, len: usize) -> Option<BufMut<'_>> {
+        Some(self.writable(self.mem.try_write()?, off, len))
+    }
+
+    /// The bytes `[off, off + len)` under a read lock: the memory itself, or for an exposed
+    /// region a copy (no reference to memory a peer may write).
+    fn readable<'a>(&'a self, lock: RwLockReadGuard<'a, Mem>, off: usize, len: usize) -> BufRef<'a> {
+        if self.exposed {
+            return BufRef(Bytes::Copy(self.snapshot_locked(&lock, off, len)));
+        }
+        BufRef(Bytes::Locked(RwLockReadGuard::map(lock, |m| {
+            &m.bytes()[off..off + len]
+        })))
+    }
+
+    /// The bytes `[off, off + len)` under the write lock: the memory itself, or for an exposed
+    /// region a copy whose changed bytes are written back when it is dropped.
+    fn writable<'a>(&'a self, lock: RwLockWriteGuard<'a, Mem>, off: usize, len: usize) -> BufMut<'a> {
+        if self.exposed {
+            let copy = self.snapshot_locked(&lock, off, len);
+            let view = 0..copy.len();
+            let back = WriteBack {
+                lock,
+                region: self,
+                off,
+                orig: copy.clone(),
+                copy,
+            };
+            return BufMut(BytesMut::Copy(back, view));
+        }
+        BufMut(BytesMut::Locked(RwLockWriteGuard::map(lock, |m| {
+            &mut m.bytes_mut()[off..off + len]
+        })))
     }
 }
 
@@ -186,9 +246,17 @@ impl Region {
         drop(self);
         match mem {
             Mem::Vec(v) => v,
+            // A peer may still hold a mapping of shm memory: copied out, not borrowed.
+            Mem::Shared(slice) => slice.copy_out(len),
             other => other.bytes()[..len].to_vec(),
         }
     }
+}
+
+/// Whether peers may write a registration with `access` (Writes or atomics).
+fn remote_writes(access: AccessFlags) -> bool {
+    let writes = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
+    access.bits() & writes.bits() != 0
 }
 
 /// An atomic on the 8-byte word of `mem` at byte offset `off`, under the region's lock.
@@ -309,6 +377,7 @@ impl MemoryRegion {
                     rkey,
                     access,
                     from_vec,
+                    exposed: remote_writes(access),
                     mem: RwLock::new(Mem::Shared(slice)),
                     imp: RegionImpl::Shm(spd.arena.clone(), rkey, lkey),
                 });
@@ -326,6 +395,8 @@ impl MemoryRegion {
                     rkey,
                     access,
                     from_vec,
+                    // The tcp provider writes under the lock, as local users do.
+                    exposed: false,
                     mem: RwLock::new(mem),
                     imp: RegionImpl::Tcp,
                 });
@@ -346,6 +417,7 @@ impl MemoryRegion {
                     rkey: mr.rkey(),
                     access,
                     from_vec,
+                    exposed: remote_writes(access),
                     mem: RwLock::new(mem),
                     imp: RegionImpl::Verbs(mr),
                 })
@@ -448,8 +520,13 @@ impl MemoryRegion {
     /// again on a thread that already holds one); while any is held, writes into the
     /// registration wait: [`MemoryRegion::bytes_mut`], and a software provider's delivery of a
     /// peer's Send or Write into it.
+    ///
+    /// A registration peers may write (REMOTE_WRITE or REMOTE_ATOMIC) on `shm` and `verbs`,
+    /// where their writes do not wait (another process, or the NIC, writes the memory itself),
+    /// gives a copy of its bytes as they are now instead: a Rust reference to memory written
+    /// behind it would be unsound. Either way the bytes a borrow shows do not change under it.
     pub fn bytes(&self) -> BufRef<'_> {
-        BufRef(self.region.read_range(self.off, self.len))
+        self.region.read_range(self.off, self.len)
     }
 
     /// The bytes, for writing: the registration's lock, exclusively (other pieces of it
@@ -460,8 +537,12 @@ impl MemoryRegion {
     /// answered when this borrow ends (a NIC reads host memory whatever the application does),
     /// and what the QP owes the peer after that answer waits with it; this side's own requests,
     /// its posts and dropping the QP do not. Keep borrows of memory that peers read short.
+    ///
+    /// A registration peers may write (see [`MemoryRegion::bytes`]) gives a copy, and the bytes
+    /// changed in it are written into the registration when the borrow ends: a peer's writes
+    /// meanwhile to bytes the borrow did not change stay.
     pub fn bytes_mut(&mut self) -> BufMut<'_> {
-        BufMut(self.region.lock_range(self.off, self.len))
+        self.region.lock_range(self.off, self.len)
     }
 
     /// Copies `src` to the start of the buffer.
@@ -540,49 +621,108 @@ impl std::fmt::Debug for MemoryRegion {
     }
 }
 
-/// Read access to a [`MemoryRegion`]'s bytes.
-pub struct BufRef<'a>(MappedRwLockReadGuard<'a, [u8]>);
+/// Read access to a [`MemoryRegion`]'s bytes: the registration's memory under its lock, or a
+/// copy (see [`MemoryRegion::bytes`]).
+pub struct BufRef<'a>(Bytes<'a>);
+
+enum Bytes<'a> {
+    Locked(MappedRwLockReadGuard<'a, [u8]>),
+    Copy(Box<[u8]>),
+}
 
 impl Deref for BufRef<'_> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.0
+        match &self.0 {
+            Bytes::Locked(g) => g,
+            Bytes::Copy(c) => c,
+        }
     }
 }
 
 impl<'a> BufRef<'a> {
     /// Narrows to `range`; `None` when it is not inside.
     pub fn slice(self, range: std::ops::Range<usize>) -> Option<BufRef<'a>> {
-        if range.start > range.end || range.end > self.0.len() {
+        if range.start > range.end || range.end > self.len() {
             return None;
         }
-        Some(BufRef(MappedRwLockReadGuard::map(self.0, |b| &b[range])))
+        Some(BufRef(match self.0 {
+            Bytes::Locked(g) => Bytes::Locked(MappedRwLockReadGuard::map(g, |b| &b[range])),
+            Bytes::Copy(c) => Bytes::Copy(c[range].into()),
+        }))
     }
 }
 
-/// Write access to a [`MemoryRegion`]'s bytes.
-pub struct BufMut<'a>(MappedRwLockWriteGuard<'a, [u8]>);
+/// Write access to a [`MemoryRegion`]'s bytes: the registration's memory under its lock, or a
+/// copy written back when dropped (see [`MemoryRegion::bytes_mut`]).
+pub struct BufMut<'a>(BytesMut<'a>);
+
+enum BytesMut<'a> {
+    Locked(MappedRwLockWriteGuard<'a, [u8]>),
+    /// `view`: the part of the copy this borrow shows.
+    Copy(WriteBack<'a>, std::ops::Range<usize>),
+}
+
+/// A copy of an exposed registration's bytes, whose changed bytes go back when it is dropped.
+struct WriteBack<'a> {
+    /// Held for the borrow: local readers and writers wait, as for a locked borrow.
+    lock: RwLockWriteGuard<'a, Mem>,
+    region: &'a Region,
+    /// Where `copy` starts in the registration.
+    off: usize,
+    copy: Box<[u8]>,
+    /// The bytes as they were copied, to write back only those changed.
+    orig: Box<[u8]>,
+}
+
+impl Drop for WriteBack<'_> {
+    fn drop(&mut self) {
+        // The runs of bytes the borrow changed, each written back whole.
+        let (copy, orig) = (&self.copy, &self.orig);
+        let mut i = 0;
+        while i < copy.len() {
+            if copy[i] == orig[i] {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < copy.len() && copy[i] != orig[i] {
+                i += 1;
+            }
+            self.region.write_raw(&self.lock, self.off + start, &copy[start..i]);
+        }
+    }
+}
 
 impl<'a> BufMut<'a> {
     /// Narrows to `range`; `None` when it is not inside.
     pub fn slice(self, range: std::ops::Range<usize>) -> Option<BufMut<'a>> {
-        if range.start > range.end || range.end > self.0.len() {
+        if range.start > range.end || range.end > self.len() {
             return None;
         }
-        Some(BufMut(MappedRwLockWriteGuard::map(self.0, |b| &mut b[range])))
+        Some(BufMut(match self.0 {
+            BytesMut::Locked(g) => BytesMut::Locked(MappedRwLockWriteGuard::map(g, |b| &mut b[range])),
+            BytesMut::Copy(back, view) => BytesMut::Copy(back, view.start + range.start..view.start + range.end),
+        }))
     }
 }
 
 impl Deref for BufMut<'_> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.0
+        match &self.0 {
+            BytesMut::Locked(g) => g,
+            BytesMut::Copy(back, view) => &back.copy[view.clone()],
+        }
     }
 }
 
 impl DerefMut for BufMut<'_> {
     fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.0
+        match &mut self.0 {
+            BytesMut::Locked(g) => g,
+            BytesMut::Copy(back, view) => &mut back.copy[view.clone()],
+        }
     }
 }
 

@@ -184,16 +184,30 @@ impl Slice {
         self.seg.ptr() as u64
     }
 
+    /// The words, for a registration no peer may write (without REMOTE_WRITE or
+    /// REMOTE_ATOMIC, whose memory is never granted writable): exposed ones are copied in and
+    /// out instead (`mr::Region::exposed`).
     pub(crate) fn words(&self) -> &[u64] {
         // SAFETY: the range is inside this slice's own segment mapping (page aligned, so
-        // aligned for u64), which lives as long as `self.seg`; peers granted it may write it
-        // concurrently through their mappings, as a NIC writes registered memory by DMA.
+        // aligned for u64), which lives as long as `self.seg`; no peer holds a writable
+        // mapping of it (see above), and local writers hold the region's lock.
         unsafe { std::slice::from_raw_parts(self.seg.ptr().cast::<u64>(), self.words) }
     }
 
+    /// As [`Slice::words`], for writing (and for filling a registration before it is published).
     pub(crate) fn words_mut(&mut self) -> &mut [u64] {
         // SAFETY: as in `words`; `&mut self` makes this the only local reference.
         unsafe { std::slice::from_raw_parts_mut(self.seg.ptr().cast::<u64>(), self.words) }
+    }
+
+    /// A copy of the first `len` bytes, through a raw pointer (peers may write them).
+    pub(crate) fn copy_out(&self, len: usize) -> Vec<u8> {
+        let len = len.min(self.words * 8);
+        let mut v = vec![0u8; len];
+        // SAFETY: `len` bytes from the start of this slice's own segment, which lives as long
+        // as `self`; `v` is ours; no reference to the shared bytes is made.
+        unsafe { std::ptr::copy_nonoverlapping(self.seg.ptr(), v.as_mut_ptr(), len) };
+        v
     }
 
     /// Word `i` as an atomic (for the atomics peers also run on it).

@@ -2074,3 +2074,45 @@ fn a_cq_waits_without_opening_a_descriptor() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// What a borrow of a registration shows does not change under it, also where a peer's Write
+/// does not wait for it (on `shm` the peer's process writes the memory, on `verbs` the NIC):
+/// there the borrow is a copy, since a Rust reference to memory written behind it would be
+/// unsound. Once it ends, the Write shows. A mutable borrow changes only the bytes it changed:
+/// a Write meanwhile to other bytes stays.
+#[tokio::test]
+async fn a_borrow_shows_bytes_that_do_not_change_under_it() {
+    let (c, s) = pair();
+    let mut target = s.reg(64, RW);
+    target.write_at(0, &[1; 64]).expect("fill");
+    let remote = target.remote();
+    let write = |at: u64, byte: u8| {
+        SendWr::new(
+            u64::from(byte),
+            SendOp::Write {
+                remote: remote.at(at),
+                imm: None,
+            },
+        )
+        .buf(c.filled(&[byte; 8], AccessFlags::LOCAL_WRITE))
+    };
+    {
+        let held = target.bytes();
+        c.post(write(0, 2));
+        // The Write lands at once on shm and verbs; on tcp it waits for the borrow.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(held.iter().all(|&b| b == 1), "the bytes changed under a borrow");
+    }
+    ok(&c.one().await);
+    assert_eq!(&target.bytes()[..9], &[2, 2, 2, 2, 2, 2, 2, 2, 1]);
+    {
+        let mut m = target.bytes_mut();
+        m[40] = 9;
+        c.post(write(48, 3));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    ok(&c.one().await);
+    let now = target.bytes();
+    assert_eq!((now[39], now[40], now[41]), (1, 9, 1), "the borrow's own change");
+    assert_eq!(&now[48..56], &[3; 8], "the Write to other bytes");
+}

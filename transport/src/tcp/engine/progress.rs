@@ -24,8 +24,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::MappedRwLockWriteGuard;
-
 use super::{AckWhen, Engine, Stop};
 use crate::mr::Region;
 use crate::tcp::inbox::Inbox;
@@ -499,7 +497,7 @@ fn nanos(d: Duration) -> u64 {
 
 /// `len` bytes of `region` from `off`: waiting for the lock on the reader thread, only if free
 /// on a polling thread.
-fn lock(region: &Region, off: usize, len: usize, who: Who) -> Option<MappedRwLockWriteGuard<'_, [u8]>> {
+fn lock(region: &Region, off: usize, len: usize, who: Who) -> Option<crate::BufMut<'_>> {
     match who {
         Who::Thread => Some(region.lock_range(off, len)),
         Who::Poller => region.try_lock_range(off, len),
