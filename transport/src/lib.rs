@@ -68,6 +68,7 @@ mod tcp;
 #[cfg(feature = "verbs")]
 mod verbs;
 mod wc;
+mod words;
 mod wr;
 
 pub use access::AccessFlags;

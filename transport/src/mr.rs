@@ -146,19 +146,40 @@ impl Region {
     /// read would).
     fn snapshot_locked(&self, _lock: &Mem, off: usize, len: usize) -> Box<[u8]> {
         let mut copy = vec![0u8; len].into_boxed_slice();
-        // SAFETY: `at` checked the range inside the registration, whose memory lives (and does
-        // not move) as long as `self`; `copy` is our own, `len` bytes; no reference to the
-        // registration's bytes is made.
-        unsafe { std::ptr::copy_nonoverlapping(self.at(off, len), copy.as_mut_ptr(), len) };
+        let from = self.at(off, len);
+        if self.access.contains(AccessFlags::REMOTE_ATOMIC) {
+            // SAFETY: `at` checked the range inside the registration, which lives (and does not
+            // move) as long as `self`; peers reach its words only by atomics or these copies.
+            unsafe { crate::words::copy_out(from, &mut copy, self.bounds()) };
+        } else {
+            // SAFETY: `at` checked the range inside the registration, whose memory lives (and
+            // does not move) as long as `self`; `copy` is our own, `len` bytes; no reference
+            // to the registration's bytes is made.
+            unsafe { std::ptr::copy_nonoverlapping(from, copy.as_mut_ptr(), len) };
+        }
         copy
     }
 
     /// Writes `src` at `off` through a raw pointer, under the region's lock held by the caller
     /// (`_lock`): for an exposed region.
     fn write_raw(&self, _lock: &Mem, off: usize, src: &[u8]) {
-        // SAFETY: `at` checked the range; the memory lives as long as `self`; `src` is the
-        // caller's own memory, never the registration's.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.at(off, src.len()), src.len()) };
+        let to = self.at(off, src.len());
+        if self.access.contains(AccessFlags::REMOTE_ATOMIC) {
+            // SAFETY: as in `snapshot_locked`, the other way.
+            unsafe { crate::words::copy_in(to, src, self.bounds()) };
+        } else {
+            // SAFETY: `at` checked the range; the memory lives as long as `self`; `src` is the
+            // caller's own memory, never the registration's.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), to, src.len()) };
+        }
+    }
+
+    /// The registration's bytes, as addresses (for copies that meet peers' atomics).
+    fn bounds(&self) -> crate::words::Bounds {
+        crate::words::Bounds {
+            lo: self.addr as usize,
+            hi: self.addr as usize + self.len,
+        }
     }
 
     /// Locks the bytes `[off, off + len)` of the region for writing (a copy written back when

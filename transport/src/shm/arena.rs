@@ -244,6 +244,12 @@ impl PeerArena {
     pub(crate) fn read(&self, addr: u64, rkey: u32, dst: &mut [u8]) -> std::result::Result<(), WcStatus> {
         self.grants.with(rkey, Want::Remote, |g| {
             let src = g.at(addr, dst.len(), AccessFlags::REMOTE_READ)?;
+            if let Some(within) = g.atomic_bounds() {
+                // SAFETY: `at` proved the range inside the granted mapping; its words are
+                // reached only by atomics or these copies.
+                unsafe { crate::words::copy_out(src, dst, within) };
+                return Ok(());
+            }
             // SAFETY: `at` proved `[src, src + len)` inside our mapping of the granted segment;
             // `dst` is our own memory; the peer may write the source concurrently (as with
             // DMA): the bytes copied are then some mix, never an out-of-bounds access.
@@ -256,8 +262,12 @@ impl PeerArena {
     pub(crate) fn write(&self, addr: u64, rkey: u32, src: &[u8]) -> std::result::Result<Held<'_>, WcStatus> {
         let g = self.grants.get(rkey, Want::Remote)?;
         let dst = g.at(addr, src.len(), AccessFlags::REMOTE_WRITE)?;
-        // SAFETY: as in `read`, the other way; REMOTE_WRITE grants are mapped writable.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        match g.atomic_bounds() {
+            // SAFETY: as in `read`, the other way.
+            Some(within) => unsafe { crate::words::copy_in(dst, src, within) },
+            // SAFETY: as in `read`, the other way; REMOTE_WRITE grants are mapped writable.
+            None => unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) },
+        }
         Ok(Held(g))
     }
 

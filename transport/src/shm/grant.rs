@@ -162,6 +162,17 @@ impl Grant {
         // `addr + len - self.addr <= self.len <= the mapping's length` (checked when mapped).
         Ok(self.map.ptr().wrapping_add((addr - self.addr) as usize))
     }
+
+    /// For a registration peers may run atomics on, its bytes in our mapping: copies into and
+    /// out of it go word by word, atomically (`words`).
+    pub(crate) fn atomic_bounds(&self) -> Option<crate::words::Bounds> {
+        self.access
+            .contains(AccessFlags::REMOTE_ATOMIC)
+            .then(|| crate::words::Bounds {
+                lo: self.map.ptr() as usize,
+                hi: self.map.ptr() as usize + self.len as usize,
+            })
+    }
 }
 
 /// A request out: how many wait on it, and the verdict once it came.
