@@ -31,7 +31,7 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet || fail=1
 step "fuzz: every libFuzzer target for 20 s from the committed corpus (nightly; see scripts/fuzz.sh)"
 scripts/fuzz.sh 20 || fail=1
 
-step "models: the shm receive queue's and byte rings' synchronisation under loom (every interleaving within loom's bounds)"
+step "models: the shm receive queue's, byte rings' and key table's synchronisation under loom (every interleaving within loom's bounds)"
 RUSTFLAGS="--cfg rdma_loom" CARGO_TARGET_DIR=target/loom cargo test -p rdma-rpc-transport --release --lib models || fail=1
 
 step "all tests on provider tcp"

@@ -14,6 +14,13 @@
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+// The model-checking build (`--cfg rdma_loom`): the table's words are loom's atomics, built in
+// place (`Arena::new`).
+#[cfg(rdma_loom)]
+use loom::sync::atomic::AtomicU64 as TableWord;
+#[cfg(not(rdma_loom))]
+use std::sync::atomic::AtomicU64 as TableWord;
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
@@ -24,10 +31,10 @@ use crate::{AccessFlags, Error, Result, WcStatus};
 
 /// Largest registration.
 pub(crate) const MAX_MR: u64 = 4 << 30;
-/// Registrations a protection domain holds at once (a table word each).
-pub(crate) const SLOTS: usize = 1 << 17;
+/// Registrations a protection domain holds at once (a table word each; a few in the models).
+pub(crate) const SLOTS: usize = if cfg!(rdma_loom) { 4 } else { 1 << 17 };
 /// Bytes of the table.
-pub(crate) const TABLE: usize = SLOTS * 8;
+pub(crate) const TABLE: usize = SLOTS * std::mem::size_of::<TableWord>();
 const PAGE: usize = 4096;
 /// Keys never handed out: 0 (never published) and the all-ones word.
 const RESERVED: [u32; 2] = [0, u32::MAX];
@@ -97,11 +104,12 @@ fn remote(access: AccessFlags) -> bool {
 }
 
 /// The table word of `slot` (`slot < SLOTS`).
-fn word(table: &Mapping, slot: u32) -> &AtomicU64 {
+fn word(table: &Mapping, slot: u32) -> &TableWord {
     debug_assert!((slot as usize) < SLOTS);
     // SAFETY: the table mapping is TABLE bytes, page aligned, so word `slot % SLOTS` is inside
-    // it and aligned; every access to it, here and in peers, is atomic.
-    unsafe { AtomicU64::from_ptr(table.ptr().cast::<u64>().add(slot as usize % SLOTS)) }
+    // it and aligned; a word is valid for any bits (zero when fresh; under loom, built in place
+    // by `Arena::new`), and every access to it, here and in peers, is atomic.
+    unsafe { &*table.ptr().cast::<TableWord>().add(slot as usize % SLOTS) }
 }
 
 /// Whether the registration a grant of `slot`/`tag` names is still published.
@@ -114,6 +122,11 @@ impl Arena {
         let io = |what| move |e| Error::io(what, e);
         let table_fd = sys::sealed_memfd("rdma-rpc-shm-pd", TABLE as u64).map_err(io("creating the shm key table"))?;
         let table = Mapping::map(&table_fd, TABLE).map_err(io("mapping the shm key table"))?;
+        #[cfg(rdma_loom)]
+        for i in 0..SLOTS {
+            // SAFETY: a fresh mapping of TABLE bytes that nothing refers to yet.
+            unsafe { table.ptr().cast::<TableWord>().add(i).write(TableWord::new(0)) };
+        }
         Ok(Arc::new(Arena {
             table_fd,
             table,
@@ -293,6 +306,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg(not(rdma_loom))]
     fn the_table_names_no_key_and_follows_publish_and_withdraw() {
         let arena = Arena::new().expect("arena");
         let seg = Segment::new(4096, true).expect("segment");
@@ -320,5 +334,43 @@ mod tests {
         let q = arena.lookup(0x4444).expect("the new rkey");
         assert_eq!(q.slot, p.slot);
         assert!(!live(&arena.table, p.slot, p.tag) && live(&arena.table, q.slot, q.tag));
+    }
+}
+
+/// A model of the key table under loom (see `rq`'s): `RUSTFLAGS="--cfg rdma_loom" cargo test
+/// -p rdma-rpc-transport --release --lib shm::arena::models`.
+#[cfg(all(test, rdma_loom))]
+mod models {
+    use super::*;
+    use loom::sync::atomic::AtomicU64 as Canary;
+
+    /// A peer that finds a registration live sees what the owner wrote into it before it
+    /// published it; once the owner has withdrawn it (and said so), the peer finds it dead.
+    #[test]
+    fn a_live_registration_is_seen_as_published_and_a_withdrawn_one_is_dead() {
+        loom::model(|| {
+            let arena = Arena::new().expect("arena");
+            // The peer's view: the table's memfd mapped again, read-only.
+            let peer = Mapping::map_read_only(&arena.table_fd, TABLE).expect("map");
+            let bytes = Arc::new(Canary::new(0));
+            let gone = Arc::new(Canary::new(0));
+            let (a, b, g) = (arena.clone(), bytes.clone(), gone.clone());
+            let owner = loom::thread::spawn(move || {
+                let seg = Segment::new(4096, true).expect("segment");
+                b.store(7, Ordering::Relaxed); // the registration's bytes, before publishing
+                let rw = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ;
+                a.publish((1, 2), rw, &seg, seg.ptr() as u64, 4096).expect("publish");
+                a.withdraw((1, 2));
+                g.store(1, Ordering::Release);
+            });
+            // The first registration of a table takes slot 0 with tag 1.
+            if live(&peer, 0, 1) {
+                assert_eq!(bytes.load(Ordering::Relaxed), 7, "live, but its bytes not seen");
+            }
+            if gone.load(Ordering::Acquire) == 1 {
+                assert!(!live(&peer, 0, 1), "withdrawn, but still live");
+            }
+            owner.join().expect("the owner");
+        });
     }
 }
