@@ -253,8 +253,9 @@ impl PeerArena {
         &self.grants
     }
 
-    /// RDMA Read: `dst.len()` bytes at `addr` into `dst`.
-    pub(crate) fn read(&self, addr: u64, rkey: u32, dst: &mut [u8]) -> std::result::Result<(), WcStatus> {
+    /// RDMA Read: `dst.len()` bytes at `addr` into `dst`; `None` when this side holds no grant
+    /// of `rkey` (the Read goes as a frame: see `grant`).
+    pub(crate) fn read(&self, addr: u64, rkey: u32, dst: &mut [u8]) -> Option<std::result::Result<(), WcStatus>> {
         self.grants.with(rkey, Want::Remote, |g| {
             let src = g.at(addr, dst.len(), AccessFlags::REMOTE_READ)?;
             if let Some(within) = g.atomic_bounds() {
@@ -271,22 +272,31 @@ impl PeerArena {
         })
     }
 
-    /// RDMA Write: `src` to `addr`. Hold the result until the completion is written.
-    pub(crate) fn write(&self, addr: u64, rkey: u32, src: &[u8]) -> std::result::Result<Held<'_>, WcStatus> {
+    /// RDMA Write: `src` to `addr`; `None` as for [`PeerArena::read`]. Hold the result until
+    /// the completion is written.
+    pub(crate) fn write(&self, addr: u64, rkey: u32, src: &[u8]) -> Option<std::result::Result<Held<'_>, WcStatus>> {
         let g = self.grants.get(rkey, Want::Remote)?;
-        let dst = g.at(addr, src.len(), AccessFlags::REMOTE_WRITE)?;
+        let dst = match g.at(addr, src.len(), AccessFlags::REMOTE_WRITE) {
+            Ok(dst) => dst,
+            Err(status) => return Some(Err(status)),
+        };
         match g.atomic_bounds() {
             // SAFETY: as in `read`, the other way.
             Some(within) => unsafe { crate::words::copy_in(dst, src, within) },
             // SAFETY: as in `read`, the other way; REMOTE_WRITE grants are mapped writable.
             None => unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) },
         }
-        Ok(Held(g))
+        Some(Ok(Held(g)))
     }
 
     /// CAS or FAA on the 8-byte word at `addr`, with a real atomic instruction on the shared
-    /// memory; returns the old value.
-    pub(crate) fn atomic(&self, addr: u64, rkey: u32, op: crate::mr::Rmw) -> std::result::Result<u64, WcStatus> {
+    /// memory; returns the old value. `None` as for [`PeerArena::read`].
+    pub(crate) fn atomic(
+        &self,
+        addr: u64,
+        rkey: u32,
+        op: crate::mr::Rmw,
+    ) -> Option<std::result::Result<u64, WcStatus>> {
         self.grants.with(rkey, Want::Remote, |g| {
             let p = g.at(addr, 8, AccessFlags::REMOTE_ATOMIC)?;
             if p as usize % 8 != 0 {

@@ -5,9 +5,11 @@
 //! opened read-only unless the key allows writing, on the connection's Unix socket. So
 //! one-sided operations need no CPU of the owner's, as on a NIC: a stopped owner is still read
 //! and written. (Receive buffers are never granted: Sends go through the receive queue's
-//! staging area, `rq`.) An initiator that meets a key it holds no grant for asks (a grant pushed but not
-//! yet taken in, or one dropped for the cap) and waits for either; the owner's watcher thread
-//! answers from its registrations (`arena`), or refuses. The initiator maps what it is given
+//! staging area, `rq`.) An initiator that meets a key it holds no grant for (a grant pushed but not
+//! yet taken in, one dropped for the cap, or a key the owner never granted) sends that
+//! operation as a frame, which the owner's engine checks and runs, and asks for the grant
+//! without waiting; the owner's watcher thread answers from its registrations (`arena`), or
+//! refuses. The initiator maps what it is given
 //! and keeps it while the owner's table says the registration lives. Messages are [`MSG`]
 //! bytes each way:
 //!
@@ -25,14 +27,12 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
-use foldhash::{HashMap, HashMapExt};
-use parking_lot::{Condvar, MappedRwLockReadGuard, Mutex, RwLock, RwLockReadGuard};
+use foldhash::{HashMap, HashMapExt, HashSet};
+use parking_lot::{MappedRwLockReadGuard, Mutex, RwLock, RwLockReadGuard};
 
 use super::arena::{self, Arena};
 use super::sys::{self, Mapping};
-use crate::tcp::KEEPALIVE;
 use crate::{AccessFlags, WcStatus};
 
 /// Bytes of a message, either way.
@@ -47,6 +47,8 @@ const MAX_LOOSE_FDS: usize = 16;
 /// Grants a connection keeps that nobody asked for (pushed), at most: each is a mapping, and
 /// a process has a bounded number of them (`vm.max_map_count`). Past it, keys are asked for.
 pub(crate) const MAX_PUSHED: usize = 4096;
+/// Requests out at once, at most (one per key an initiator met without its grant).
+const MAX_ASKED: usize = 1024;
 
 /// What a grant is for: one-sided operations under an rkey (the only kind there is; the byte
 /// leaves room for others, and a request for an unknown kind is refused).
@@ -175,17 +177,13 @@ impl Grant {
     }
 }
 
-/// A request out: how many wait on it, and the verdict once it came.
-type Asked = (usize, Option<bool>);
-
 /// The initiator's side of one connection: the owner's table, the grants so far, the requests
-/// waiting for an answer.
+/// out.
 pub(crate) struct Grants {
     table: Mapping,
     cache: RwLock<HashMap<(u32, Want), Grant>>,
-    /// Requests out: how many wait on each, and the verdict once it came.
-    pending: Mutex<HashMap<(u32, Want), Asked>>,
-    answered: Condvar,
+    /// Requests sent and not answered yet (at most [`MAX_ASKED`]).
+    pending: Mutex<HashSet<(u32, Want)>>,
     sock: UnixStream,
     dead: AtomicBool,
 }
@@ -205,94 +203,59 @@ impl Grants {
         Ok(Grants {
             table,
             cache: RwLock::new(HashMap::new()),
-            pending: Mutex::new(HashMap::new()),
-            answered: Condvar::new(),
+            pending: Mutex::new(HashSet::default()),
             sock,
             dead: AtomicBool::new(false),
         })
     }
 
-    /// The grant of `key` for `want`, asking the owner first if need be; held (under a read
-    /// lock) while it is used. A refusal, or a registration withdrawn since, is
-    /// `RemAccessErr`; an owner that does not answer within the keepalive bound, `RetryExcErr`.
-    pub(crate) fn get(&self, key: u32, want: Want) -> Result<MappedRwLockReadGuard<'_, Grant>, WcStatus> {
+    /// The grant of `key` for `want`, held (under a read lock) while it is used, if this side
+    /// holds it and its registration lives. Otherwise `None`, and the owner is asked for it
+    /// without waiting: the operation goes another way (as a frame, which the owner's engine
+    /// checks and runs), so nothing waits on the owner here, under the QP's lock.
+    pub(crate) fn get(&self, key: u32, want: Want) -> Option<MappedRwLockReadGuard<'_, Grant>> {
         let k = (key, want);
-        for asked in [false, true] {
-            let table = &self.table;
-            let held = RwLockReadGuard::try_map(self.cache.read(), |c| {
-                c.get(&k).filter(|g| arena::live(table, g.slot, g.tag))
-            });
-            match held {
-                Ok(g) => return Ok(g),
-                Err(unmapped) => drop(unmapped), // before the write lock below
-            }
-            if asked {
-                break;
-            }
-            // None yet, or one of a registration withdrawn since (the key may name a new one).
-            self.cache.write().remove(&k);
-            self.ask(k)?;
+        let table = &self.table;
+        let held = RwLockReadGuard::try_map(self.cache.read(), |c| {
+            c.get(&k).filter(|g| arena::live(table, g.slot, g.tag))
+        });
+        match held {
+            Ok(g) => return Some(g),
+            Err(unmapped) => drop(unmapped), // before the write lock below
         }
-        Err(WcStatus::RemAccessErr)
+        // None yet, or one of a registration withdrawn since (the key may name a new one).
+        self.cache.write().remove(&k);
+        self.ask(k);
+        None
     }
 
-    /// Runs `f` on the grant of `key` for `want` (see [`Grants::get`]).
+    /// Runs `f` on the grant of `key` for `want`, if held (see [`Grants::get`]).
     pub(crate) fn with<R>(
         &self,
         key: u32,
         want: Want,
         f: impl FnOnce(&Grant) -> Result<R, WcStatus>,
-    ) -> Result<R, WcStatus> {
-        f(&*self.get(key, want)?)
+    ) -> Option<Result<R, WcStatus>> {
+        Some(f(&*self.get(key, want)?))
     }
 
-    /// Asks the owner for `k`, or waits for the answer to a request already out; the grant is
-    /// in the cache when this returns `Ok`.
-    fn ask(&self, k: (u32, Want)) -> Result<(), WcStatus> {
+    /// Asks the owner for `k` unless a request for it is out already; does not wait.
+    fn ask(&self, k: (u32, Want)) {
         let mut pending = self.pending.lock();
-        let deadline = Instant::now() + KEEPALIVE;
-        let out = match pending.get_mut(&k) {
-            Some((waiting, None)) => {
-                *waiting += 1;
-                true
-            }
-            _ => false,
-        };
-        if !out {
-            let mut m = [0u8; MSG];
-            m[0] = REQUEST;
-            m[1] = k.1 as u8;
-            m[4..8].copy_from_slice(&k.0.to_le_bytes());
-            if self.dead.load(Ordering::Acquire) || !send(&self.sock, &m, None) {
-                return Err(WcStatus::RetryExcErr);
-            }
-            pending.insert(k, (1, None));
+        if self.dead.load(Ordering::Acquire) || pending.contains(&k) || pending.len() >= MAX_ASKED {
+            return;
         }
-        let verdict = loop {
-            match pending.get(&k) {
-                Some((_, Some(v))) => break Ok(*v),
-                _ if self.dead.load(Ordering::Acquire) => break Err(WcStatus::RetryExcErr),
-                _ => {}
-            }
-            if self.answered.wait_until(&mut pending, deadline).timed_out() {
-                break Err(WcStatus::RetryExcErr);
-            }
-        };
-        if let Some((waiting, _)) = pending.get_mut(&k) {
-            *waiting -= 1;
-            if *waiting == 0 {
-                pending.remove(&k);
-            }
-        }
-        match verdict? {
-            true => Ok(()),
-            false => Err(WcStatus::RemAccessErr),
+        let mut m = [0u8; MSG];
+        m[0] = REQUEST;
+        m[1] = k.1 as u8;
+        m[4..8].copy_from_slice(&k.0.to_le_bytes());
+        if send(&self.sock, &m, None) {
+            pending.insert(k);
         }
     }
 
     /// Takes in a grant or a refusal (on the watcher thread): maps what was granted, after
-    /// checking it, and wakes the requests waiting. One nobody asked for (pushed) is kept up
-    /// to [`MAX_PUSHED`].
+    /// checking it. One nobody asked for (pushed) is kept up to [`MAX_PUSHED`].
     fn answered(&self, m: &[u8; MSG], fd: Option<OwnedFd>) {
         let Some(want) = Want::from_byte(m[1]) else { return };
         let u32_at = |i: usize| u32::from_le_bytes([m[i], m[i + 1], m[i + 2], m[i + 3]]);
@@ -330,21 +293,12 @@ impl Grants {
                 access,
             })
         });
-        let waited = match pending.get_mut(&k) {
-            Some((_, verdict @ None)) => {
-                *verdict = Some(grant.is_some());
-                true
-            }
-            _ => false,
-        };
+        let asked = pending.remove(&k);
         if let Some(g) = grant {
             let mut cache = self.cache.write();
-            if waited || cache.len() < MAX_PUSHED || cache.contains_key(&k) {
+            if asked || cache.len() < MAX_PUSHED || cache.contains_key(&k) {
                 cache.insert(k, g);
             }
-        }
-        if waited {
-            self.answered.notify_all();
         }
     }
 
@@ -372,12 +326,10 @@ impl Grants {
         }
     }
 
-    /// The connection ended: requests waiting fail, the grants go.
+    /// The connection ended: no more requests, the grants go.
     pub(crate) fn close(&self) {
         self.dead.store(true, Ordering::Release);
-        let _pending = self.pending.lock();
-        self.answered.notify_all();
-        drop(_pending);
+        self.pending.lock().clear();
         self.cache.write().clear();
     }
 }

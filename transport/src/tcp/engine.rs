@@ -430,7 +430,7 @@ fn direct(peer: &crate::shm::Peer, d: &SendDesc<'_>, local: Option<&View>) -> Op
                 return Some(Ok(0));
             }
             match local_bytes(d.len) {
-                Some(mut dst) => arena.read(remote.addr, remote.rkey, &mut dst).map(|()| d.len as u32),
+                Some(mut dst) => arena.read(remote.addr, remote.rkey, &mut dst)?.map(|()| d.len as u32),
                 None => Err(WcStatus::LocLenErr),
             }
         }
@@ -439,14 +439,14 @@ fn direct(peer: &crate::shm::Peer, d: &SendDesc<'_>, local: Option<&View>) -> Op
                 return Some(Ok(0));
             }
             match local_bytes(d.len) {
-                Some(src) => arena.write(remote.addr, remote.rkey, &src).map(|_| 0),
+                Some(src) => arena.write(remote.addr, remote.rkey, &src)?.map(|_| 0),
                 None => Err(WcStatus::LocLenErr),
             }
         }
         SendOp::CompareSwap { remote, compare, swap } => {
-            atomic(arena, remote, Rmw::CompareSwap { compare, swap }, local)
+            atomic(arena, remote, Rmw::CompareSwap { compare, swap }, local)?
         }
-        SendOp::FetchAdd { remote, add } => atomic(arena, remote, Rmw::FetchAdd { add }, local),
+        SendOp::FetchAdd { remote, add } => atomic(arena, remote, Rmw::FetchAdd { add }, local)?,
         SendOp::Send { imm } => {
             let taken = match peer.rq.take() {
                 Ok(Some(t)) => t,
@@ -500,7 +500,9 @@ fn direct(peer: &crate::shm::Peer, d: &SendDesc<'_>, local: Option<&View>) -> Op
                 },
             };
             let held = match &src {
-                Some(src) => match arena.write(remote.addr, remote.rkey, src) {
+                // Without its grant, the Write-with-immediate goes as a frame (the entry taken
+                // is not consumed until completed).
+                Some(src) => match arena.write(remote.addr, remote.rkey, src)? {
                     Ok(held) => Some(held),
                     // A failed write consumes no receive; the peer learns of the error (Fatal).
                     Err(status) => return Some(Err(status)),
@@ -524,15 +526,18 @@ fn atomic(
     remote: crate::RemoteAddr,
     op: Rmw,
     local: Option<&View>,
-) -> Result<u32, WcStatus> {
-    let old = peer.atomic(remote.addr, remote.rkey, op)?;
-    match local {
+) -> Option<Result<u32, WcStatus>> {
+    let old = match peer.atomic(remote.addr, remote.rkey, op)? {
+        Ok(old) => old,
+        Err(status) => return Some(Err(status)),
+    };
+    Some(match local {
         Some(v) if v.len >= 8 => {
             v.region.lock_range(v.off, 8).copy_from_slice(&old.to_ne_bytes());
             Ok(8)
         }
         _ => Err(WcStatus::LocLenErr),
-    }
+    })
 }
 
 /// A Send or Write of ours the peer ran, acknowledged by any later response (not executed here).
