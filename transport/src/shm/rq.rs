@@ -304,14 +304,15 @@ impl OwnRq {
     /// so a caller may drain again while handling an entry.
     #[cfg(test)]
     pub(crate) fn next_done(&self) -> Option<Done> {
-        let done = self.peek_done()?;
-        self.pass();
+        let (at, done) = self.peek_done()?;
+        self.pass(at);
         Some(done)
     }
 
-    /// As [`OwnRq::next_done`], leaving the entry where it is: [`OwnRq::pass`] moves past it.
-    pub(crate) fn peek_done(&self) -> Option<Done> {
-        let (_, e) = self.oldest_done()?;
+    /// As [`OwnRq::next_done`], leaving the entry where it is, with its index: [`OwnRq::pass`]
+    /// moves past it.
+    pub(crate) fn peek_done(&self) -> Option<(u64, Done)> {
+        let (at, e) = self.oldest_done()?;
         let info = e.info.load(Ordering::Relaxed);
         let status = match info & 0xff {
             0 => WcStatus::Success,
@@ -325,15 +326,14 @@ impl OwnRq {
             imm: e.imm.load(Ordering::Relaxed),
             head: e.head((info >> 16) as usize & 0xff),
         };
-        Some(done)
+        Some((at, done))
     }
 
-    /// Moves past the oldest completed entry (after [`OwnRq::peek_done`] showed it).
-    pub(crate) fn pass(&self) {
-        if let Some((d, e)) = self.oldest_done() {
-            e.state.store(POSTED, Ordering::Relaxed);
-            self.drained.store(d.wrapping_add(1), Ordering::Relaxed);
-        }
+    /// Moves past entry `at`, which [`OwnRq::peek_done`] showed: whatever the peer wrote into
+    /// its state since, this side drains each entry once.
+    pub(crate) fn pass(&self, at: u64) {
+        self.seg.entry(at).state.store(POSTED, Ordering::Relaxed);
+        self.drained.store(at.wrapping_add(1), Ordering::Relaxed);
     }
 
     /// The owner's engine takes the oldest receive for a request that came as a frame. Fails

@@ -851,13 +851,14 @@ impl Engine {
     /// completed entry was drained.
     fn drain_rq(&self, st: &mut State) -> bool {
         let Some(rq) = &self.own_rq else { return true };
-        while let Some(d) = rq.peek_done() {
+        while let Some((at, d)) = rq.peek_done() {
             let opcode = if d.flags & crate::shm::rq::WRITE_IMM != 0 {
                 WcOpcode::RecvRdmaWithImm
             } else {
                 WcOpcode::Recv
             };
-            let posted = st.recvs.front().and_then(|r| r.local.as_ref()).map_or(0, |v| v.len);
+            let local = st.recvs.front().and_then(|r| r.local.as_ref());
+            let posted = local.map_or(0, |v| v.len);
             // The peer writes the entry: a Send's length past what was posted (or staged) is a
             // lie a NIC could never tell, and would send the application past its buffer. (A
             // Write-with-immediate's length is the Write's, into memory of its own.)
@@ -875,7 +876,7 @@ impl Engine {
                 // A Send's payload waits in the staging area: into the receive's own buffer,
                 // with the NIC's local checks, as the frame path's `deliver` makes them.
                 let len = d.byte_len as usize;
-                match st.recvs.front().and_then(|r| r.local.as_ref()) {
+                match local {
                     Some(v)
                         if Arc::ptr_eq(&v.region.pd, &self.pd)
                             && v.region.access.contains(AccessFlags::LOCAL_WRITE) =>
@@ -891,7 +892,7 @@ impl Engine {
                     }
                 }
             }
-            rq.pass();
+            rq.pass(at);
             let Some(r) = st.recvs.pop_front() else {
                 tracing::warn!(qp = self.qp_num, "the peer completed a receive we never posted");
                 continue;
