@@ -338,9 +338,9 @@ async fn a_stopped_peer_is_taken_for_dead_within_the_keepalive() {
 
 /// Sends are delivered through the receiver's staging area (1 MiB), which its polls copy into
 /// the receives' own buffers. Past it, Sends go on as frames: 48 Sends of 32 KiB into 48
-/// receives nobody drains meanwhile all arrive, whole and in order. And a poll made while the
+/// receives nobody drains meanwhile all arrive, whole and in order. A poll made while the
 /// application holds a borrow of the registration the receives are pieces of returns; their
-/// completions come once it lets go.
+/// completions come once it lets go. And a Send that lands across the area's end arrives whole.
 #[tokio::test]
 async fn sends_past_the_staging_area_and_behind_a_held_buffer_arrive_whole_and_in_order() {
     const N: usize = 48;
@@ -400,5 +400,28 @@ async fn sends_past_the_staging_area_and_behind_a_held_buffer_arrive_whole_and_i
             assert!(b.bytes().iter().all(|&x| x == want), "receive {i} holds its Send whole");
         }
         drop(kept);
+    }
+    // One at a time, each Send finds room and goes directly, and one of them lands across the
+    // staging area's end: it arrives whole all the same.
+    const ODD: usize = 30_000;
+    for i in 0..2 * (1 << 20) / ODD {
+        let r = spd.register(ODD, AccessFlags::LOCAL_WRITE).expect("register");
+        sqp.post_recv(RecvWr::new(i as u64, r))
+            .map_err(|e| e.error)
+            .expect("post_recv");
+        let mut b = cpd.register(ODD, AccessFlags::LOCAL_WRITE).expect("buf");
+        let data: Vec<u8> = (0..ODD).map(|j| (i * 7 + j) as u8).collect();
+        b.write_at(0, &data).expect("fill");
+        cqp.post_send(SendWr::send(i as u64, b))
+            .map_err(|e| e.error)
+            .expect("post_send");
+        assert!(one(&ccq).await.status.is_success());
+        let c = one(&scq).await;
+        assert_eq!((c.wr_id, c.status), (i as u64, WcStatus::Success));
+        assert_eq!(
+            &c.buf.as_ref().expect("buffer").bytes()[..],
+            &data[..],
+            "Send {i} whole"
+        );
     }
 }
