@@ -4,15 +4,21 @@
 //!
 //!     cargo bench --bench latency -- [--provider tcp] [--sizes 64,4096] [--modes rpc,tcp] \
 //!         [--iters N] [--seconds 60] [--json out.json] [--plot out.svg]
+//!
+//! `--sweep rate` measures the raw provider's message rate instead (perftest's `ib_send_bw` /
+//! `ib_write_bw`, by depth and post list), `--sweep scale` what idle connections cost by how many
+//! there are.
 
 mod baseline;
 mod host;
 mod perftest;
 mod plot;
+mod rate;
 mod raw;
 mod report;
 mod rpc;
 mod sampler;
+mod scale;
 mod service;
 mod stats;
 
@@ -171,9 +177,34 @@ struct Args {
     /// by `--provider`, else shm), round-by-round lines included.
     #[arg(long, requires = "rows")]
     summary: bool,
+    /// What to measure: `latency` (the sweep by size), `rate` (message rate and bandwidth of the
+    /// raw provider by depth and post list, `--sizes` default 64,4096,65536) or `scale` (what
+    /// idle connections cost, by `--conns`).
+    #[arg(long, value_enum, default_value_t = Sweep::Latency)]
+    sweep: Sweep,
+    /// `rate`: the operations, of send and write.
+    #[arg(long, value_delimiter = ',', default_value = "send,write")]
+    ops: Vec<String>,
+    /// `rate`: requests kept in flight.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,256")]
+    depths: Vec<u32>,
+    /// `rate`: requests posted per call (at most the depth).
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    post_lists: Vec<u32>,
+    /// `scale`: connection counts.
+    #[arg(long, value_delimiter = ',', default_value = "1,100,1000,10000")]
+    conns: Vec<usize>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
+}
+
+/// What a run measures.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Sweep {
+    Latency,
+    Rate,
+    Scale,
 }
 
 /// On an error, its message (`Display`: what failed and what to do, e.g. an unknown provider
@@ -214,6 +245,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let provider = args.provider.clone().or(from_env).unwrap_or_else(|| "shm".to_owned());
     std::env::set_var(rdma_rpc::transport::PROVIDER_ENV, &provider);
     let dev = Device::open_default()?;
+    match args.sweep {
+        Sweep::Latency => {}
+        Sweep::Rate => return rate_sweep(&args, &dev),
+        Sweep::Scale => return scale_sweep(&args, &dev),
+    }
     raw::SPIN_US.store(args.raw_spin_us, std::sync::atomic::Ordering::Relaxed);
     raw::CQ_MOD.store(args.raw_cq_mod as usize, std::sync::atomic::Ordering::Relaxed);
     let sizes = args
@@ -334,6 +370,96 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             &format!("rdma-rpc latency by size, provider {}", dev.provider()),
         )?;
         println!("plot written to {path}");
+    }
+    Ok(())
+}
+
+/// `--sweep rate`: every op, size, post list and depth, in that nesting.
+fn rate_sweep(args: &Args, dev: &Device) -> Result<(), Box<dyn std::error::Error>> {
+    let ops: Vec<rate::Op> = args
+        .ops
+        .iter()
+        .map(|o| rate::Op::parse(o).ok_or_else(|| format!("unknown op {o}: use send,write")))
+        .collect::<Result<_, _>>()?;
+    if let Some(d) = args.depths.iter().find(|&&d| d == 0 || d > 4096) {
+        return Err(format!("depth {d} must be within 1..=4096").into());
+    }
+    let sizes = args.sizes.clone().unwrap_or_else(|| vec![64, 4096, 65536]);
+    let mut plan = Vec::new();
+    for &op in &ops {
+        for &size in &sizes {
+            for &list in &args.post_lists {
+                for &depth in args.depths.iter().filter(|&&d| list <= d) {
+                    plan.push((op, size, list.max(1), depth));
+                }
+            }
+        }
+    }
+    let per_row = Duration::from_secs_f64(args.seconds / plan.len().max(1) as f64);
+    println!(
+        "rdma-rpc message rate: provider {} (device {}), {:.2} s a row, {}",
+        dev.provider(),
+        dev.name(),
+        per_row.as_secs_f64(),
+        chrono_free_date()
+    );
+    println!("host: {}", host::describe());
+    let bar = ProgressBar::new(plan.len() as u64);
+    bar.set_style(ProgressStyle::with_template(
+        "{bar:40} {pos}/{len} rows  {msg}  [{elapsed_precise}]",
+    )?);
+    let mut rows = Vec::new();
+    for (op, size, list, depth) in plan {
+        bar.set_message(format!("{size} B, depth {depth}, post list {list}"));
+        rows.push(rate::measure(dev, args.ip, op, size, depth, list, per_row)?);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    rate::table(&rows);
+    let at = |depth: u32, list: u32| {
+        rows.iter()
+            .find(|r| r.op == "send" && r.bytes == 64 && r.depth == depth && r.post_list == list)
+            .map(|r| r.msg_rate)
+    };
+    if let (Some(one), Some(deep)) = (at(1, 1), at(64, 16)) {
+        println!();
+        println!(
+            "64 B Sends: depth 64 with post lists of 16 moves {:.1}x the messages of depth 1",
+            deep / one.max(1e-12)
+        );
+    }
+    write_json(args, &rows)
+}
+
+/// `--sweep scale`: a row per connection count.
+fn scale_sweep(args: &Args, dev: &Device) -> Result<(), Box<dyn std::error::Error>> {
+    scale::raise_fd_limit();
+    println!(
+        "rdma-rpc connection scale: provider {} (device {}), {}",
+        dev.provider(),
+        dev.name(),
+        chrono_free_date()
+    );
+    println!("host: {}", host::describe());
+    let mut rows = Vec::new();
+    for &n in &args.conns {
+        eprintln!("{n} connections ...");
+        rows.push(scale::measure(dev, args.ip, n)?);
+    }
+    scale::table(&rows);
+    write_json(args, &rows)
+}
+
+fn write_json<T: serde::Serialize>(args: &Args, rows: &[T]) -> Result<(), Box<dyn std::error::Error>> {
+    if let Some(path) = &args.json {
+        if let Some(dir) = std::path::Path::new(path)
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+        {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(path, serde_json::to_string_pretty(rows)?)?;
+        println!("rows written to {path}");
     }
     Ok(())
 }
