@@ -64,6 +64,7 @@ mod pd;
 mod pool;
 mod qp;
 mod shm;
+mod srq;
 mod tcp;
 #[cfg(feature = "verbs")]
 mod verbs;
@@ -81,5 +82,6 @@ pub use mr::{BufMut, BufRef, MemoryRegion, RemoteAddr, RemoteRegion};
 pub use pd::ProtectionDomain;
 pub use pool::BufferPool;
 pub use qp::{PostError, QpCaps, QpOptions, QueuePair};
+pub use srq::SharedReceiveQueue;
 pub use wc::{WcOpcode, WcStatus};
 pub use wr::{RecvWr, SendOp, SendWr};

@@ -44,6 +44,16 @@ impl ProtectionDomain {
         })
     }
 
+    /// A shared receive queue holding at most `max_wr` posted receives, whose buffers come from
+    /// this PD (`ibv_create_srq`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a depth of 0 or above the
+    /// device's `max_qp_wr`; verbs errors.
+    pub fn create_srq(&self, max_wr: u32) -> Result<crate::SharedReceiveQueue> {
+        crate::SharedReceiveQueue::new(self, max_wr)
+    }
+
     /// The device this PD belongs to.
     pub fn device(&self) -> &Device {
         &self.inner.device

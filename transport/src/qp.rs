@@ -40,6 +40,7 @@ pub struct QpOptions {
     pub(crate) send_cq: CompletionQueue,
     pub(crate) recv_cq: CompletionQueue,
     pub(crate) caps: QpCaps,
+    pub(crate) srq: Option<crate::SharedReceiveQueue>,
 }
 
 impl QpOptions {
@@ -50,7 +51,16 @@ impl QpOptions {
             send_cq: cq.clone(),
             recv_cq: cq.clone(),
             caps: QpCaps::default(),
+            srq: None,
         }
+    }
+
+    /// Takes receives from `srq` (of the same PD) instead of a receive queue of its own, as
+    /// `ibv_qp_init_attr.srq` does: [`QueuePair::post_recv`] then refuses, and `max_recv_wr`
+    /// is ignored.
+    pub fn srq(mut self, srq: &crate::SharedReceiveQueue) -> Self {
+        self.srq = Some(srq.clone());
+        self
     }
 
     /// A separate CQ for receive completions.
@@ -73,6 +83,13 @@ impl QpOptions {
             return Err(Error::InvalidArgument(
                 "PD and CQs must belong to the same device".into(),
             ));
+        }
+        if let Some(srq) = &self.srq {
+            if !Arc::ptr_eq(&srq.pd().inner, &self.pd.inner) {
+                return Err(Error::InvalidArgument(
+                    "a QP and its shared receive queue must belong to the same PD".into(),
+                ));
+            }
         }
         if self.caps.max_inline_data > c.max_inline_data {
             return Err(Error::InvalidArgument(format!(
@@ -206,12 +223,25 @@ struct Tracker {
 pub(crate) struct QpShared {
     pub(crate) qp_num: u32,
     tracker: Mutex<Tracker>,
+    /// Where its receives (and their buffers) come from, if not its own queue.
+    srq: Option<crate::SharedReceiveQueue>,
 }
 
 impl QpShared {
     /// Attaches the buffer to a provider completion. Send completions arrive in posting order, so
     /// older unsignaled requests are done too: their buffers are released here.
     pub(crate) fn complete(&self, raw: RawWc) -> Completion {
+        if let (true, Some(srq)) = (raw.recv, &self.srq) {
+            let (wr_id, buf) = srq.complete(raw.seq).unwrap_or_else(|| {
+                tracing::error!(
+                    qp = self.qp_num,
+                    seq = raw.seq,
+                    "completion of a receive the SRQ does not hold"
+                );
+                (raw.seq, None)
+            });
+            return raw.into_completion(wr_id, raw.opcode, buf);
+        }
         let mut t = self.tracker.lock();
         let (wr_id, opcode, buf) = if raw.recv {
             match t.recvs.front() {
@@ -242,16 +272,22 @@ impl QpShared {
                 }
             }
         };
+        raw.into_completion(wr_id, opcode, buf)
+    }
+}
+
+impl RawWc {
+    fn into_completion(self, wr_id: u64, opcode: WcOpcode, buf: Option<MemoryRegion>) -> Completion {
         Completion {
             wr_id,
-            status: raw.status,
+            status: self.status,
             opcode,
-            byte_len: raw.byte_len,
-            imm: raw.imm,
-            qp_num: raw.qp_num,
-            vendor_err: raw.vendor_err,
+            byte_len: self.byte_len,
+            imm: self.imm,
+            qp_num: self.qp_num,
+            vendor_err: self.vendor_err,
             buf,
-            head: raw.head,
+            head: self.head,
         }
     }
 }
@@ -276,6 +312,7 @@ impl QueuePair {
         let shared = Arc::new(QpShared {
             qp_num,
             tracker: Mutex::new(Tracker::default()),
+            srq: opts.srq.clone(),
         });
         opts.send_cq.attach(&shared);
         opts.recv_cq.attach(&shared);
@@ -519,6 +556,12 @@ impl QueuePair {
     /// # Errors
     /// [`PostError`] with the request when the receive queue is full.
     pub fn post_recv(&self, wr: RecvWr) -> Result<(), PostError<RecvWr>> {
+        if self.opts.srq.is_some() {
+            return Err(PostError {
+                error: srq_attached(),
+                unposted: vec![wr],
+            });
+        }
         // The batch path without its vectors (every message reposts one receive).
         let mut t = self.shared.tracker.lock();
         if t.recvs.len() >= self.opts.caps.max_recv_wr as usize {
@@ -561,6 +604,12 @@ impl QueuePair {
     /// As [`QueuePair::post_recv`].
     pub fn post_recv_batch(&self, wrs: impl IntoIterator<Item = RecvWr>) -> Result<(), PostError<RecvWr>> {
         let mut wrs: Vec<RecvWr> = wrs.into_iter().collect();
+        if self.opts.srq.is_some() && !wrs.is_empty() {
+            return Err(PostError {
+                error: srq_attached(),
+                unposted: wrs,
+            });
+        }
         let mut t = self.shared.tracker.lock();
         let room = (self.opts.caps.max_recv_wr as usize).saturating_sub(t.recvs.len());
         let n_ok = wrs.len().min(room);
@@ -624,6 +673,13 @@ impl std::fmt::Debug for QueuePair {
             .field("caps", &self.opts.caps)
             .finish()
     }
+}
+
+fn srq_attached() -> Error {
+    Error::InvalidArgument(
+        "this QP takes its receives from a shared receive queue: post them there (SharedReceiveQueue::post_recv)"
+            .into(),
+    )
 }
 
 /// The completion status a flushed request gets.

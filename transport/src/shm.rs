@@ -89,6 +89,7 @@ pub(crate) fn start(
         cq(&opts.send_cq)?,
         cq(&opts.recv_cq)?,
         Some((peer, own_rq)),
+        opts.srq.as_ref().and_then(|s| s.soft().cloned()),
     )?;
     Ok((qp, qp_num))
 }

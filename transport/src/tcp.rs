@@ -55,6 +55,7 @@ use crate::mr::Region;
 use crate::DeviceCaps;
 
 pub(crate) use cm::{connect, Listener, Pending, Request};
+pub(crate) use engine::srq::Srq;
 pub(crate) use engine::Qp;
 pub(crate) use link::{Link, BEAT, KEEPALIVE};
 

@@ -7,6 +7,7 @@
 mod cm;
 mod cq;
 mod qp;
+mod srq;
 
 use std::ffi::CStr;
 use std::io;
@@ -23,6 +24,7 @@ const EAGER_HINT: usize = 16 * 1024;
 pub(crate) use cm::{connect, Listener, Pending, Request};
 pub(crate) use cq::Cq;
 pub(crate) use qp::Qp;
+pub(crate) use srq::Srq;
 
 fn last_os_error(call: &'static str) -> Error {
     Error::Verbs {
@@ -51,6 +53,8 @@ pub(crate) struct Context {
     caps: DeviceCaps,
     pub(crate) max_rd_atom: u8,
     pub(crate) max_init_rd_atom: u8,
+    /// The device's async events (SRQ limit events).
+    pub(crate) events: srq::AsyncEvents,
 }
 
 // SAFETY: libibverbs contexts are thread-safe (verbs are documented as callable from any thread),
@@ -114,6 +118,7 @@ impl Context {
             },
             max_rd_atom: 0,
             max_init_rd_atom: 0,
+            events: srq::AsyncEvents::default(),
         };
         this.query()?;
         Ok(this)

@@ -12,6 +12,10 @@ use rdma_rpc_transport::*;
 mod rng;
 use rng::Rng;
 
+/// Shared receive queues.
+#[path = "conformance/srq.rs"]
+mod srq;
+
 const WAIT: Duration = Duration::from_secs(60);
 const RW: AccessFlags = AccessFlags::ALL;
 

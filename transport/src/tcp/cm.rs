@@ -270,6 +270,7 @@ fn start(stream: TcpStream, opts: &QpOptions, qp_num: u32) -> Result<(Qp, u32)> 
         cq(&opts.send_cq)?,
         cq(&opts.recv_cq)?,
         None,
+        opts.srq.as_ref().and_then(|s| s.soft().cloned()),
     )?;
     Ok((qp, qp_num))
 }

@@ -6,6 +6,7 @@
 //! blocks on the socket's read side at all (see [`progress`]).
 
 mod progress;
+pub(crate) mod srq;
 mod stall;
 
 use std::collections::VecDeque;
@@ -124,6 +125,9 @@ struct Engine {
     direct: Option<Arc<crate::shm::Peer>>,
     /// shm: our receive queue in shared memory, where the peer completes receives.
     own_rq: Option<Arc<crate::shm::OwnRq>>,
+    /// The shared receive queue the responder takes receives from, if the QP has one (then it
+    /// has none of its own, and on shm the peer delivers nothing directly).
+    srq: Option<Arc<srq::Srq>>,
     /// The read side of the link, held by whoever reads: the reader thread or a poller.
     reader: Mutex<progress::Reader>,
     /// Frames that polls of the QP's CQs handled so far (tcp).
@@ -161,6 +165,7 @@ impl Qp {
         send_cq: Arc<Cq>,
         recv_cq: Arc<Cq>,
         shm: Option<(Arc<crate::shm::Peer>, crate::shm::OwnRq)>,
+        srq: Option<Arc<srq::Srq>>,
     ) -> Result<Self, Error> {
         let (direct, own_rq) = match shm {
             Some((p, rq)) => (Some(p), Some(Arc::new(rq))),
@@ -192,6 +197,7 @@ impl Qp {
             unthrottled: Condvar::new(),
             direct,
             own_rq,
+            srq,
         });
         let source = || -> Weak<dyn super::CqSource> { Arc::downgrade(&engine) as Weak<Engine> };
         if let Some(rq) = &engine.own_rq {
@@ -594,7 +600,7 @@ impl Engine {
             }
             DataHead::Write { addr, rkey, imm, .. } => {
                 // Behind a stalled request, or needing a receive there is not: general path.
-                let wants_recv = imm.is_some() && (st.recvs.is_empty() || self.own_rq.is_some());
+                let wants_recv = imm.is_some() && (st.recvs.is_empty() || self.own_rq.is_some() || self.srq.is_some());
                 if !st.stalled.is_empty() || wants_recv {
                     return None;
                 }
@@ -603,7 +609,7 @@ impl Engine {
                 Some((region, off))
             }
             DataHead::Send { .. } => {
-                if !st.stalled.is_empty() || self.own_rq.is_some() {
+                if !st.stalled.is_empty() || self.own_rq.is_some() || self.srq.is_some() {
                     return None;
                 }
                 let v = st.recvs.front()?.local.as_ref()?;
@@ -835,7 +841,7 @@ impl Engine {
                 if !st.stalled.is_empty() {
                     st.stalled.push_back(request);
                     self.settle_throttle(st);
-                } else if needs_recv(&request) && st.recvs.is_empty() {
+                } else if needs_recv(&request) && !self.recv_ready(st) {
                     self.start_stall(st, request);
                 } else {
                     self.execute(st, request);
@@ -922,6 +928,8 @@ impl Engine {
     fn take_for_frame(&self, st: &mut State) -> Option<bool> {
         match &self.own_rq {
             None => Some(true),
+            // Its receives come from the shared queue: the peer was given none to complete.
+            Some(_) if self.srq.is_some() => Some(true),
             Some(rq) => {
                 if !self.drain_rq(st) {
                     return None;
@@ -1081,7 +1089,7 @@ impl Engine {
 
     /// Runs stalled requests now that receives may be there.
     fn drain_stalled(self: &Arc<Self>, st: &mut State) {
-        if st.stalled.is_empty() || st.recvs.is_empty() {
+        if st.stalled.is_empty() || !self.recv_ready(st) {
             return;
         }
         self.run_stalled(st);
@@ -1091,14 +1099,46 @@ impl Engine {
     fn run_stalled(self: &Arc<Self>, st: &mut State) {
         st.stall_gen += 1; // the head moves on: its timer is void
         while let Some(frame) = st.stalled.pop_front() {
-            if needs_recv(&frame) && st.recvs.is_empty() {
+            if needs_recv(&frame) && !self.recv_ready(st) {
                 self.start_stall(st, frame);
                 return;
             }
+            let gen = st.stall_gen;
             self.execute(st, frame);
-            if st.error {
+            // In error, or held again (another QP took the shared receive it was to have).
+            if st.error || st.stall_gen != gen {
                 return;
             }
+        }
+    }
+
+    /// Whether a receive is there for the next request that needs one; on a shared queue,
+    /// when none is, the next post there runs the requests held here.
+    fn recv_ready(self: &Arc<Self>, st: &State) -> bool {
+        match &self.srq {
+            Some(srq) => srq.has_recv_or_wait(self),
+            None => !st.recvs.is_empty(),
+        }
+    }
+
+    /// The receive the next request takes: the QP's oldest, or the shared queue's.
+    fn take_recv(self: &Arc<Self>, st: &mut State) -> Option<PostedRecv> {
+        match &self.srq {
+            Some(srq) => srq.take(self),
+            None => st.recvs.pop_front(),
+        }
+    }
+
+    /// Receives were posted on the shared queue this QP waited on: held requests run.
+    fn srq_posted(self: &Arc<Self>) {
+        let mut st = self.state.lock();
+        if st.error || self.destroyed.load(Ordering::Acquire) {
+            return;
+        }
+        let before = st.ack_due;
+        self.drain_stalled(&mut st);
+        if st.ack_due != before {
+            self.flush_ack(&mut st);
         }
     }
 
@@ -1160,7 +1200,11 @@ impl Engine {
                         return self.start_stall(st, Frame::Data { head, data });
                     }
                 }
-                let Some(r) = st.recvs.pop_front() else { return };
+                let Some(r) = self.take_recv(st) else {
+                    // Another QP took the shared receive: held until one is posted (RNR).
+                    let head = DataHead::Send { ssn, imm, ack };
+                    return self.start_stall(st, Frame::Data { head, data });
+                };
                 match deliver(&r, &data, &self.pd) {
                     Ok(()) => {
                         self.push_recv(r, WcStatus::Success, WcOpcode::Recv, data.len() as u32, imm);
@@ -1213,7 +1257,16 @@ impl Engine {
                             return self.start_stall(st, Frame::Data { head, data });
                         }
                     }
-                    let Some(r) = st.recvs.pop_front() else { return };
+                    let Some(r) = self.take_recv(st) else {
+                        let head = DataHead::Write {
+                            ssn,
+                            addr,
+                            rkey,
+                            imm: Some(imm),
+                            ack,
+                        };
+                        return self.start_stall(st, Frame::Data { head, data });
+                    };
                     self.push_recv(
                         r,
                         WcStatus::Success,

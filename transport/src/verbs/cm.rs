@@ -253,6 +253,14 @@ fn create_qp(id: &Id, opts: &QpOptions) -> Result<()> {
     };
     init.qp_type = ibv_qp_type::IBV_QPT_RC;
     init.sq_sig_all = 0;
+    if let Some(srq) = &opts.srq {
+        match &srq.inner.imp {
+            crate::srq::SrqImpl::Verbs(s) => init.srq = s.raw(),
+            #[allow(unreachable_patterns)]
+            _ => return Err(Error::InvalidArgument("a verbs QP needs a verbs SRQ".into())),
+        }
+        init.cap.max_recv_wr = 0;
+    }
     // SAFETY: the id is live and bound to the PD's device (checked by the caller); PD and CQs are
     // live and outlive the QP (QueuePair holds them).
     check("rdma_create_qp", unsafe {

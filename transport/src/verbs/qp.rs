@@ -287,7 +287,7 @@ impl Qp {
 }
 
 /// Maps a post's return code to the index of the first request not posted and the error.
-fn post_result<T>(call: &'static str, rc: i32, bad: *mut T, base: *mut T) -> Result<(), (usize, Error)> {
+pub(super) fn post_result<T>(call: &'static str, rc: i32, bad: *mut T, base: *mut T) -> Result<(), (usize, Error)> {
     if rc == 0 {
         return Ok(());
     }
