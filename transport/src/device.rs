@@ -130,6 +130,25 @@ pub(crate) struct DeviceShared {
     pub(crate) imp: DeviceImpl,
     /// Bytes registered through this device and not yet deregistered.
     pub(crate) registered: std::sync::atomic::AtomicU64,
+    /// The software providers' progress engine, made with the first QP.
+    progress: std::sync::OnceLock<crate::nic::progress::Progress>,
+    making_progress: parking_lot::Mutex<()>,
+}
+
+impl DeviceShared {
+    /// The progress engine that turns every QP of this (software) device, started with the
+    /// first one.
+    pub(crate) fn progress(&self) -> Result<&crate::nic::progress::Progress> {
+        if let Some(p) = self.progress.get() {
+            return Ok(p);
+        }
+        let _one = self.making_progress.lock();
+        if let Some(p) = self.progress.get() {
+            return Ok(p);
+        }
+        let p = crate::nic::progress::Progress::new(crate::nic::progress::Progress::threads_from_env())?;
+        Ok(self.progress.get_or_init(|| p))
+    }
 }
 
 pub(crate) enum DeviceImpl {
@@ -172,6 +191,8 @@ impl Device {
                 caps: crate::tcp::caps(),
                 imp: DeviceImpl::Tcp,
                 registered: Default::default(),
+                progress: Default::default(),
+                making_progress: Default::default(),
             },
             ProviderSpec::Shm | ProviderSpec::ShmAnyUser => DeviceShared {
                 spec: spec.clone(),
@@ -181,6 +202,8 @@ impl Device {
                     any_user: *spec == ProviderSpec::ShmAnyUser,
                 },
                 registered: Default::default(),
+                progress: Default::default(),
+                making_progress: Default::default(),
             },
             #[cfg(feature = "verbs")]
             ProviderSpec::Verbs(name) => {
@@ -191,6 +214,8 @@ impl Device {
                     caps: ctx.caps().clone(),
                     imp: DeviceImpl::Verbs(ctx),
                     registered: Default::default(),
+                    progress: Default::default(),
+                    making_progress: Default::default(),
                 }
             }
             #[cfg(not(feature = "verbs"))]

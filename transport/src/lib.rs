@@ -60,6 +60,7 @@ mod device;
 mod error;
 mod head;
 mod mr;
+mod nic;
 mod pd;
 mod pool;
 mod qp;

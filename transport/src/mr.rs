@@ -2,7 +2,6 @@
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
-use std::time::Duration;
 
 use parking_lot::{MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use serde::{Deserialize, Serialize};
@@ -202,11 +201,6 @@ impl Region {
         Some(self.readable(self.mem.try_read_recursive()?, off, len))
     }
 
-    /// As [`try_read_range`](Self::try_read_range), waiting up to `wait` for a writer to let go.
-    pub(crate) fn read_range_within(&self, off: usize, len: usize, wait: Duration) -> Option<BufRef<'_>> {
-        Some(self.readable(self.mem.try_read_recursive_for(wait)?, off, len))
-    }
-
     /// As [`lock_range`](Self::lock_range) if nobody holds the lock; `None` if somebody does.
     pub(crate) fn try_lock_range(&self, off: usize, len: usize) -> Option<BufMut<'_>> {
         Some(self.writable(self.mem.try_write()?, off, len))
@@ -251,11 +245,6 @@ impl Region {
     /// through this lock.
     pub(crate) fn try_atomic(&self, off: usize, op: Rmw) -> Option<u64> {
         Some(rmw(&mut *self.mem.try_write()?, off, op))
-    }
-
-    /// As [`try_atomic`](Self::try_atomic), waiting up to `wait` for the lock.
-    pub(crate) fn atomic_within(&self, off: usize, op: Rmw, wait: Duration) -> Option<u64> {
-        Some(rmw(&mut *self.mem.try_write_for(wait)?, off, op))
     }
 
     /// The application's vector back, deregistered (a copy out of the arena on shm).

@@ -76,21 +76,8 @@ pub(crate) fn start(
     own_rq: OwnRq,
     opts: &QpOptions,
 ) -> Result<(crate::tcp::Qp, u32)> {
-    let cq = |c: &crate::CompletionQueue| match &c.inner.imp {
-        CqImpl::Tcp(cq) => Ok(Arc::clone(cq)),
-        #[allow(unreachable_patterns)]
-        _ => Err(Error::InvalidArgument("an shm QP needs shm CQs".into())),
-    };
     let qp_num = crate::tcp::random_u32();
-    let qp = crate::tcp::Qp::start(
-        link,
-        qp_num,
-        opts.pd.inner.clone(),
-        cq(&opts.send_cq)?,
-        cq(&opts.recv_cq)?,
-        Some((peer, own_rq)),
-        opts.srq.as_ref().and_then(|s| s.soft().cloned()),
-    )?;
+    let qp = crate::tcp::Qp::start(link, qp_num, opts, Some((peer, own_rq)))?;
     Ok((qp, qp_num))
 }
 
@@ -103,7 +90,7 @@ pub(crate) fn side(opts: &QpOptions) -> Result<cm::Side> {
                 #[allow(unreachable_patterns)]
                 _ => return Err(Error::InvalidArgument("an shm QP needs shm CQs".into())),
             };
-            cm::Side::new(pd.arena.clone(), opts.caps.max_recv_wr, bell)
+            cm::Side::new(pd.arena.clone(), opts.caps.max_recv_wr, bell, opts.pd.device().clone())
         }
         _ => Err(Error::InvalidArgument("an shm QP needs an shm PD".into())),
     }

@@ -29,7 +29,8 @@ const MAGIC: &[u8; 8] = b"RDRPCSHM";
 /// 4: read responses sent as frames go in parts (the tcp wire's `READ_PART`).
 /// 5: each ring's header carries its consumer's heartbeat (`link::KEEPALIVE`).
 /// 6: a key table (read-only) instead of the whole arena; memory granted key by key (`grant`).
-const VERSION: u16 = 6;
+/// 7: a fifth descriptor, the QP's doorbell, rung instead of the rings' futexes (`link`).
+const VERSION: u16 = 7;
 const HANDSHAKE: Duration = Duration::from_secs(10);
 
 fn name(addr: SocketAddr) -> Result<UnixAddr> {
@@ -47,6 +48,12 @@ pub(crate) struct Side {
     rq: Option<OwnRq>,
     /// The receive CQ's doorbell, for the peer to ring after delivering into our receives.
     bell_fd: OwnedFd,
+    /// The QP's doorbell, which our progress engine watches: the peer rings it when it wrote
+    /// to our sleeping reader or freed room for our sleeping writer.
+    qp_bell: Option<OwnedFd>,
+    qp_bell_fd: OwnedFd,
+    /// Whose progress engine turns the QP.
+    device: crate::Device,
     /// Once joined: the grants' server, to start pushing when the handshake is over.
     server: Option<Arc<Server>>,
 }
@@ -59,7 +66,7 @@ pub(crate) struct Joined {
 }
 
 impl Side {
-    pub(crate) fn new(arena: Arc<Arena>, max_recv_wr: u32, bell_fd: OwnedFd) -> Result<Side> {
+    pub(crate) fn new(arena: Arc<Arena>, max_recv_wr: u32, bell_fd: OwnedFd, device: crate::Device) -> Result<Side> {
         let fd =
             sys::sealed_memfd("rdma-rpc-shm-ring", ring::BYTES as u64).map_err(|e| Error::io("creating a ring", e))?;
         let inbox = Arc::new(Mapping::map(&fd, ring::BYTES).map_err(|e| Error::io("mapping a ring", e))?);
@@ -67,6 +74,14 @@ impl Side {
         ring::init(&inbox);
         let (rq_fd, rq) = OwnRq::create(rq::capacity(max_recv_wr))?;
         let table_fd = sys::reopen_read_only(&arena.table_fd).map_err(|e| Error::io("opening the key table", e))?;
+        let qp_bell = rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
+        )
+        .map_err(|e| Error::io("creating a QP's doorbell (eventfd)", e.into()))?;
+        let qp_bell_fd = qp_bell
+            .try_clone()
+            .map_err(|e| Error::io("duplicating a QP's doorbell", e))?;
         Ok(Side {
             arena,
             table_fd,
@@ -75,23 +90,27 @@ impl Side {
             rq_fd,
             rq: Some(rq),
             bell_fd,
+            qp_bell: Some(qp_bell),
+            qp_bell_fd,
+            device,
             server: None,
         })
     }
 
-    fn fds(&self) -> [std::os::fd::RawFd; 4] {
+    fn fds(&self) -> [std::os::fd::RawFd; 5] {
         [
             self.table_fd.as_raw_fd(),
             self.inbox_fd.as_raw_fd(),
             self.rq_fd.as_raw_fd(),
             self.bell_fd.as_raw_fd(),
+            self.qp_bell_fd.as_raw_fd(),
         ]
     }
 
     /// The link, the peer's memory and receive queue, from the peer's descriptors. Our
     /// descriptors stay with `self` until they were sent.
     fn join(&mut self, sock: UnixStream, peer_fds: Vec<OwnedFd>) -> Result<Joined> {
-        let [table_fd, inbox_fd, rq_fd, bell]: [OwnedFd; 4] = peer_fds
+        let [table_fd, inbox_fd, rq_fd, bell, peer_qp_bell]: [OwnedFd; 5] = peer_fds
             .try_into()
             .map_err(|_| Error::Protocol("the peer sent the wrong descriptors".into()))?;
         let requests = sock.try_clone().map_err(|e| Error::io("cloning the socket", e))?;
@@ -105,11 +124,21 @@ impl Side {
             )));
         }
         sys::peer_eventfd(&bell).map_err(|e| Error::io("checking the peer's doorbell", e))?;
+        sys::peer_eventfd(&peer_qp_bell).map_err(|e| Error::io("checking the peer's QP doorbell", e))?;
+        let peer_qp_bell = Arc::new(peer_qp_bell);
         let tx_map =
             Arc::new(Mapping::map(&inbox_fd, ring::BYTES).map_err(|e| Error::io("mapping the peer's ring", e))?);
         let dead = Arc::new(AtomicBool::new(false));
-        let rx = Ring::new(self.inbox.clone(), dead.clone()).ok_or_else(|| Error::Protocol("ring".into()))?;
-        let tx = Ring::new(tx_map, dead.clone()).ok_or_else(|| Error::Protocol("ring".into()))?;
+        let rx = Ring::new(self.inbox.clone(), dead.clone())
+            .ok_or_else(|| Error::Protocol("ring".into()))?
+            .with_peer_bell(peer_qp_bell.clone());
+        let tx = Ring::new(tx_map, dead.clone())
+            .ok_or_else(|| Error::Protocol("ring".into()))?
+            .with_peer_bell(peer_qp_bell);
+        let qp_bell = self
+            .qp_bell
+            .take()
+            .ok_or_else(|| Error::Protocol("side joined twice".into()))?;
         let own_rq = self
             .rq
             .take()
@@ -117,8 +146,8 @@ impl Side {
         let pushes = sock.try_clone().map_err(|e| Error::io("cloning the socket", e))?;
         let server = Server::start(self.arena.clone(), pushes);
         self.server = Some(server.clone());
-        let link = ShmLink::new(rx, tx, sock, dead, server, grants.clone())
-            .map_err(|e| Error::io("starting the shm watcher", e))?;
+        let progress = self.device.inner.progress()?;
+        let link = ShmLink::new(rx, tx, qp_bell, sock, dead, server, grants.clone(), progress)?;
         Ok(Joined {
             link,
             peer: Arc::new(Peer {
@@ -409,6 +438,7 @@ mod tests {
         inbox: OwnedFd,
         rq: OwnedFd,
         bell: OwnedFd,
+        qp_bell: OwnedFd,
         _side: Side,
     }
 
@@ -427,12 +457,13 @@ mod tests {
             // SAFETY: dup returned a fresh descriptor nothing else owns.
             unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(d) }
         };
-        let [a, i, r, b] = side.fds();
+        let [a, i, r, b, q] = side.fds();
         Fds {
             table: dup(a),
             inbox: dup(i),
             rq: dup(r),
             bell: dup(b),
+            qp_bell: dup(q),
             _side: side,
         }
     }
@@ -457,7 +488,7 @@ mod tests {
 
     /// Sends a handshake with `fds` to the listener at `addr` as a raw process would, and
     /// returns the reply: `Ok(())` for an acceptance, `Err(reason)` for a refusal.
-    fn try_join(addr: SocketAddr, fds: [&OwnedFd; 4]) -> std::result::Result<(), String> {
+    fn try_join(addr: SocketAddr, fds: [&OwnedFd; 5]) -> std::result::Result<(), String> {
         let stream = UnixStream::connect_addr(&name(addr).expect("name")).expect("connect");
         stream.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
         let raw = fds.map(|f| f.as_raw_fd());
@@ -491,7 +522,7 @@ mod tests {
         let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
         let listener = Listener::bind(addr, false).expect("bind");
         let addr = listener.local_addr();
-        let server = serve(listener, 8);
+        let server = serve(listener, 9);
         let g = good_fds();
         let sealed = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
         let huge_table = memfd(libc::MFD_HUGETLB, 2 << 20, sealed);
@@ -507,41 +538,46 @@ mod tests {
             p.map(|fd| unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
         };
         let file = tempfile_of(super::super::arena::TABLE as u64);
-        let cases: [(&str, [&OwnedFd; 4], &str); 7] = [
+        let cases: [(&str, [&OwnedFd; 5], &str); 8] = [
             (
                 "a hugetlbfs key table",
-                [&huge_table, &g.inbox, &g.rq, &g.bell],
+                [&huge_table, &g.inbox, &g.rq, &g.bell, &g.qp_bell],
                 "hugetlbfs",
             ),
             (
                 "a hugetlbfs receive queue",
-                [&g.table, &g.inbox, &huge_rq, &g.bell],
+                [&g.table, &g.inbox, &huge_rq, &g.bell, &g.qp_bell],
                 "hugetlbfs",
             ),
             (
                 "an unsealed ring",
-                [&g.table, &unsealed_ring, &g.rq, &g.bell],
+                [&g.table, &unsealed_ring, &g.rq, &g.bell, &g.qp_bell],
                 "not sealed",
             ),
             (
                 "a key table of the wrong size",
-                [&small_table, &g.inbox, &g.rq, &g.bell],
+                [&small_table, &g.inbox, &g.rq, &g.bell, &g.qp_bell],
                 "key table is",
             ),
             (
                 "a receive queue of no valid size",
-                [&g.table, &g.inbox, &odd_rq, &g.bell],
+                [&g.table, &g.inbox, &odd_rq, &g.bell, &g.qp_bell],
                 "receive queue is",
             ),
             (
                 "a pipe as the doorbell",
-                [&g.table, &g.inbox, &g.rq, &pipe_r],
+                [&g.table, &g.inbox, &g.rq, &pipe_r, &g.qp_bell],
+                "not an eventfd",
+            ),
+            (
+                "a pipe as the QP's doorbell",
+                [&g.table, &g.inbox, &g.rq, &g.bell, &pipe_r],
                 "not an eventfd",
             ),
             // On a tmpfs /tmp a plain file passes as memory, but cannot be sealed.
             (
                 "a plain file",
-                [&file, &g.inbox, &g.rq, &g.bell],
+                [&file, &g.inbox, &g.rq, &g.bell, &g.qp_bell],
                 "not a memfd|not sealed",
             ),
         ];
@@ -555,7 +591,7 @@ mod tests {
             }
         }
         // The same server, still alive, takes a side whose descriptors are all in order.
-        try_join(addr, [&g.table, &g.inbox, &g.rq, &g.bell]).expect("a good side is accepted");
+        try_join(addr, [&g.table, &g.inbox, &g.rq, &g.bell, &g.qp_bell]).expect("a good side is accepted");
         assert_eq!(
             server.join().expect("the server thread"),
             1,
@@ -605,7 +641,7 @@ mod tests {
         // The attacker: a side of its own, then the server's receive queue, mapped.
         let g = good_fds();
         let stream = UnixStream::connect_addr(&name(addr).expect("name")).expect("connect");
-        let raw = [&g.table, &g.inbox, &g.rq, &g.bell].map(|f| f.as_raw_fd());
+        let raw = [&g.table, &g.inbox, &g.rq, &g.bell, &g.qp_bell].map(|f| f.as_raw_fd());
         sys::send_with_fds(&stream, &hello(b""), &raw).expect("send the handshake");
         let (reply, fds) = sys::recv_with_fds(&stream, 512).expect("the reply");
         assert_eq!(reply.first(), Some(&1), "accepted");
@@ -722,7 +758,7 @@ mod tests {
         stream
             .set_read_timeout(Some(Duration::from_millis(500)))
             .expect("timeout");
-        let raw = [&g.table, &g.inbox, &g.rq, &g.bell].map(|f| f.as_raw_fd());
+        let raw = [&g.table, &g.inbox, &g.rq, &g.bell, &g.qp_bell].map(|f| f.as_raw_fd());
         sys::send_with_fds(&stream, &hello(b""), &raw).expect("send the handshake");
         // Before the reply, the grants of what it may use at once, each read on its own.
         let mut early = Vec::new();

@@ -5,6 +5,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::AtomicU32;
+#[cfg(test)]
 use std::time::Duration;
 
 fn check(r: libc::c_int) -> io::Result<libc::c_int> {
@@ -177,6 +178,7 @@ pub(crate) fn reopen_read_only(fd: &OwnedFd) -> io::Result<OwnedFd> {
 }
 
 /// Sleeps while `*word == seen`, at most `timeout` (a shared futex: works across processes).
+#[cfg(test)]
 pub(crate) fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
     let ts = libc::timespec {
         tv_sec: timeout.as_secs() as libc::time_t,
@@ -246,6 +248,19 @@ fn send_with(sock: &UnixStream, bytes: &[u8], fds: &[RawFd], flags: libc::c_int)
 
 /// Receives one message of at most `max` bytes and the descriptors attached to it.
 pub(crate) fn recv_with_fds(sock: &UnixStream, max: usize) -> io::Result<(Vec<u8>, Vec<OwnedFd>)> {
+    recv_with_fds_flags(sock, max, 0)
+}
+
+/// As [`recv_with_fds`], without waiting: `None` when nothing is there.
+pub(crate) fn recv_with_fds_now(sock: &UnixStream, max: usize) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
+    match recv_with_fds_flags(sock, max, libc::MSG_DONTWAIT) {
+        Ok(got) => Ok(Some(got)),
+        Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+fn recv_with_fds_flags(sock: &UnixStream, max: usize, flags: i32) -> io::Result<(Vec<u8>, Vec<OwnedFd>)> {
     let mut buf = vec![0u8; max];
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
@@ -259,7 +274,7 @@ pub(crate) fn recv_with_fds(sock: &UnixStream, max: usize) -> io::Result<(Vec<u8
     msg.msg_control = cbuf.as_mut_ptr().cast();
     msg.msg_controllen = cbuf.len() * 8;
     // SAFETY: `msg` points at live buffers for the duration of the call.
-    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC | flags) };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }

@@ -11,7 +11,6 @@ use socket2::{SockRef, TcpKeepalive};
 use super::{random_u32, Qp};
 use crate::backlog::Backlog;
 use crate::cm::MAX_PRIVATE_DATA;
-use crate::cq::CqImpl;
 use crate::{Error, QpOptions, Result};
 
 const MAGIC: &[u8; 8] = b"RDRPCTCP";
@@ -258,20 +257,7 @@ fn start(stream: TcpStream, opts: &QpOptions, qp_num: u32) -> Result<(Qp, u32)> 
         .with_retries(3);
     sock.set_tcp_keepalive(&ka).map_err(cfg)?;
     sock.set_tcp_user_timeout(Some(Duration::from_secs(5))).map_err(cfg)?;
-    let cq = |c: &crate::CompletionQueue| match &c.inner.imp {
-        CqImpl::Tcp(cq) => Ok(Arc::clone(cq)),
-        #[allow(unreachable_patterns)]
-        _ => Err(Error::InvalidArgument("a tcp QP needs tcp CQs".into())),
-    };
-    let qp = Qp::start(
-        Arc::new(super::link::TcpLink::new(stream)),
-        qp_num,
-        opts.pd.inner.clone(),
-        cq(&opts.send_cq)?,
-        cq(&opts.recv_cq)?,
-        None,
-        opts.srq.as_ref().and_then(|s| s.soft().cloned()),
-    )?;
+    let qp = Qp::start(Arc::new(super::link::TcpLink::new(stream)), qp_num, opts, None)?;
     Ok((qp, qp_num))
 }
 

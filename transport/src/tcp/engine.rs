@@ -1,22 +1,23 @@
-//! The progress engine of one software queue pair: requester, responder and completer.
+//! The engine of one software queue pair: requester, responder and completer. It turns on its
+//! device's progress engine (`nic/progress.rs`), which serves every QP of the device with a
+//! fixed number of threads: each turn reads what it can ([`reader`]), writes what it can
+//! ([`Sender`]), fires the RNR timer, and says what to wait for next.
 //!
 //! Lock order: `post` before `reader` before `state` before a region's memory before the
-//! sender's lock. Nothing blocks on the socket's send side except the writer thread (see
-//! [`Sender`]), so the reader always drains and two engines can never wait on each other; nothing
-//! blocks on the socket's read side at all (see [`progress`]).
+//! sender's lock. Nothing blocks on the link at all, so the reader always drains and two engines
+//! can never wait on each other; the engine never waits for a region's lock either (an
+//! application may hold one as long as it likes): what needs held memory waits for a later turn.
 
-mod progress;
+mod reader;
 pub(crate) mod srq;
 mod stall;
 
 use std::collections::VecDeque;
-use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
-use std::thread::JoinHandle;
-use std::time::Duration;
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 
 use super::inbox::Inbox;
 use super::link::Link;
@@ -25,6 +26,7 @@ use super::wire::{AtomicOp, DataHead, Encoder, Frame, WireError};
 use super::Cq;
 use crate::cq::RawWc;
 use crate::mr::{Region, Rmw};
+use crate::nic::progress::{Handle, Next, Progress, Task, Waker, Why};
 use crate::pd::PdShared;
 use crate::qp::{RecvDesc, SendDesc, FLUSH};
 use crate::{AccessFlags, Error, Head, SendOp, WcOpcode, WcStatus};
@@ -97,6 +99,8 @@ struct State {
     /// Responder frames waiting for a receive; the head one is the RNR-stalled request.
     stalled: stall::Stalled,
     stall_gen: u64,
+    /// When the held head request's RNR budget runs out, and its stall's generation.
+    rnr: Option<(Instant, u64)>,
     /// The last Send or Write executed that asked for an acknowledgement and has not had it
     /// yet (acks are cumulative, as RC's): it goes out before any other response, when the
     /// reader thread finds no further frame waiting, and after requests a post_recv let run.
@@ -129,7 +133,7 @@ struct Engine {
     /// has none of its own, and on shm the peer delivers nothing directly).
     srq: Option<Arc<srq::Srq>>,
     /// The read side of the link, held by whoever reads: the reader thread or a poller.
-    reader: Mutex<progress::Reader>,
+    reader: Mutex<reader::Reader>,
     /// Frames that polls of the QP's CQs handled so far (tcp).
     taken: AtomicU64,
     /// A poll left whole frames read ahead: the next poll handles them even if the socket has
@@ -143,39 +147,47 @@ struct Engine {
     /// send a deferred acknowledgement by itself.
     reader_untimed: AtomicBool,
     /// The held frames reached [`stall::STALL_CAP`]: nobody reads the link until the stall
-    /// ends; `unthrottled` is notified (under `state`) when it does.
+    /// ends, which wakes the engine.
     throttle: AtomicBool,
-    unthrottled: Condvar,
-    /// tcp: rung to have the reader thread look again (its pollers hand it a frame, a CQ was
-    /// armed, the QP is destroyed). shm: none, its reader thread alone reads the link.
-    wake: Option<OwnedFd>,
+    /// tcp: application threads polling the QP's CQs read the link too. shm: the engine
+    /// alone reads it.
+    pollers_read: bool,
+    /// Turns the QP on its device's progress engine (a poller hands it a frame, a CQ was
+    /// armed, an RNR stall began or ended).
+    waker: OnceLock<Waker>,
+    /// The engine's own state between turns.
+    turns: Mutex<reader::ReadLoop>,
 }
 
-/// A software RC queue pair over one TCP connection.
+/// A software RC queue pair over one link.
 pub(crate) struct Qp {
     engine: Arc<Engine>,
-    threads: Vec<JoinHandle<()>>,
+    handle: Handle,
 }
 
 impl Qp {
+    /// Starts the engine of a QP made with `opts` over `link` (with the peer's memory and our
+    /// shared receive queue on shm), on its device's progress engine.
     pub(crate) fn start(
         link: Arc<dyn Link>,
         qp_num: u32,
-        pd: Arc<PdShared>,
-        send_cq: Arc<Cq>,
-        recv_cq: Arc<Cq>,
+        opts: &crate::QpOptions,
         shm: Option<(Arc<crate::shm::Peer>, crate::shm::OwnRq)>,
-        srq: Option<Arc<srq::Srq>>,
     ) -> Result<Self, Error> {
+        let cq = |c: &crate::CompletionQueue| match &c.inner.imp {
+            crate::cq::CqImpl::Tcp(cq) => Ok(Arc::clone(cq)),
+            #[allow(unreachable_patterns)]
+            _ => Err(Error::InvalidArgument("a software QP needs software CQs".into())),
+        };
+        let (pd, send_cq, recv_cq) = (opts.pd.inner.clone(), cq(&opts.send_cq)?, cq(&opts.recv_cq)?);
+        let srq = opts.srq.as_ref().and_then(|s| s.soft().cloned());
+        let progress: &Progress = opts.pd.inner.device.inner.progress()?;
         let (direct, own_rq) = match shm {
             Some((p, rq)) => (Some(p), Some(Arc::new(rq))),
             None => (None, None),
         };
-        // tcp: the application's polls read the socket too; shm: its reader thread alone.
-        let wake = match direct {
-            Some(_) => None,
-            None => Some(progress::wake_fd().map_err(|e| Error::io("creating a QP reader's wake-up (eventfd)", e))?),
-        };
+        // tcp: the application's polls read the socket too; shm: the engine alone.
+        let pollers_read = direct.is_none();
         let engine = Arc::new(Engine {
             qp_num,
             pd,
@@ -183,18 +195,19 @@ impl Qp {
             recv_cq,
             post: Mutex::new(()),
             out: Sender::new(link.clone()),
-            reader: Mutex::new(progress::Reader::new(Inbox::new(link.clone()))),
+            reader: Mutex::new(reader::Reader::new(Inbox::new(link.clone()))),
             buffered: Arc::new(AtomicBool::new(false)),
             ack_owed: Arc::new(AtomicBool::new(false)),
             reader_untimed: AtomicBool::new(false),
             taken: AtomicU64::new(0),
-            wake,
+            pollers_read,
+            waker: OnceLock::new(),
+            turns: Mutex::new(reader::ReadLoop::default()),
             link,
             state: Mutex::new(State::default()),
             error: AtomicBool::new(false),
             destroyed: AtomicBool::new(false),
             throttle: AtomicBool::new(false),
-            unthrottled: Condvar::new(),
             direct,
             own_rq,
             srq,
@@ -231,18 +244,13 @@ impl Qp {
                 );
             }
         }
-        let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
-            std::thread::Builder::new()
-                .name(name)
-                .spawn(f)
-                .map_err(|e| Error::io("spawning a QP progress thread", e))
-        };
-        let (e1, e2) = (engine.clone(), engine.clone());
-        let threads = vec![
-            spawn(format!("rdma-tcp-rx-{qp_num:x}"), Box::new(move || e1.run_reader()))?,
-            spawn(format!("rdma-tcp-tx-{qp_num:x}"), Box::new(move || e2.out.run_writer()))?,
-        ];
-        Ok(Self { engine, threads })
+        let task: Arc<dyn Task> = Arc::new(Turns(engine.clone()));
+        let handle = progress.register(task, Some(engine.link.event_fd()))?;
+        let _ = engine.waker.set(handle.waker());
+        engine.out.set_waker(handle.waker());
+        // Anything that came before the waker was set is looked at in a turn now.
+        handle.wake();
+        Ok(Self { engine, handle })
     }
 
     pub(crate) fn is_error(&self) -> bool {
@@ -390,10 +398,8 @@ impl Qp {
         self.engine.destroyed.store(true, Ordering::Release);
         self.engine.link.shutdown();
         self.engine.out.close();
-        self.engine.wake_reader();
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
+        // No turn after this, and none under way.
+        self.handle.deregister();
         // A poller may still be reading: wait for it (the next one sees `destroyed`).
         drop(self.engine.reader.lock());
     }
@@ -1054,18 +1060,9 @@ impl Engine {
         st.stalled.push_front(frame);
         self.settle_throttle(st);
         st.stall_gen += 1;
-        let gen = st.stall_gen;
-        let weak: Weak<Engine> = Arc::downgrade(self);
-        let timer = std::thread::Builder::new().name("rdma-tcp-rnr".into()).spawn(move || {
-            std::thread::sleep(RNR_BUDGET);
-            if let Some(e) = weak.upgrade() {
-                e.rnr_expired(gen);
-            }
-        });
-        if timer.is_err() {
-            // Without a timer the request can only wait; fail it now rather than hang.
-            self.rnr_expired(gen);
-        }
+        // The RNR budget runs on the progress engine's timers: a turn fires it.
+        st.rnr = Some((Instant::now() + RNR_BUDGET, st.stall_gen));
+        self.wake_reader();
     }
 
     fn rnr_expired(&self, gen: u64) {
@@ -1147,17 +1144,7 @@ impl Engine {
     fn settle_throttle(&self, st: &State) {
         let full = st.stalled.full();
         if self.throttle.swap(full, Ordering::AcqRel) && !full {
-            self.unthrottled.notify_all();
-        }
-    }
-
-    /// The reader thread, throttled: waits until the stall ends (a receive posted, the RNR
-    /// budget spent, the QP in error) or the QP is destroyed.
-    fn wait_unthrottled(&self) {
-        let mut st = self.state.lock();
-        while self.throttle.load(Ordering::Acquire) && !self.destroyed.load(Ordering::Acquire) {
-            // Destroying wakes nobody here; a short wait sees it soon enough.
-            self.unthrottled.wait_for(&mut st, Duration::from_millis(10));
+            self.wake_reader();
         }
     }
 
@@ -1341,6 +1328,68 @@ fn deliver(r: &PostedRecv, data: &[u8], pd: &Arc<PdShared>) -> Result<(), WcStat
             }
             v.region.lock_range(v.off, data.len()).copy_from_slice(data);
             Ok(())
+        }
+    }
+}
+
+/// A QP's engine as the progress engine's task.
+struct Turns(Arc<Engine>);
+
+impl Task for Turns {
+    fn turn(&self, why: Why) -> Next {
+        self.0.turn_once(why)
+    }
+}
+
+impl Engine {
+    /// One turn on the progress engine: the RNR timer, the reader, the writer.
+    fn turn_once(self: &Arc<Self>, why: Why) -> Next {
+        let mut rl = self.turns.lock();
+        let mut why = why;
+        loop {
+            self.link.disarm();
+            let now = Instant::now();
+            let rnr_due = {
+                let mut st = self.state.lock();
+                match st.rnr {
+                    Some((at, gen)) if at <= now => {
+                        st.rnr = None;
+                        Some(gen)
+                    }
+                    _ => None,
+                }
+            };
+            if let Some(gen) = rnr_due {
+                self.rnr_expired(gen);
+            }
+            let read = self.read_turn(&mut rl, why, now);
+            let (full, write_at) = self.out.write_turn(now);
+            let rnr_at = self.state.lock().rnr.map(|(at, _)| at);
+            let at = [read.at, write_at, rnr_at].into_iter().flatten().min();
+            // A link whose readiness no descriptor tells (shm) rings its descriptor when what
+            // was armed comes; armed with it there already, the turn goes on.
+            let again = (read.watch && self.link.arm_read()) || (full && self.link.arm_write());
+            if again {
+                why = Why {
+                    readable: true,
+                    writable: true,
+                    ..Why::default()
+                };
+                continue;
+            }
+            return match self.pollers_read {
+                true => Next {
+                    read: read.watch,
+                    write: full,
+                    at,
+                },
+                // One descriptor rung for both.
+                false => Next {
+                    read: read.watch || full,
+                    write: false,
+                    at,
+                },
+            };
         }
     }
 }

@@ -1,9 +1,8 @@
 //! The byte link under a software queue pair's engine: a TCP connection here, shared-memory
-//! rings in the shm provider. The engine needs non-blocking reads (whoever holds its reader) and a
-//! wait for data (its reader thread), non-blocking and blocking writes (posters, then the writer
-//! thread), and shutdown.
+//! rings in the shm provider. The engine needs non-blocking reads and writes, a descriptor its
+//! device's progress engine watches (`nic/progress.rs`), and shutdown.
 
-use std::io::{self, Write};
+use std::io;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,16 +15,27 @@ pub(crate) trait Link: Send + Sync + 'static {
     /// Reads what is there now, up to `buf.len()`, without waiting: `Ok(0)` when nothing is
     /// (whoever holds the engine's reader); the end of the link is an error.
     fn try_read(&self, buf: &mut [u8]) -> io::Result<usize>;
-    /// Waits (the reader thread) until there is something to read or the link ended, `wake`
-    /// is readable, or `timeout` passed; with `watch` false, for `wake` or `timeout` only.
-    /// `Ok(false)` when the time ran out. Links whose reads cannot be waited for beside a
-    /// descriptor (shm) wait for data only and must be called with `watch`.
-    fn wait(&self, wake: Option<BorrowedFd<'_>>, watch: bool, timeout: Option<Duration>) -> io::Result<bool>;
+    /// The descriptor the progress engine watches for the link: readable when there is
+    /// something to read, writable when there is room (a socket); or, for a link whose
+    /// readiness no descriptor tells (shm's rings), one that is rung when what
+    /// [`arm_read`](Self::arm_read) or [`arm_write`](Self::arm_write) asked for comes.
+    fn event_fd(&self) -> BorrowedFd<'_>;
     /// The descriptor to watch for readability beside others (a CQ's epoll set), if the link
-    /// has one.
+    /// is a socket that application threads may read too.
     fn socket(&self) -> Option<BorrowedFd<'_>> {
         None
     }
+    /// The engine is about to wait for something to read: has [`event_fd`](Self::event_fd)
+    /// rung when it comes. True when it is there already (do not wait). Sockets need nothing.
+    fn arm_read(&self) -> bool {
+        false
+    }
+    /// As [`arm_read`](Self::arm_read), for room to write.
+    fn arm_write(&self) -> bool {
+        false
+    }
+    /// A turn begins: takes the rings of [`event_fd`](Self::event_fd) and what was armed.
+    fn disarm(&self) {}
     /// Writes what fits without waiting; `Ok(0)` when nothing does.
     fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
     /// Writes what fits of `a` then `b` without waiting; the count of bytes taken from both.
@@ -36,8 +46,6 @@ pub(crate) trait Link: Send + Sync + 'static {
         }
         Ok(n + self.try_write(b)?)
     }
-    /// Writes everything, waiting for room (writer thread only).
-    fn write_all(&self, buf: &[u8]) -> io::Result<()>;
     /// No more bytes from this side (the peer reads to the end, then sees the end).
     fn shutdown_write(&self);
     /// Ends the link both ways at once.
@@ -80,6 +88,10 @@ impl Link for TcpLink {
         Some(self.stream.as_fd())
     }
 
+    fn event_fd(&self) -> BorrowedFd<'_> {
+        self.stream.as_fd()
+    }
+
     fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
         let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
         match SockRef::from(&self.stream).send_with_flags(buf, flags) {
@@ -105,26 +117,6 @@ impl Link for TcpLink {
         }
     }
 
-    fn wait(&self, wake: Option<BorrowedFd<'_>>, watch: bool, timeout: Option<Duration>) -> io::Result<bool> {
-        use rustix::event::{poll, PollFd, PollFlags, Timespec};
-        let limit = timeout.map(|t| Timespec {
-            tv_sec: t.as_secs().try_into().unwrap_or(i64::MAX),
-            tv_nsec: t.subsec_nanos().into(),
-        });
-        let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(2);
-        if watch {
-            fds.push(PollFd::new(&self.stream, PollFlags::IN));
-        }
-        if let Some(w) = &wake {
-            fds.push(PollFd::new(w, PollFlags::IN));
-        }
-        match poll(&mut fds, limit.as_ref()) {
-            Ok(n) => Ok(n > 0),
-            Err(rustix::io::Errno::INTR) => Ok(true),
-            Err(e) => Err(e.into()),
-        }
-    }
-
     fn try_write2(&self, a: &[u8], b: &[u8]) -> io::Result<usize> {
         // One sendmsg for a frame's header and its payload, straight from registered memory.
         let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
@@ -134,10 +126,6 @@ impl Link for TcpLink {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => Ok(0),
             Err(e) => Err(e),
         }
-    }
-
-    fn write_all(&self, buf: &[u8]) -> io::Result<()> {
-        (&self.stream).write_all(buf)
     }
 
     fn shutdown_write(&self) {

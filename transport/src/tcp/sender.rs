@@ -1,15 +1,16 @@
 //! The sending side of a software QP's connection, shared by posters and the responder.
 //!
 //! `send` never blocks on the socket: a frame goes out at once with a non-blocking send when
-//! nothing is queued, and otherwise joins a backlog that the writer thread flushes with blocking
-//! writes, outside the lock. So the reader (the responder: the reader thread or a polling
+//! nothing is queued, and otherwise joins a backlog that the queue pair's turns on its device's
+//! progress engine flush ([`Sender::write_turn`]), with non-blocking writes too, asking to turn
+//! again when the link has room. So the reader (the responder: the progress engine or a polling
 //! application thread) can answer without ever waiting on the peer, and two engines can never
 //! wait on each other, while the common case costs one syscall and no thread hop.
 //!
 //! A read response goes in parts of at most 256 KiB, each a frame (`READ_PART`, the last a
 //! `READ_RESP`), as a NIC sends a long read response in packets. Its payload is not copied
 //! into the backlog: it waits there as a reference to the registered memory it comes from, and
-//! the writer thread copies it out a part at a time as the link takes it, as a NIC reads host
+//! the writer copies it out a part at a time as the link takes it, as a NIC reads host
 //! memory while it transmits. A peer that asks for reads and does not take the answers
 //! (hostile, or its own reader stuck) then costs this side a few dozen bytes per request, not a
 //! copy of each response: 64 reads of a 16 MiB registration grew the process by 1 GiB before
@@ -26,25 +27,26 @@
 //! to go whole.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 
 use super::link::{Link, BEAT};
 use super::wire::Encoder;
 use crate::mr::{Region, Rmw};
+use crate::nic::progress::Waker;
 
 /// The largest emptied backlog buffer kept for reuse.
 const SPARE_MAX: usize = 4 << 20;
 
-/// The longest part of a read response: the writer thread copies one out of registered memory
-/// at a time, holding the region's lock only for that copy, never while the link is full.
+/// The longest part of a read response: the writer copies one out of registered memory at a
+/// time, holding the region's lock only for that copy.
 const PART: usize = 256 << 10;
 
-/// How long the writer thread waits at a time for memory the application holds before it looks
-/// again for requests to let pass, and for a close.
-const RECHECK: Duration = Duration::from_micros(200);
+/// How long a response that needs memory the application holds waits before the writer looks
+/// at it again (it lets requests pass meanwhile).
+pub(crate) const RECHECK: Duration = Duration::from_micros(200);
 
 /// A piece of the backlog.
 enum Piece {
@@ -70,13 +72,15 @@ enum Piece {
     },
 }
 
-/// What the writer thread did with a piece.
-enum Wrote {
+/// What the writer did with the piece at the front.
+enum Step {
+    /// It went whole.
     Done,
-    /// Written; the emptied buffer, for the next backlog.
-    Spare(Vec<u8>),
-    /// The application holds the memory it needs: it goes back to the front, to try again.
-    Waits(Piece),
+    /// The link took part of it or nothing: the rest waits at the front for room.
+    Full,
+    /// It needs memory the application holds: it waits at the front for [`RECHECK`]. `full`:
+    /// the requests it let pass filled the link meanwhile.
+    Memory { full: bool },
 }
 
 #[derive(Default)]
@@ -87,17 +91,19 @@ struct State {
     spare: Vec<u8>,
     /// Frames to go out ahead of the next one sent, in its write ([`Sender::ahead`]): responses.
     ahead: Vec<u8>,
-    /// The writer thread is writing what it took from the backlog: new frames must queue.
-    flushing: bool,
     /// Close the sending side once the backlog is out.
     close_after: bool,
     closed: bool,
+    /// Writes so far, and their count at the last heartbeat check: an idle link beats.
+    writes: u64,
+    beat_mark: u64,
+    beat_at: Option<Instant>,
 }
 
 impl State {
-    /// Nothing queued and nobody writing: a frame may go out at once.
+    /// Nothing queued: a frame may go out at once.
     fn idle(&self) -> bool {
-        self.backlog.is_empty() && !self.flushing
+        self.backlog.is_empty()
     }
 
     /// `head` with whatever waits to go ahead of it in front; `joined` holds the two when
@@ -158,7 +164,8 @@ impl State {
 pub(crate) struct Sender {
     link: Arc<dyn Link>,
     state: Mutex<State>,
-    cv: Condvar,
+    /// Turns the queue pair when the backlog needs its writer.
+    waker: OnceLock<Waker>,
 }
 
 impl Sender {
@@ -166,7 +173,18 @@ impl Sender {
         Self {
             link,
             state: Mutex::new(State::default()),
-            cv: Condvar::new(),
+            waker: OnceLock::new(),
+        }
+    }
+
+    /// Once the queue pair is on its progress engine: how the writer is woken.
+    pub(crate) fn set_waker(&self, waker: Waker) {
+        let _ = self.waker.set(waker);
+    }
+
+    fn wake(&self) {
+        if let Some(w) = self.waker.get() {
+            w.wake();
         }
     }
 
@@ -196,10 +214,10 @@ impl Sender {
             return Err(());
         }
         if !st.idle() {
+            // The writer is due already (it waits for room or memory).
             st.queue_ahead();
             st.push_bytes(head, request);
             st.push_bytes(data, request);
-            self.cv.notify_one();
             return Ok(());
         }
         let mut joined = Vec::new();
@@ -210,7 +228,8 @@ impl Sender {
             let (h, d) = (sent.min(head.len()), sent.saturating_sub(head.len()));
             st.push_bytes(&head[h..], false);
             st.push_bytes(&data[d..], false);
-            self.cv.notify_one();
+            drop(st);
+            self.wake();
         }
         Ok(())
     }
@@ -236,9 +255,13 @@ impl Sender {
             len: len - at,
         };
         let Some(bytes) = bytes.filter(|_| st.idle()) else {
+            let was_idle = st.idle();
             st.queue_ahead();
             st.backlog.push_back(rest(0));
-            self.cv.notify_one();
+            drop(st);
+            if was_idle {
+                self.wake();
+            }
             return Ok(());
         };
         let mut at = 0;
@@ -264,14 +287,15 @@ impl Sender {
         if at < len {
             st.backlog.push_back(rest(at));
         }
-        self.cv.notify_one();
+        drop(st);
+        self.wake();
         Ok(())
     }
 
     /// Runs a target's atomic on `region` and sends its answer; if somebody holds the region,
     /// or anything waits in the backlog (an atomic deferred before it may be there), the atomic
-    /// waits in the backlog for the writer thread, which runs them in the order they came when
-    /// the region is free.
+    /// waits in the backlog for the writer, which runs them in the order they came when the
+    /// region is free.
     pub(crate) fn send_atomic(&self, ssn: u64, region: &Arc<Region>, off: usize, op: Rmw) -> Result<(), ()> {
         let mut st = self.state.lock();
         if st.closed || st.close_after {
@@ -285,149 +309,190 @@ impl Sender {
             drop(st);
             return self.send(&Encoder::atomic_resp(ssn, old).finish());
         }
+        let was_idle = st.idle();
         st.backlog.push_back(Piece::Atomic {
             ssn,
             region: region.clone(),
             off,
             op,
         });
-        self.cv.notify_one();
+        drop(st);
+        if was_idle {
+            self.wake();
+        }
         Ok(())
     }
 
     /// One non-blocking write of `head` then `data`: the bytes taken. A broken link closes.
     fn try_now(&self, st: &mut State, head: &[u8], data: &[u8]) -> Result<usize, ()> {
+        st.writes += 1;
         self.link.try_write2(head, data).map_err(|_| st.closed = true)
     }
 
     /// Lets what is queued go out, then closes the sending side.
     pub(crate) fn close_after_flush(&self) {
-        let mut st = self.state.lock();
-        st.close_after = true;
-        self.cv.notify_one();
+        self.state.lock().close_after = true;
+        self.wake();
     }
 
-    /// Stops at once; the writer thread exits.
+    /// Stops at once: nothing more goes out.
     pub(crate) fn close(&self) {
-        let mut st = self.state.lock();
-        st.closed = true;
-        self.cv.notify_one();
+        self.state.lock().closed = true;
     }
 
-    /// The writer thread: flushes the backlog a piece at a time with blocking writes, without
-    /// holding the lock.
-    pub(crate) fn run_writer(&self) {
-        let mut scratch = Vec::new();
+    /// The writer's turn (on the progress engine): writes the backlog, a piece at a time, as far
+    /// as the link takes it without waiting; beats on a link idle for [`BEAT`]. Says whether to
+    /// turn again when the link has room, and when at the latest (memory the application
+    /// holds, the next beat).
+    pub(crate) fn write_turn(&self, now: Instant) -> (bool, Option<Instant>) {
         let mut st = self.state.lock();
         loop {
             if st.closed {
-                return;
+                return (false, None);
             }
-            let Some(piece) = st.backlog.pop_front() else {
-                st.flushing = false;
+            if st.backlog.is_empty() {
                 if st.close_after {
                     self.link.shutdown_write();
                     st.closed = true;
-                    return;
+                    return (false, None);
                 }
-                if !self.link.beats() {
-                    self.cv.wait(&mut st);
-                } else if self.cv.wait_for(&mut st, BEAT).timed_out() && st.idle() && st.ahead.is_empty() && !st.closed
-                {
-                    // Nothing to send for a beat: the peer learns that this process lives.
-                    let beat = Encoder::beat().finish();
-                    if let Ok(sent) = self.try_now(&mut st, &beat, &[]) {
-                        st.push_bytes(&beat[sent..], false);
-                    }
-                }
-                continue;
-            };
-            st.flushing = true;
-            drop(st);
-            let wrote = self.write_piece(piece, &mut scratch);
-            st = self.state.lock();
-            match wrote {
+                return (false, self.beat(&mut st, now));
+            }
+            match self.write_front(&mut st) {
                 Err(()) => {
                     st.closed = true;
-                    return;
+                    return (false, None);
                 }
-                Ok(Wrote::Done) => {}
-                // Kept for the next backlog unless it grew past what is worth holding on to.
-                Ok(Wrote::Spare(mut b)) if b.capacity() <= SPARE_MAX => {
-                    b.clear();
-                    st.spare = b;
-                }
-                Ok(Wrote::Spare(_)) => {}
-                Ok(Wrote::Waits(piece)) => st.backlog.push_front(piece),
+                Ok(Step::Done) => {}
+                Ok(Step::Full) => return (true, None),
+                Ok(Step::Memory { full }) => return (full, Some(now + RECHECK)),
             }
         }
     }
 
-    /// Writes one piece, waiting for room. A response part that needs memory the application
-    /// holds lets this side's queued requests out first, waits a little, and comes back (with
-    /// what is left of it) if it still cannot go. Err if the link broke.
-    fn write_piece(&self, piece: Piece, scratch: &mut Vec<u8>) -> Result<Wrote, ()> {
-        let write = |b: &[u8]| match b.is_empty() {
-            true => Ok(()),
-            false => self.link.write_all(b).map_err(drop),
+    /// On a link that beats: a Beat frame when nothing went out since the last look a beat ago.
+    /// When to look next.
+    fn beat(&self, st: &mut State, now: Instant) -> Option<Instant> {
+        if !self.link.beats() {
+            return None;
+        }
+        match st.beat_at {
+            Some(at) if now < at => return Some(at),
+            Some(_) if st.writes == st.beat_mark && st.ahead.is_empty() => {
+                // Nothing to send for a beat: the peer learns that this process lives.
+                let beat = Encoder::beat().finish();
+                if let Ok(sent) = self.try_now(st, &beat, &[]) {
+                    st.push_bytes(&beat[sent..], false);
+                }
+            }
+            _ => {}
+        }
+        st.beat_mark = st.writes;
+        let at = now + BEAT;
+        st.beat_at = Some(at);
+        Some(at)
+    }
+
+    /// Writes the piece at the front of the backlog, or what of it the link takes.
+    fn write_front(&self, st: &mut State) -> Result<Step, ()> {
+        let Some(piece) = st.backlog.pop_front() else {
+            return Ok(Step::Done);
         };
         match piece {
-            Piece::Bytes { bytes, .. } => {
-                write(&bytes)?;
-                Ok(Wrote::Spare(bytes))
+            Piece::Bytes { mut bytes, request } => {
+                let n = self.try_now(st, &bytes, &[])?;
+                if n == bytes.len() {
+                    // Kept for the next backlog unless it grew past what is worth holding on to.
+                    if bytes.capacity() <= SPARE_MAX {
+                        bytes.clear();
+                        st.spare = bytes;
+                    }
+                    return Ok(Step::Done);
+                }
+                bytes.drain(..n);
+                // Begun, it must go first: nothing passes it any more.
+                let request = request && n == 0;
+                st.backlog.push_front(Piece::Bytes { bytes, request });
+                Ok(Step::Full)
             }
-            Piece::Memory {
-                ssn,
-                ref region,
-                mut off,
-                mut len,
-            } => loop {
+            Piece::Memory { ssn, region, off, len } => {
                 let n = PART.min(len);
-                let mut got = copy(region.try_read_range(off, n).as_deref(), scratch);
-                if !got {
-                    self.let_requests_pass()?;
-                    got = copy(region.read_range_within(off, n, RECHECK).as_deref(), scratch);
-                }
-                if !got {
-                    let region = region.clone();
-                    return Ok(Wrote::Waits(Piece::Memory { ssn, region, off, len }));
-                }
-                write(&part_head(ssn, n, len))?;
-                write(scratch)?;
-                if n == len {
-                    return Ok(Wrote::Done);
-                }
-                (off, len) = (off + n, len - n);
-                // A short request need not wait for a long answer to go whole.
-                self.let_requests_pass()?;
-            },
-            Piece::Atomic {
-                ssn,
-                ref region,
-                off,
-                op,
-            } => {
-                let mut old = region.try_atomic(off, op);
-                if old.is_none() {
-                    self.let_requests_pass()?;
-                    old = region.atomic_within(off, op, RECHECK);
-                }
-                let Some(old) = old else {
-                    return Ok(Wrote::Waits(piece));
+                let Some(bytes) = region.try_read_range(off, n) else {
+                    st.backlog.push_front(Piece::Memory { ssn, region, off, len });
+                    let full = self.let_requests_pass(st)?;
+                    return Ok(Step::Memory { full });
                 };
-                write(&Encoder::atomic_resp(ssn, old).finish())?;
-                Ok(Wrote::Done)
+                let head = part_head(ssn, n, len);
+                let sent = self.try_now(st, &head, &bytes)?;
+                if n < len {
+                    st.backlog.push_front(Piece::Memory {
+                        ssn,
+                        region: region.clone(),
+                        off: off + n,
+                        len: len - n,
+                    });
+                }
+                if sent < head.len() + n {
+                    // The part's rest, copied: the frame is on its way and must go whole.
+                    let (h, d) = (sent.min(head.len()), sent.saturating_sub(head.len()));
+                    let mut rest = head[h..].to_vec();
+                    rest.extend_from_slice(&bytes[d..]);
+                    st.backlog.push_front(Piece::Bytes {
+                        bytes: rest,
+                        request: false,
+                    });
+                    return Ok(Step::Full);
+                }
+                drop(bytes);
+                // A short request need not wait for a long answer to go whole.
+                if n < len && self.let_requests_pass(st)? {
+                    return Ok(Step::Full);
+                }
+                Ok(Step::Done)
+            }
+            Piece::Atomic { ssn, region, off, op } => {
+                let Some(old) = region.try_atomic(off, op) else {
+                    st.backlog.push_front(Piece::Atomic { ssn, region, off, op });
+                    let full = self.let_requests_pass(st)?;
+                    return Ok(Step::Memory { full });
+                };
+                let frame = Encoder::atomic_resp(ssn, old).finish();
+                let sent = self.try_now(st, &frame, &[])?;
+                if sent < frame.len() {
+                    st.backlog.push_front(Piece::Bytes {
+                        bytes: frame[sent..].to_vec(),
+                        request: false,
+                    });
+                    return Ok(Step::Full);
+                }
+                Ok(Step::Done)
             }
         }
     }
 
-    /// The requests queued behind a response that waits for memory, written ahead of it.
-    fn let_requests_pass(&self) -> Result<(), ()> {
-        let requests = self.state.lock().take_requests();
-        for r in &requests {
-            self.link.write_all(r).map_err(drop)?;
+    /// The requests queued behind the response at the front (which waits for memory, or is a
+    /// long answer going in parts), written ahead of it as far as the link takes them; true
+    /// when it filled up (what it did not take stays ahead of that response).
+    fn let_requests_pass(&self, st: &mut State) -> Result<bool, ()> {
+        let mut requests = st.take_requests().into_iter();
+        while let Some(r) = requests.next() {
+            let n = self.try_now(st, &r, &[])?;
+            if n < r.len() {
+                let rest: Vec<Vec<u8>> = requests.collect();
+                for later in rest.into_iter().rev() {
+                    st.backlog.push_front(Piece::Bytes {
+                        bytes: later,
+                        request: true,
+                    });
+                }
+                st.backlog.push_front(Piece::Bytes {
+                    bytes: r[n..].to_vec(),
+                    request: n == 0,
+                });
+                return Ok(true);
+            }
         }
-        Ok(())
+        Ok(false)
     }
 }
 
@@ -438,14 +503,4 @@ fn part_head(ssn: u64, n: usize, left: usize) -> Vec<u8> {
         true => Encoder::read_part(ssn).head(n),
         false => Encoder::read_resp(ssn).head(n),
     }
-}
-
-/// `bytes`, if any, into `scratch` (the region's lock is let go before the write).
-fn copy(bytes: Option<&[u8]>, scratch: &mut Vec<u8>) -> bool {
-    let Some(bytes) = bytes else {
-        return false;
-    };
-    scratch.clear();
-    scratch.extend_from_slice(bytes);
-    true
 }

@@ -103,6 +103,11 @@ impl Srq {
         Some(r)
     }
 
+    /// `f` of the receive the next take gets.
+    pub(super) fn front_is(&self, f: impl FnOnce(Option<&PostedRecv>) -> bool) -> bool {
+        f(self.state.lock().recvs.front())
+    }
+
     /// Whether a receive is there; when none is, `engine` waits for the next post.
     pub(super) fn has_recv_or_wait(&self, engine: &Arc<Engine>) -> bool {
         let mut st = self.state.lock();

@@ -3,57 +3,60 @@
 //!
 //! Two kinds of holder take turns. While the application spins on one of the QP's CQs (tcp),
 //! the polling thread reads the socket itself: the payload lands on the core that consumes it,
-//! with no thread in between, and the reader thread sleeps. The reader thread watches the socket
-//! when nobody has polled for [`SPIN_GAP`], when a CQ is armed (its waiter sleeps), when a grace
-//! period passes with frames waiting that the pollers did not take, and for a while after that
-//! happened twice in a row (an application spinning on memory that RDMA Writes fill): as a NIC
-//! keeps answering one-sided requests whatever the host's CPUs do. A polling thread takes only
-//! frames it can finish without waiting for a lock another thread may hold (its own application
-//! may hold a buffer's lock while it polls); anything else it hands to the reader thread.
+//! with no thread in between, and the device's progress engine (`nic/progress.rs`) leaves the
+//! socket alone. The engine watches the socket when nobody has polled for [`SPIN_GAP`], when a
+//! CQ is armed (its waiter sleeps), when a grace period passes with frames waiting that the
+//! pollers did not take, and for a while after that happened twice in a row (an application
+//! spinning on memory that RDMA Writes fill): as a NIC keeps answering one-sided requests
+//! whatever the host's CPUs do. Neither holder ever waits for a lock another thread may hold
+//! (an application may hold a buffer's lock while it polls, or for as long as it likes): a
+//! frame whose memory is held waits in the reader, a poller hands it to the engine, and the
+//! engine looks again after [`RECHECK`](crate::tcp::sender::RECHECK).
 //!
 //! A task that sleeps on an armed CQ watches the socket too (`tcp/watch.rs`): an arrival wakes
-//! it and the reader thread at once, and its next poll reads the socket when the reader is
-//! free (payloads over [`POLLER_LANDS_MAX`] excepted).
+//! it and the engine at once, and its next poll reads the socket when the reader is free
+//! (payloads over [`POLLER_LANDS_MAX`] excepted).
 //!
 //! A CQ keeps the sockets of its tcp QPs in an epoll set: a poll asks it once (one system call
 //! however many QPs share the CQ) and reads only the sockets that have something, plus any QP
 //! whose last poll left whole frames read ahead.
 
-use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{AckWhen, Engine, Stop};
 use crate::mr::Region;
+use crate::nic::progress::Why;
 use crate::tcp::inbox::Inbox;
 use crate::tcp::link::{BEAT, KEEPALIVE};
 use crate::tcp::now_nanos;
+use crate::tcp::sender::RECHECK;
 use crate::tcp::wire::{DataHead, Frame, MAX_BODY};
 
 /// Pollers count as spinning while the last poll came at most this long ago; an application
-/// that polls less often leaves the socket to the reader thread. The price of the pollers' speed:
+/// that polls less often leaves the socket to the progress engine. The price of the pollers' speed:
 /// while an application polls at least this often, what arrives for it waits for its next poll
 /// (and so does the acknowledgement its peer's completion waits for), where a NIC would handle it
-/// at once. Shorter gaps hand more of a large message's frames to the reader thread
+/// at once. Shorter gaps hand more of a large message's frames to the progress engine
 /// mid-transfer, which slows large RPCs (docs/decisions.md).
 const SPIN_GAP: Duration = Duration::from_micros(200);
 
-/// How long the reader thread leaves the socket to spinning pollers before it looks again:
+/// How long the progress engine leaves the socket to spinning pollers before it looks again:
 /// frames that pollers who stopped without arming a CQ leave wait at most this much.
 const POLLER_GRACE: Duration = Duration::from_millis(1);
 
 /// A grace period ran out with the pollers no longer spinning and requests waiting that complete
 /// nothing on this side (a Write without immediate, a Read, an atomic: the application cannot
 /// learn from a CQ that they came, and may be waiting on the memory a Write fills): a strike.
-/// Two strikes this close together, and the reader thread watches the socket itself for
+/// Two strikes this close together, and the progress engine watches the socket itself for
 /// [`DISTRUST`], so that such an application pays the grace period only twice that often. (Watching while pollers poll works, but costs a wake-up of
-/// the reader thread per arrival and frames landed on the wrong core.)
+/// the progress engine per arrival and frames landed on the wrong core.)
 const STRIKES_WITHIN: Duration = Duration::from_millis(10);
 const DISTRUST: Duration = Duration::from_secs(1);
 
 /// The longest payload a poll lands while a waiter sleeps on one of the QP's CQs (it woke
-/// because the socket had something: `tcp/watch.rs`); a longer one is the reader thread's,
+/// because the socket had something: `tcp/watch.rs`); a longer one is the progress engine's,
 /// which watches the socket then too: the waiter's thread landing long payloads as well slowed
 /// large Reads that wait.
 const POLLER_LANDS_MAX: usize = 64 << 10;
@@ -65,7 +68,7 @@ const GROW: usize = 1 << 20;
 /// acknowledgement, a refusal and its reason): anything longer is not this protocol.
 const CONTROL_MAX: usize = 4096;
 
-/// Frames one poll takes at most (the rest waits for the next poll, or the reader thread).
+/// Frames one poll takes at most (the rest waits for the next poll, or the progress engine).
 const FRAMES_PER_POLL: usize = 64;
 
 /// Where the reader is in the byte stream.
@@ -111,10 +114,32 @@ impl Reader {
 /// Who holds the reader.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Who {
-    /// The engine's reader thread: may wait for locks.
+    /// The device's progress engine: reads long frames too.
     Thread,
-    /// An application thread polling a CQ: must not.
+    /// An application thread polling a CQ: only what lands at once.
     Poller,
+}
+
+/// The reader's state between two turns on the progress engine.
+#[derive(Default)]
+pub(super) struct ReadLoop {
+    /// Frames the pollers had taken at the last turn.
+    taken: u64,
+    distrust_until: Option<Instant>,
+    last_strike: Option<Instant>,
+    /// The last turn left the socket to the pollers for a grace period.
+    left: bool,
+    /// The last turn found the held frames at their cap: nothing is read until the stall ends.
+    throttled: bool,
+    /// The last turn met memory the application holds: look again soon.
+    retry: bool,
+}
+
+/// What the reader waits for after a turn.
+pub(super) struct ReadNext {
+    /// The link having something to read.
+    pub(super) watch: bool,
+    pub(super) at: Option<Instant>,
 }
 
 enum Outcome {
@@ -122,133 +147,123 @@ enum Outcome {
     Frame,
     /// Nothing more has arrived.
     Blocked,
-    /// The next frame is for the reader thread.
+    /// The next frame is for the progress engine.
     HandOff,
     /// The frames held behind an RNR stall reached their cap: read nothing until it ends.
     Throttled,
 }
 
-/// The wake-up descriptor of a reader thread (an eventfd).
-pub(super) fn wake_fd() -> std::io::Result<OwnedFd> {
-    use rustix::event::{eventfd, EventfdFlags};
-    eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC).map_err(Into::into)
-}
-
 impl Engine {
-    /// The reader thread: reads whatever the polling threads leave, and everything while
-    /// nobody polls.
-    pub(super) fn run_reader(self: Arc<Self>) {
-        let mut taken = self.taken.load(Ordering::Relaxed);
-        let mut distrust_until: Option<Instant> = None;
-        let mut last_strike: Option<Instant> = None;
-        // The last wait was a grace period that ran out.
-        let mut graced = false;
-        // Woken by the wake-up descriptor: there is work for this thread.
-        let mut rung = true;
-        loop {
-            // What has arrived is the pollers' (stepping now would take it from under them)
-            // after a grace period in which they took frames and still spin (they keep up), or
-            // when it woke this thread while they spin (they may be taking it this very moment).
-            // Pollers not spinning at the end of a grace period were busy, or wait for something
-            // else than a CQ (see STRIKES_WITHIN).
-            let now = Instant::now();
-            let spinning = self.spinning();
-            let keeping_up = graced && spinning && self.taken.load(Ordering::Relaxed) != taken;
-            let arrived_to_spinners = !graced && self.leave(now, distrust_until);
-            let elsewhere = graced && !spinning;
-            let mut found_silent = false;
-            let mut throttled = false;
-            if rung || !(keeping_up || arrived_to_spinners) {
-                let mut r = self.reader.lock();
-                if r.stopped {
-                    return;
-                }
-                let silent_before = r.silent;
-                loop {
-                    match self.step(&mut r, Who::Thread) {
-                        Ok(Outcome::Frame) => {}
-                        Ok(Outcome::Blocked | Outcome::HandOff) => break,
-                        Ok(Outcome::Throttled) => {
-                            throttled = true;
-                            break;
-                        }
-                        Err(stop) => return self.stop(&mut r, stop),
+    /// The reader's turn on the progress engine: reads whatever the polling threads leave, and
+    /// everything while nobody polls; says what to wait for next.
+    pub(super) fn read_turn(self: &Arc<Self>, rl: &mut ReadLoop, why: Why, now: Instant) -> ReadNext {
+        let idle = ReadNext { watch: false, at: None };
+        // Woken: there is work for the engine (a hand-off, an armed CQ, an end).
+        let mut rung = why.woken || std::mem::take(&mut rl.retry);
+        // The last wait was a grace period that ran out, woken by nothing else.
+        let mut graced = rl.left && why.timer && !why.readable && !why.woken;
+        if rl.throttled {
+            if self.throttle.load(Ordering::Acquire) {
+                return idle; // the stall's end wakes this
+            }
+            (rl.throttled, rung, graced) = (false, true, false);
+        }
+        if self.reader.lock().stopped {
+            return idle;
+        }
+        if self.link.silent_for().is_some_and(|s| s >= KEEPALIVE) {
+            // Not a byte, not even a beat: the peer's process stopped or hangs (its kernel
+            // may still acknowledge TCP, so the connection itself never says).
+            let mut r = self.reader.lock();
+            if !r.stopped {
+                tracing::warn!(
+                    qp = self.qp_num,
+                    "the peer stayed silent for {KEEPALIVE:?}: taken to be dead"
+                );
+                self.stop(&mut r, Stop::Link);
+            }
+            return idle;
+        }
+        // What has arrived is the pollers' (stepping now would take it from under them)
+        // after a grace period in which they took frames and still spin (they keep up), or
+        // when it arrived while they spin and nobody woke the engine. Pollers not spinning at
+        // the end of a grace period were busy, or wait for something else than a CQ (see
+        // STRIKES_WITHIN).
+        let spinning = self.spinning();
+        let keeping_up = graced && spinning && self.taken.load(Ordering::Relaxed) != rl.taken;
+        let arrived_to_spinners = !graced && self.leave(now, rl.distrust_until);
+        let elsewhere = graced && !spinning;
+        let mut found_silent = false;
+        if rung || !(keeping_up || arrived_to_spinners) {
+            let mut r = self.reader.lock();
+            if r.stopped {
+                return idle;
+            }
+            let silent_before = r.silent;
+            loop {
+                match self.step(&mut r, Who::Thread) {
+                    Ok(Outcome::Frame) => {}
+                    Ok(Outcome::Blocked) => break,
+                    Ok(Outcome::HandOff) => {
+                        rl.retry = true;
+                        break;
+                    }
+                    Ok(Outcome::Throttled) => {
+                        rl.throttled = true;
+                        break;
+                    }
+                    Err(stop) => {
+                        self.stop(&mut r, stop);
+                        return idle;
                     }
                 }
-                found_silent = r.silent != silent_before;
             }
-            if throttled {
-                // Not the socket's readiness: it has more, and must keep it until the stall ends.
-                // Pollers send their acknowledgements themselves meanwhile.
-                self.reader_untimed.store(true, Ordering::SeqCst);
-                if self.ack_owed.load(Ordering::SeqCst) {
-                    self.flush_ack(&mut self.state.lock());
-                }
-                self.wait_unthrottled();
-                if self.destroyed.load(Ordering::Acquire) {
-                    return;
-                }
-                (rung, graced) = (true, false);
-                continue;
-            }
-            if elsewhere && found_silent {
-                if last_strike.is_some_and(|t| now - t < STRIKES_WITHIN) {
-                    distrust_until = Some(now + DISTRUST);
-                }
-                last_strike = Some(now);
-            }
-            taken = self.taken.load(Ordering::Relaxed);
-            let now = Instant::now();
-            let leave = self.leave(now, distrust_until);
-            // An acknowledgement a poller left owed goes out at the latest here; a wait without
-            // a timeout first tells the pollers to send theirs themselves (see `defer_ack`).
-            self.reader_untimed.store(!leave, Ordering::SeqCst);
+            found_silent = r.silent != silent_before;
+        }
+        if rl.throttled {
+            // Not the socket's readiness: it has more, and must keep it until the stall ends.
+            // Pollers send their acknowledgements themselves meanwhile.
+            self.reader_untimed.store(true, Ordering::SeqCst);
             if self.ack_owed.load(Ordering::SeqCst) {
                 self.flush_ack(&mut self.state.lock());
             }
-            let wake = self.wake.as_ref().map(|w| w.as_fd());
-            // On a link that beats, back at least once a beat to see whether the peer still does.
-            let timeout = if leave {
-                Some(POLLER_GRACE)
-            } else {
-                self.link.beats().then_some(BEAT)
-            };
-            let waited = self.link.wait(wake, !leave, timeout);
-            rung = self
-                .wake
-                .as_ref()
-                .is_some_and(|w| rustix::io::read(w, &mut [0u8; 8]).is_ok());
-            match waited {
-                // Woken by nothing: the grace period ran out.
-                Ok(ready) => graced = leave && !ready,
-                Err(_) => {
-                    let mut r = self.reader.lock();
-                    if !r.stopped {
-                        self.stop(&mut r, Stop::Link);
-                    }
-                    return;
-                }
+            // The stall may have ended while this turn looked.
+            if !self.throttle.load(Ordering::Acquire) {
+                self.wake_reader();
             }
-            if self.link.silent_for().is_some_and(|s| s >= KEEPALIVE) {
-                // Not a byte, not even a beat: the peer's process stopped or hangs (its kernel
-                // may still acknowledge TCP, so the connection itself never says).
-                let mut r = self.reader.lock();
-                if !r.stopped {
-                    tracing::warn!(
-                        qp = self.qp_num,
-                        "the peer stayed silent for {KEEPALIVE:?}: taken to be dead"
-                    );
-                    self.stop(&mut r, Stop::Link);
-                }
-                return;
-            }
+            return idle;
         }
+        if elsewhere && found_silent {
+            if rl.last_strike.is_some_and(|t| now - t < STRIKES_WITHIN) {
+                rl.distrust_until = Some(now + DISTRUST);
+            }
+            rl.last_strike = Some(now);
+        }
+        rl.taken = self.taken.load(Ordering::Relaxed);
+        let leave = self.leave(now, rl.distrust_until);
+        rl.left = leave && !rl.retry;
+        // An acknowledgement a poller left owed goes out at the latest at the next turn; a
+        // wait without a timeout first tells the pollers to send theirs themselves (see
+        // `defer_ack`).
+        self.reader_untimed.store(!leave && !rl.retry, Ordering::SeqCst);
+        if self.ack_owed.load(Ordering::SeqCst) {
+            self.flush_ack(&mut self.state.lock());
+        }
+        // On a link that beats, back at least once a beat to see whether the peer still does.
+        let at = if rl.retry {
+            Some(now + RECHECK)
+        } else if leave {
+            Some(now + POLLER_GRACE)
+        } else {
+            self.link.beats().then(|| now + BEAT)
+        };
+        ReadNext { watch: !leave, at }
     }
 
     /// Whether the socket is the pollers' at `t`: they spin, no waiter sleeps on a CQ, and they
     /// have not been found waiting for something else lately (tcp).
     fn leave(&self, t: Instant, distrust_until: Option<Instant>) -> bool {
-        self.wake.is_some() && self.spinning() && !self.waiter_sleeps() && distrust_until.is_none_or(|d| t >= d)
+        self.pollers_read && self.spinning() && !self.waiter_sleeps() && distrust_until.is_none_or(|d| t >= d)
     }
 
     /// Whether a waiter sleeps on one of the QP's CQs (armed, and no completion since).
@@ -296,10 +311,10 @@ impl Engine {
         }
     }
 
-    /// Has the reader thread look again (a hand-off, an armed CQ, the end).
+    /// Has the engine turn the QP (a hand-off, an armed CQ, the end).
     pub(super) fn wake_reader(&self) {
-        if let Some(w) = &self.wake {
-            crate::shm::bell::ring(w);
+        if let Some(w) = self.waker.get() {
+            w.wake();
         }
     }
 
@@ -366,6 +381,9 @@ impl Engine {
                         *got += n;
                     }
                     let frame = Frame::decode(buf)?;
+                    if !self.may_handle(&frame, who) {
+                        return Ok(Outcome::HandOff);
+                    }
                     r.partial = Partial::Idle;
                     r.silent += u64::from(silent(&frame));
                     self.handle(frame, ack_when(r, who));
@@ -430,7 +448,7 @@ impl Engine {
                         return Ok(Outcome::Blocked);
                     }
                     let frame = Frame::decode(&r.inbox.avail()[4..4 + n])?;
-                    if who == Who::Poller && !self.poller_may_handle(&frame) {
+                    if !self.may_handle(&frame, who) {
                         return Ok(Outcome::HandOff);
                     }
                     r.inbox.consume(4 + n);
@@ -442,10 +460,63 @@ impl Engine {
         }
     }
 
+    /// Whether `who` can handle `frame` now without waiting for a lock an application holds.
+    fn may_handle(&self, frame: &Frame, who: Who) -> bool {
+        match who {
+            Who::Poller => self.poller_may_handle(frame),
+            Who::Thread => self.engine_may_handle(frame),
+        }
+    }
+
+    /// Whether the progress engine can handle `frame` without waiting for a lock: it serves
+    /// every QP of the device, so memory one application holds must not stop the others. Frames
+    /// whose memory is held wait in the reader for a later turn (a NIC never waits for a lock,
+    /// there being none: its writes land under the application's feet).
+    fn engine_may_handle(&self, frame: &Frame) -> bool {
+        use crate::AccessFlags;
+        let free = |r: &Region| r.mem.try_write().is_some();
+        match frame {
+            Frame::Data {
+                head: DataHead::Write { addr, rkey, .. },
+                data,
+            } if !data.is_empty() => self
+                .check_remote(*addr, *rkey, data.len(), AccessFlags::REMOTE_WRITE)
+                .map_or(true, |r| free(&r)),
+            Frame::Data {
+                head: DataHead::Send { .. },
+                data,
+            } if !data.is_empty() => {
+                let st = self.state.lock();
+                if !st.stalled.is_empty() {
+                    return true; // it joins the held frames, touching nothing
+                }
+                match &self.srq {
+                    Some(srq) => srq.front_is(|r| r.and_then(|r| r.local.as_ref()).is_none_or(|v| free(&v.region))),
+                    None => st
+                        .recvs
+                        .front()
+                        .and_then(|r| r.local.as_ref())
+                        .is_none_or(|v| free(&v.region)),
+                }
+            }
+            Frame::Data {
+                head: DataHead::ReadResp { ssn, .. },
+                ..
+            } => {
+                let st = self.state.lock();
+                let head = st.outstanding.iter().find(|p| p.seq == *ssn);
+                head.and_then(|p| p.local.as_ref()).is_none_or(|v| free(&v.region))
+            }
+            Frame::AtomicResp { .. } => self.poller_may_handle(frame),
+            // Answered from the sending side, which never waits for memory either.
+            _ => true,
+        }
+    }
+
     /// Whether a polling thread can handle `frame` without waiting for a lock its own
     /// application may hold: frames that touch no registered memory, and those whose memory it
     /// could lock right now (so this thread holds no guard of it, and any other holder lets go
-    /// without waiting for this thread). Others go to the reader thread.
+    /// without waiting for this thread). Others go to the progress engine.
     fn poller_may_handle(&self, frame: &Frame) -> bool {
         use crate::AccessFlags;
         let free = |r: &Region| r.mem.try_write().is_some();
@@ -469,7 +540,7 @@ impl Engine {
 }
 
 /// When the acknowledgement a frame just read makes due goes out: after the next frame if one
-/// is already here, now from the reader thread, later from a polling thread.
+/// is already here, now from the progress engine, later from a polling thread.
 fn ack_when(r: &Reader, who: Who) -> AckWhen {
     match who {
         _ if r.inbox.has_frame() => AckWhen::Later,
@@ -495,11 +566,8 @@ fn nanos(d: Duration) -> u64 {
     d.as_nanos().try_into().unwrap_or(u64::MAX)
 }
 
-/// `len` bytes of `region` from `off`: waiting for the lock on the reader thread, only if free
-/// on a polling thread.
-fn lock(region: &Region, off: usize, len: usize, who: Who) -> Option<crate::BufMut<'_>> {
-    match who {
-        Who::Thread => Some(region.lock_range(off, len)),
-        Who::Poller => region.try_lock_range(off, len),
-    }
+/// `len` bytes of `region` from `off`, if nobody holds them (neither holder of the reader
+/// waits for an application).
+fn lock(region: &Region, off: usize, len: usize, _who: Who) -> Option<crate::BufMut<'_>> {
+    region.try_lock_range(off, len)
 }
