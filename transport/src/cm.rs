@@ -104,8 +104,8 @@ impl Listener {
     /// Socket or rdma_cm errors.
     pub fn bind(device: &Device, addr: SocketAddr) -> Result<Self> {
         let imp = match &device.inner.imp {
-            DeviceImpl::Tcp => ListenerImpl::Tcp(crate::tcp::Listener::bind(addr)?),
-            DeviceImpl::Shm { any_user } => ListenerImpl::Shm(crate::shm::cm::Listener::bind(addr, *any_user)?),
+            DeviceImpl::Tcp => ListenerImpl::Tcp(crate::tcp::Listener::bind(device, addr)?),
+            DeviceImpl::Shm { any_user } => ListenerImpl::Shm(crate::shm::cm::Listener::bind(device, addr, *any_user)?),
             #[cfg(feature = "verbs")]
             DeviceImpl::Verbs(ctx) => ListenerImpl::Verbs(crate::verbs::Listener::bind(ctx, addr)?),
         };

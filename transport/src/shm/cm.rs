@@ -19,7 +19,7 @@ use super::ring::{self, Ring};
 use super::rq::{self, OwnRq, PeerRq};
 use super::sys::{self, Mapping};
 use super::Peer;
-use crate::backlog::Backlog;
+use crate::backlog::{Acceptor, Backlog, Handshake};
 use crate::cm::MAX_PRIVATE_DATA;
 use crate::{Error, Result};
 
@@ -31,7 +31,6 @@ const MAGIC: &[u8; 8] = b"RDRPCSHM";
 /// 6: a key table (read-only) instead of the whole arena; memory granted key by key (`grant`).
 /// 7: a fifth descriptor, the QP's doorbell, rung instead of the rings' futexes (`link`).
 const VERSION: u16 = 7;
-const HANDSHAKE: Duration = Duration::from_secs(10);
 
 fn name(addr: SocketAddr) -> Result<UnixAddr> {
     UnixAddr::from_abstract_name(format!("rdma-rpc-shm:{addr}")).map_err(|e| Error::io("naming the shm endpoint", e))
@@ -180,10 +179,10 @@ fn parse_hello(m: &[u8]) -> Result<Vec<u8>> {
     Ok(m[10..].to_vec())
 }
 
-/// A listening endpoint; handshakes are read on threads of their own ([`Backlog`]).
+/// A listening endpoint; it and the handshakes in progress are tasks on the device's progress
+/// engine ([`Backlog`]).
 pub(crate) struct Listener {
     addr: SocketAddr,
-    socket: Arc<UnixListener>,
     backlog: Arc<Backlog<Request>>,
 }
 
@@ -196,7 +195,7 @@ pub(crate) struct Request {
 
 impl Listener {
     /// Binds the endpoint named after `addr`; `any_user` accepts processes of other users.
-    pub(crate) fn bind(addr: SocketAddr, any_user: bool) -> Result<Listener> {
+    pub(crate) fn bind(device: &crate::Device, addr: SocketAddr, any_user: bool) -> Result<Listener> {
         let mut try_addr = addr;
         let mut attempts = 0;
         let socket = loop {
@@ -211,25 +210,32 @@ impl Listener {
                 Err(e) => return Err(Error::io("binding the shm endpoint", e)),
             }
         };
+        socket
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("configuring the shm endpoint", e))?;
         let socket = Arc::new(socket);
         let s = socket.clone();
-        let backlog = Backlog::start(
-            "rdma-rpc-shm",
-            move || Some(s.accept()),
-            move |(stream, _)| handshake(stream, any_user),
-            |(stream, _)| {
-                let s = stream.try_clone().ok();
-                Box::new(move || {
-                    if let Some(s) = &s {
-                        let _ = s.shutdown(std::net::Shutdown::Both);
-                    }
-                })
-            },
-            |(stream, _)| refuse(&stream, crate::backlog::OUT_OF_FDS.as_bytes()),
-        )?;
+        let how = Acceptor {
+            accept: Box::new(move || match s.accept() {
+                Ok((stream, _)) => Some(Ok(stream)),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+                Err(e) => Some(Err(e)),
+            }),
+            begin: Box::new(move |stream| {
+                Box::new(Hello {
+                    stream: Some(stream),
+                    any_user,
+                    checked: false,
+                }) as Box<dyn Handshake<Request>>
+            }),
+            refuse: Box::new(|stream| {
+                refuse(&stream, crate::backlog::OUT_OF_FDS.as_bytes());
+                None
+            }),
+        };
+        let backlog = Backlog::start(device, std::os::fd::AsFd::as_fd(&*socket), how)?;
         Ok(Listener {
             addr: try_addr,
-            socket,
             backlog,
         })
     }
@@ -245,9 +251,8 @@ impl Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
+        // Off the progress engine before the socket closes.
         self.backlog.close();
-        // SAFETY: shutting down a descriptor we own wakes the acceptor's blocking accept.
-        unsafe { libc::shutdown(self.socket.as_raw_fd(), libc::SHUT_RDWR) };
     }
 }
 
@@ -263,33 +268,59 @@ fn check_user(stream: &UnixStream, any_user: bool) -> Result<()> {
     }
 }
 
-fn handshake(stream: UnixStream, any_user: bool) -> Result<Request> {
-    if let Err(e) = check_user(&stream, any_user) {
-        if let Error::PeerUser { peer, own } = e {
-            let reason = format!("uid {peer} is not this server's uid {own}; shm:any-user on the server allows it");
-            refuse(&stream, reason.as_bytes());
-        }
-        return Err(e);
+/// A client's hello as it comes, read without waiting (the backlog bounds it by
+/// `backlog::HANDSHAKE`).
+struct Hello {
+    stream: Option<UnixStream>,
+    any_user: bool,
+    /// The client's user was checked.
+    checked: bool,
+}
+
+impl Handshake<Request> for Hello {
+    fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.stream.as_ref().map(std::os::fd::AsFd::as_fd)
     }
-    stream
-        .set_read_timeout(Some(HANDSHAKE))
-        .map_err(|e| Error::io("handshake timeout", e))?;
-    let (m, fds) = sys::recv_with_fds(&stream, 10 + MAX_PRIVATE_DATA).map_err(|e| {
-        let e = Error::io("reading the handshake", e);
-        // Out of descriptors for the peer's (this process at its limit of open files): the
-        // peer is told so, not left to see the socket close.
-        if matches!(&e, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::InvalidData) {
-            refuse(&stream, &crate::cm::set_up_reason(&e));
+
+    fn step(&mut self) -> Result<Option<Request>> {
+        let Some(stream) = &self.stream else {
+            return Err(Error::Protocol("handshake already taken".into()));
+        };
+        if !self.checked {
+            if let Err(e) = check_user(stream, self.any_user) {
+                if let Error::PeerUser { peer, own } = e {
+                    let reason =
+                        format!("uid {peer} is not this server's uid {own}; shm:any-user on the server allows it");
+                    refuse(stream, reason.as_bytes());
+                }
+                return Err(e);
+            }
+            self.checked = true;
         }
-        e
-    })?;
-    let private_data = parse_hello(&m)?;
-    let _ = stream.set_read_timeout(None);
-    Ok(Request {
-        stream,
-        private_data,
-        fds,
-    })
+        let (m, fds) = match sys::recv_with_fds_now(stream, 10 + MAX_PRIVATE_DATA) {
+            Ok(Some(got)) => got,
+            Ok(None) => return Ok(None),
+            Err(e) => {
+                let e = Error::io("reading the handshake", e);
+                // Out of descriptors for the peer's (this process at its limit of open files):
+                // the peer is told so, not left to see the socket close.
+                if matches!(&e, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::InvalidData) {
+                    refuse(stream, &crate::cm::set_up_reason(&e));
+                }
+                return Err(e);
+            }
+        };
+        let private_data = parse_hello(&m)?;
+        let stream = self
+            .stream
+            .take()
+            .ok_or_else(|| Error::Protocol("handshake already taken".into()))?;
+        Ok(Some(Request {
+            stream,
+            private_data,
+            fds,
+        }))
+    }
 }
 
 /// The last step of set-up, once the new QP has its first receives.
@@ -520,7 +551,7 @@ mod tests {
     #[test]
     fn descriptors_that_are_not_plain_sealed_memfds_of_the_right_size_are_refused() {
         let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
-        let listener = Listener::bind(addr, false).expect("bind");
+        let listener = Listener::bind(&crate::Device::open("shm").expect("shm"), addr, false).expect("bind");
         let addr = listener.local_addr();
         let server = serve(listener, 9);
         let g = good_fds();

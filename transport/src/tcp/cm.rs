@@ -3,13 +3,14 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use socket2::{SockRef, TcpKeepalive};
 
 use super::{random_u32, Qp};
-use crate::backlog::Backlog;
+use crate::backlog::{Acceptor, Backlog, Handshake};
 use crate::cm::MAX_PRIVATE_DATA;
 use crate::{Error, QpOptions, Result};
 
@@ -18,12 +19,11 @@ const MAGIC: &[u8; 8] = b"RDRPCTCP";
 /// links beat (`BEAT`).
 const VERSION: u16 = 3;
 
-/// A listening socket for incoming queue-pair connections. Handshakes are read on threads of
-/// their own ([`Backlog`]), so a slow or silent client never holds up the others, and
-/// `accept`'s timeout only bounds the wait for a request.
+/// A listening socket for incoming queue-pair connections. It and the handshakes in progress
+/// are tasks on the device's progress engine ([`Backlog`]), so a slow or silent client never
+/// holds up the others, and `accept`'s timeout only bounds the wait for a request.
 pub(crate) struct Listener {
     addr: SocketAddr,
-    socket: Arc<TcpListener>,
     backlog: Arc<Backlog<Request>>,
 }
 
@@ -35,33 +35,30 @@ pub(crate) struct Request {
 }
 
 impl Listener {
-    pub(crate) fn bind(addr: SocketAddr) -> Result<Self> {
+    pub(crate) fn bind(device: &crate::Device, addr: SocketAddr) -> Result<Self> {
         let socket = Arc::new(TcpListener::bind(addr).map_err(|e| Error::io("binding the listener", e))?);
+        socket
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("configuring the listener", e))?;
         let addr = socket
             .local_addr()
             .map_err(|e| Error::io("reading the listener address", e))?;
         let s = socket.clone();
-        let backlog = Backlog::start(
-            "rdma-rpc-tcp",
-            move || Some(s.accept()),
-            |(stream, peer)| handshake(stream, peer),
-            |(stream, _)| {
-                let s = stream.try_clone().ok();
-                Box::new(move || {
-                    if let Some(s) = &s {
-                        let _ = s.shutdown(std::net::Shutdown::Both);
-                    }
-                })
-            },
-            |(stream, _)| {
-                // Its hello first: closing a TCP socket with unread bytes resets the connection,
-                // which could discard the refusal before the peer reads it.
-                let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
-                let _ = read_msg(&mut &stream);
-                refuse(&stream, crate::backlog::OUT_OF_FDS.as_bytes());
-            },
-        )?;
-        Ok(Self { addr, socket, backlog })
+        let how = Acceptor {
+            accept: Box::new(move || match s.accept() {
+                Ok(c) => Some(Ok(c)),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+                Err(e) => Some(Err(e)),
+            }),
+            begin: Box::new(|(stream, peer)| Box::new(Hello::new(stream, peer, false)) as Box<dyn Handshake<Request>>),
+            // Its hello first: closing a TCP socket with unread bytes resets the connection,
+            // which could discard the refusal before the peer reads it.
+            refuse: Box::new(|(stream, peer)| {
+                Some(Box::new(Hello::new(stream, peer, true)) as Box<dyn Handshake<Request>>)
+            }),
+        };
+        let backlog = Backlog::start(device, socket.as_fd(), how)?;
+        Ok(Self { addr, backlog })
     }
 
     pub(crate) fn local_addr(&self) -> Result<SocketAddr> {
@@ -75,17 +72,77 @@ impl Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
+        // Off the progress engine before the socket closes.
         self.backlog.close();
-        // Wakes the acceptor's blocking accept (it returns EINVAL on a shut-down listener).
-        let _ = SockRef::from(&*self.socket).shutdown(std::net::Shutdown::Both);
     }
 }
 
-fn handshake(stream: TcpStream, peer: SocketAddr) -> Result<Request> {
-    // The whole hello within HANDSHAKE, however slowly its bytes come.
-    let hello = read_msg(&mut Before::new(&stream, HANDSHAKE))?;
-    let mut r = hello.as_slice();
-    let version = take::<2>(&mut r).map(u16::from_le_bytes)?;
+/// A client's hello as it comes, read without waiting (the backlog bounds it by
+/// `backlog::HANDSHAKE`, however slowly its bytes come).
+struct Hello {
+    stream: Option<TcpStream>,
+    peer: SocketAddr,
+    buf: Vec<u8>,
+    /// Out of descriptors: the hello is read only to refuse it.
+    refusing: bool,
+}
+
+impl Hello {
+    fn new(stream: TcpStream, peer: SocketAddr, refusing: bool) -> Hello {
+        Hello {
+            stream: Some(stream),
+            peer,
+            buf: Vec::with_capacity(64),
+            refusing,
+        }
+    }
+}
+
+impl Handshake<Request> for Hello {
+    fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.stream.as_ref().map(|s| s.as_fd())
+    }
+
+    fn step(&mut self) -> Result<Option<Request>> {
+        let Some(stream) = &self.stream else {
+            return Err(Error::Protocol("handshake already taken".into()));
+        };
+        // Exactly the hello's bytes: what follows it belongs to the queue pair's engine.
+        loop {
+            let want = match self.buf.len() {
+                n if n < 9 => 9 - n,
+                n => 9 + usize::from(self.buf[8]) - n,
+            };
+            if want == 0 {
+                break;
+            }
+            let mut chunk = vec![0u8; want];
+            match rustix::net::recv(stream, &mut chunk, rustix::net::RecvFlags::DONTWAIT) {
+                Ok((0, _)) => return Err(Error::Protocol("the client closed during its handshake".into())),
+                Ok((n, _)) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => return Ok(None),
+                Err(e) => return Err(Error::io("reading the handshake", e.into())),
+            }
+            if self.buf.len() >= 8 && &self.buf[..8] != MAGIC {
+                return Err(Error::Protocol("not an rdma-rpc tcp peer (bad magic)".into()));
+            }
+        }
+        if self.refusing {
+            refuse(stream, crate::backlog::OUT_OF_FDS.as_bytes());
+            return Err(Error::Protocol("refused: out of file descriptors".into()));
+        }
+        let hello = self.buf.split_off(9);
+        let mut r = hello.as_slice();
+        let (stream, peer) = match self.stream.take() {
+            Some(s) => (s, self.peer),
+            None => return Err(Error::Protocol("handshake already taken".into())),
+        };
+        handshake(stream, peer, &mut r).map(Some)
+    }
+}
+
+fn handshake(stream: TcpStream, peer: SocketAddr, r: &mut &[u8]) -> Result<Request> {
+    let version = take::<2>(r).map(u16::from_le_bytes)?;
     if version != VERSION {
         // Refused by name: the peer learns which version this side speaks (a reply of kind
         // `REFUSED_VERSION`; builds from before it only see a malformed reply).
@@ -113,23 +170,11 @@ fn version_mismatch(theirs: u16) -> Error {
     ))
 }
 
-/// Longest wait for the other side's half of a handshake, all of it.
-const HANDSHAKE: Duration = Duration::from_secs(10);
-
 /// Reads from a socket that must deliver by a deadline: each read waits at most what is left,
 /// so a peer that trickles a byte at a time cannot stretch the wait.
 struct Before<'a> {
     stream: &'a TcpStream,
     deadline: Instant,
-}
-
-impl<'a> Before<'a> {
-    fn new(stream: &'a TcpStream, within: Duration) -> Self {
-        Before {
-            stream,
-            deadline: Instant::now() + within,
-        }
-    }
 }
 
 impl Read for Before<'_> {
