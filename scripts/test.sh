@@ -31,7 +31,7 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet || fail=1
 step "fuzz: every libFuzzer target for 20 s from the committed corpus (nightly; see scripts/fuzz.sh)"
 scripts/fuzz.sh 20 || fail=1
 
-step "models: the shm receive queue's, byte rings' and key table's synchronisation under loom (every interleaving within loom's bounds)"
+step "models: the shm receive queue's, byte rings' (blocking and armed) and key table's synchronisation under loom (every interleaving within loom's bounds)"
 RUSTFLAGS="--cfg rdma_loom" CARGO_TARGET_DIR=target/loom cargo test -p rdma-rpc-transport --release --lib models || fail=1
 
 step "all tests on provider tcp"
@@ -42,9 +42,9 @@ read -r tcp_pass tcp_fail < <(count "$LOG/tcp.log")
 grep -A200 'Running tests/conformance.rs' "$LOG/tcp.log" | grep -m1 '^test result:' > "$LOG/tcp-conf.log"
 read -r tcpc_pass tcpc_fail < <(count "$LOG/tcp-conf.log")
 
-step "conformance, RPC end-to-end, registered buffers, shutdown, isolation, #[service] and examples suites on provider shm"
+step "conformance, scale, RPC end-to-end, registered buffers, shutdown, isolation, #[service] and examples suites on provider shm"
 RDMA_RPC_PROVIDER=shm cargo test -p rdma-rpc-transport -p rdma-rpc-core -p rdma-rpc \
-    --test conformance --test e2e --test registered --test shutdown --test isolation --test service --test examples 2>&1 | tee "$LOG/shm.log"
+    --test conformance --test scale --test e2e --test registered --test shutdown --test isolation --test service --test examples 2>&1 | tee "$LOG/shm.log"
 [[ ${PIPESTATUS[0]} == 0 ]] || fail=1
 read -r shm_pass shm_fail < <(count "$LOG/shm.log")
 grep -A200 'Running tests/conformance.rs' "$LOG/shm.log" | grep -m1 '^test result:' > "$LOG/shm-conf.log"

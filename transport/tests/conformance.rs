@@ -2120,3 +2120,60 @@ async fn a_borrow_shows_bytes_that_do_not_change_under_it() {
     assert_eq!((now[39], now[40], now[41]), (1, 9, 1), "the borrow's own change");
     assert_eq!(&now[48..56], &[3; 8], "the Write to other bytes");
 }
+
+#[tokio::test]
+async fn a_thousand_qps_on_one_device_each_carry_a_message() {
+    const QPS: usize = 1000;
+    // Both ends here: each connection holds descriptors on both sides (shm: six a side).
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid out-parameter, then a valid in-parameter.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+    let dev = device();
+    let (spd, scq) = (dev.alloc_pd().expect("pd"), dev.create_cq(4096).expect("cq"));
+    let (cpd, ccq) = (dev.alloc_pd().expect("pd"), dev.create_cq(4096).expect("cq"));
+    let listener = Listener::bind(&dev, SocketAddr::new(test_ip(), 0)).expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let caps = QpCaps {
+        max_send_wr: 2,
+        max_recv_wr: 2,
+        max_inline_data: 0,
+    };
+    let (sopts, copts) = (
+        QpOptions::new(&spd, &scq).caps(caps),
+        QpOptions::new(&cpd, &ccq).caps(caps),
+    );
+    let pairs: Vec<(QueuePair, QueuePair)> = (0..QPS)
+        .map(|_| accept_and_connect(&listener, addr, &sopts, &copts))
+        .collect();
+    let rpool = BufferPool::new(&spd, 4, QPS, AccessFlags::LOCAL_WRITE).expect("buffers");
+    let spool = BufferPool::new(&cpd, 4, QPS, AccessFlags::NONE).expect("buffers");
+    for (i, (s, c)) in pairs.iter().enumerate() {
+        s.post_recv(RecvWr::new(i as u64, rpool.take().expect("buffer")))
+            .map_err(|e| e.error)
+            .expect("post_recv");
+        let mut b = spool.take().expect("buffer");
+        b.write_at(0, &(i as u32).to_le_bytes()).expect("fill");
+        c.post_send(SendWr::send(i as u64, b))
+            .map_err(|e| e.error)
+            .expect("post_send");
+    }
+    take(&ccq, QPS).await.iter().for_each(ok);
+    let got = take(&scq, QPS).await;
+    let mut seen = vec![false; QPS];
+    for c in &got {
+        ok(c);
+        let i = c.wr_id as usize;
+        assert_eq!(c.qp_num, pairs[i].0.qp_num(), "the receive posted on QP {i} names it");
+        let b = c.buf.as_ref().expect("buffer");
+        assert_eq!(u32::from_le_bytes(b.bytes()[..4].try_into().expect("4")), i as u32);
+        assert!(!std::mem::replace(&mut seen[i], true), "QP {i} carried one message");
+    }
+}
