@@ -102,7 +102,7 @@ pub(crate) struct CqShared {
 }
 
 pub(crate) enum CqImpl {
-    Tcp(Arc<crate::tcp::Cq>),
+    Tcp(Arc<crate::nic::Cq>),
     #[cfg(feature = "verbs")]
     Verbs(crate::verbs::Cq),
 }
@@ -117,7 +117,7 @@ impl CompletionQueue {
         }
         let imp = match &device.inner.imp {
             // shm QPs run the tcp provider's engine: the same software CQ.
-            DeviceImpl::Tcp | DeviceImpl::Shm { .. } => CqImpl::Tcp(Arc::new(crate::tcp::Cq::new(depth)?)),
+            DeviceImpl::Tcp | DeviceImpl::Shm { .. } => CqImpl::Tcp(Arc::new(crate::nic::Cq::new(depth)?)),
             #[cfg(feature = "verbs")]
             DeviceImpl::Verbs(ctx) => CqImpl::Verbs(crate::verbs::Cq::new(ctx, depth)?),
         };

@@ -19,7 +19,7 @@ pub(crate) struct PdShared {
 }
 
 pub(crate) enum PdImpl {
-    Tcp(crate::tcp::Pd),
+    Tcp(crate::nic::Pd),
     Shm(crate::shm::Pd),
     #[cfg(feature = "verbs")]
     Verbs(crate::verbs::Pd),
@@ -30,7 +30,7 @@ static NEXT_PD_ID: AtomicU64 = AtomicU64::new(1);
 impl ProtectionDomain {
     pub(crate) fn new(device: &Device) -> Result<Self> {
         let imp = match &device.inner.imp {
-            crate::device::DeviceImpl::Tcp => PdImpl::Tcp(crate::tcp::Pd::new()),
+            crate::device::DeviceImpl::Tcp => PdImpl::Tcp(crate::nic::Pd::new()),
             crate::device::DeviceImpl::Shm { .. } => PdImpl::Shm(crate::shm::Pd::new()?),
             #[cfg(feature = "verbs")]
             crate::device::DeviceImpl::Verbs(ctx) => PdImpl::Verbs(crate::verbs::Pd::new(ctx)?),

@@ -138,7 +138,7 @@ pub(crate) struct RecvDesc<'a> {
 }
 
 pub(crate) enum QpImpl {
-    Tcp(crate::tcp::Qp),
+    Tcp(crate::nic::Qp),
     #[cfg(feature = "verbs")]
     Verbs(crate::verbs::Qp),
 }

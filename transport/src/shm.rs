@@ -36,9 +36,9 @@
 //! remote access holds one descriptor here.
 
 mod arena;
-pub(crate) mod bell;
 pub(crate) mod cm;
 mod copy;
+mod direct;
 pub(crate) mod grant;
 pub(crate) mod link;
 mod ring;
@@ -49,7 +49,6 @@ use std::sync::Arc;
 
 pub(crate) use arena::{Arena, PeerArena};
 pub(crate) use rq::OwnRq;
-pub(crate) use sys::{current_cpu, leave_cpu};
 
 use crate::cq::CqImpl;
 use crate::{AccessFlags, DeviceCaps, Error, QpOptions, Result};
@@ -65,7 +64,7 @@ pub(crate) struct Peer {
 impl Peer {
     /// Wakes the peer's CQ waiter (after a delivery it armed for).
     pub(crate) fn ring(&self) {
-        bell::ring(&self.bell);
+        crate::nic::bell::ring(&self.bell);
     }
 }
 
@@ -75,9 +74,9 @@ pub(crate) fn start(
     peer: Arc<Peer>,
     own_rq: OwnRq,
     opts: &QpOptions,
-) -> Result<(crate::tcp::Qp, u32)> {
-    let qp_num = crate::tcp::random_u32();
-    let qp = crate::tcp::Qp::start(link, qp_num, opts, Some((peer, own_rq)))?;
+) -> Result<(crate::nic::Qp, u32)> {
+    let qp_num = crate::nic::random_u32();
+    let qp = crate::nic::Qp::start(link, qp_num, opts, Some((peer, Arc::new(own_rq))))?;
     Ok((qp, qp_num))
 }
 
@@ -116,14 +115,14 @@ pub(crate) fn caps() -> DeviceCaps {
 /// A shm protection domain: the tcp provider's key table (for the engine's two-sided path and
 /// Writes-with-immediate) and the arena that holds the registrations peers may be granted.
 pub(crate) struct Pd {
-    pub(crate) keys: crate::tcp::Pd,
+    pub(crate) keys: crate::nic::Pd,
     pub(crate) arena: Arc<Arena>,
 }
 
 impl Pd {
     pub(crate) fn new() -> Result<Self> {
         Ok(Self {
-            keys: crate::tcp::Pd::new(),
+            keys: crate::nic::Pd::new(),
             arena: Arena::new()?,
         })
     }

@@ -86,7 +86,7 @@ struct Slots {
 }
 
 pub(crate) enum SrqImpl {
-    Soft(Arc<crate::tcp::Srq>),
+    Soft(Arc<crate::nic::Srq>),
     #[cfg(feature = "verbs")]
     Verbs(crate::verbs::Srq),
 }
@@ -127,7 +127,7 @@ impl SharedReceiveQueue {
         let event = Arc::new(LimitEvent::new());
         let imp = match &pd.inner.imp {
             crate::pd::PdImpl::Tcp(_) | crate::pd::PdImpl::Shm(_) => {
-                SrqImpl::Soft(Arc::new(crate::tcp::Srq::new(max_wr, event.clone())))
+                SrqImpl::Soft(Arc::new(crate::nic::Srq::new(max_wr, event.clone())))
             }
             #[cfg(feature = "verbs")]
             crate::pd::PdImpl::Verbs(v) => SrqImpl::Verbs(crate::verbs::Srq::new(dev, v, max_wr, event.clone())?),
@@ -265,7 +265,7 @@ impl SharedReceiveQueue {
         self.inner.slots.lock().posted.remove(&seq)
     }
 
-    pub(crate) fn soft(&self) -> Option<&Arc<crate::tcp::Srq>> {
+    pub(crate) fn soft(&self) -> Option<&Arc<crate::nic::Srq>> {
         match &self.inner.imp {
             SrqImpl::Soft(s) => Some(s),
             #[cfg(feature = "verbs")]

@@ -158,7 +158,7 @@ impl Waker {
 fn wake(shared: &Shared, token: u64, cell: &Cell) {
     if !cell.gone.load(Ordering::Acquire) && !cell.queued.swap(true, Ordering::AcqRel) {
         shared.ready.lock().push_back(token);
-        crate::shm::bell::ring(&shared.wake);
+        crate::nic::bell::ring(&shared.wake);
     }
 }
 
@@ -258,7 +258,7 @@ impl Drop for Progress {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
         for _ in 0..self.threads {
-            crate::shm::bell::ring(&self.shared.wake);
+            crate::nic::bell::ring(&self.shared.wake);
         }
     }
 }
@@ -463,7 +463,7 @@ impl Shared {
             drop(t);
             if earlier {
                 // A thread asleep until a later deadline looks again.
-                crate::shm::bell::ring(&self.wake);
+                crate::nic::bell::ring(&self.wake);
             }
         }
     }
@@ -556,7 +556,7 @@ mod tests {
         });
         let h = p.register(r.clone(), Some(r.fd.as_fd())).expect("register");
         for i in 1..=5 {
-            crate::shm::bell::ring(&r.fd);
+            crate::nic::bell::ring(&r.fd);
             wait_for(|| r.reads.load(Ordering::SeqCst) >= i);
         }
         drop(h);

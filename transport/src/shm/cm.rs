@@ -200,7 +200,7 @@ impl Listener {
         let mut attempts = 0;
         let socket = loop {
             if addr.port() == 0 {
-                try_addr.set_port(20_000 + (crate::tcp::random_u32() % 40_000) as u16);
+                try_addr.set_port(20_000 + (crate::nic::random_u32() % 40_000) as u16);
             }
             match UnixListener::bind_addr(&name(try_addr)?) {
                 Ok(s) => break s,
@@ -633,7 +633,7 @@ mod tests {
     /// A regular file of `len` bytes (sparse) on the file system of the temporary directory,
     /// unlinked: not a memfd.
     fn tempfile_of(len: u64) -> OwnedFd {
-        let path = std::env::temp_dir().join(format!("rdma-rpc-hostile-{}", crate::tcp::random_u32()));
+        let path = std::env::temp_dir().join(format!("rdma-rpc-hostile-{}", crate::nic::random_u32()));
         let f = std::fs::File::create(&path).expect("a temporary file");
         f.set_len(len).expect("set_len");
         let _ = std::fs::remove_file(&path);

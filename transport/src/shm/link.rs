@@ -20,7 +20,7 @@ use super::grant::{Grants, Inbound, Server, MSG};
 use super::ring::{Ring, RingError};
 use super::sys;
 use crate::nic::progress::{Handle, Next, Progress, Task, Why};
-use crate::tcp::{Link, BEAT, KEEPALIVE};
+use crate::nic::{Link, BEAT, KEEPALIVE};
 
 pub(crate) struct ShmLink {
     rx: Ring,
@@ -104,7 +104,7 @@ impl ShmLink {
         self.rx.wake_all();
         self.tx.wake_all();
         // Our own engine, which may wait for the peer, looks again.
-        super::bell::ring(&self.bell);
+        crate::nic::bell::ring(&self.bell);
     }
 }
 

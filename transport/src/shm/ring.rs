@@ -153,7 +153,7 @@ impl Ring {
     fn wake_peer(&self, word: &AtomicU32) {
         match &self.peer_bell {
             #[cfg(not(rdma_loom))]
-            Some(bell) => super::bell::ring(bell),
+            Some(bell) => crate::nic::bell::ring(bell),
             _ => futex_wake(word),
         }
     }

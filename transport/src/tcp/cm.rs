@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use socket2::{SockRef, TcpKeepalive};
 
-use super::{random_u32, Qp};
 use crate::backlog::{Acceptor, Backlog, Handshake};
 use crate::cm::MAX_PRIVATE_DATA;
+use crate::nic::{random_u32, Qp};
 use crate::{Error, QpOptions, Result};
 
 const MAGIC: &[u8; 8] = b"RDRPCTCP";

@@ -26,6 +26,7 @@ use super::wire::{AtomicOp, DataHead, Encoder, Frame, WireError};
 use super::Cq;
 use crate::cq::RawWc;
 use crate::mr::{Region, Rmw};
+use crate::nic::direct::{Direct, Local, OwnQueue};
 use crate::nic::progress::{Handle, Next, Progress, Task, Waker, Why};
 use crate::pd::PdShared;
 use crate::qp::{RecvDesc, SendDesc, FLUSH};
@@ -126,9 +127,9 @@ struct Engine {
     destroyed: AtomicBool,
     /// shm: the peer's memory and receive queue, for operations run here without the peer's
     /// CPU (one-sided ones, and Sends that find a posted receive).
-    direct: Option<Arc<crate::shm::Peer>>,
+    direct: Option<Arc<dyn Direct>>,
     /// shm: our receive queue in shared memory, where the peer completes receives.
-    own_rq: Option<Arc<crate::shm::OwnRq>>,
+    own_rq: Option<Arc<dyn OwnQueue>>,
     /// The shared receive queue the responder takes receives from, if the QP has one (then it
     /// has none of its own, and on shm the peer delivers nothing directly).
     srq: Option<Arc<srq::Srq>>,
@@ -172,7 +173,7 @@ impl Qp {
         link: Arc<dyn Link>,
         qp_num: u32,
         opts: &crate::QpOptions,
-        shm: Option<(Arc<crate::shm::Peer>, crate::shm::OwnRq)>,
+        shm: Option<(Arc<dyn Direct>, Arc<dyn OwnQueue>)>,
     ) -> Result<Self, Error> {
         let cq = |c: &crate::CompletionQueue| match &c.inner.imp {
             crate::cq::CqImpl::Tcp(cq) => Ok(Arc::clone(cq)),
@@ -183,7 +184,7 @@ impl Qp {
         let srq = opts.srq.as_ref().and_then(|s| s.soft().cloned());
         let progress: &Progress = opts.pd.inner.device.inner.progress()?;
         let (direct, own_rq) = match shm {
-            Some((p, rq)) => (Some(p), Some(Arc::new(rq))),
+            Some((p, rq)) => (Some(p), Some(rq)),
             None => (None, None),
         };
         // tcp: the application's polls read the socket too; shm: the engine alone.
@@ -263,27 +264,27 @@ impl Qp {
         let (Some(peer), Some(own)) = (&self.engine.direct, &self.engine.own_rq) else {
             return false;
         };
-        let Some(me) = crate::shm::current_cpu() else {
+        let Some(me) = crate::nic::cpu::current_cpu() else {
             return false;
         };
         own.publish_cpu(me);
-        peer.rq.cpu() == Some(me)
+        peer.peer_on(me)
     }
 
     /// shm: when the peer's poller said it runs on this thread's CPU, moves this thread to
-    /// another CPU it may run on (see `shm::leave_cpu`) and tells the peer where it went; true
+    /// another CPU it may run on (see `nic::cpu::leave_cpu`) and tells the peer where it went; true
     /// when it moved. tcp: false.
     pub(crate) fn leave_peer_cpu(&self) -> bool {
         let (Some(peer), Some(own)) = (&self.engine.direct, &self.engine.own_rq) else {
             return false;
         };
-        let Some(me) = crate::shm::current_cpu() else {
+        let Some(me) = crate::nic::cpu::current_cpu() else {
             return false;
         };
-        if peer.rq.cpu() != Some(me) || !crate::shm::leave_cpu(me) {
+        if !peer.peer_on(me) || !crate::nic::cpu::leave_cpu(me) {
             return false;
         }
-        if let Some(now) = crate::shm::current_cpu() {
+        if let Some(now) = crate::nic::cpu::current_cpu() {
             own.publish_cpu(now);
         }
         true
@@ -325,7 +326,12 @@ impl Qp {
                 // shm: a one-sided operation with nothing before it in flight runs here and
                 // now, on the peer's memory (with nothing before it, RC order holds).
                 if let Some(peer) = e.direct.as_ref().filter(|_| st.outstanding.is_empty()) {
-                    if let Some(result) = direct(peer, d, pending.local.as_ref()) {
+                    let local = pending.local.as_ref().map(|v| Local {
+                        region: &v.region,
+                        off: v.off,
+                        len: v.len,
+                    });
+                    if let Some(result) = peer.run(d, local) {
                         let mut pending = pending;
                         pending.done = Some(result);
                         st.outstanding.push_back(pending);
@@ -428,128 +434,6 @@ fn send_request(out: &Sender, d: &SendDesc<'_>) -> Result<(), ()> {
             &[],
         ),
     }
-}
-
-/// Runs a request on the peer's memory (shm): one-sided ones always, Sends and
-/// Writes-with-immediate when the peer has a receive posted (else `None`: the request goes as a
-/// frame and the peer's engine holds it, RNR). The result as the completion will say it.
-fn direct(peer: &crate::shm::Peer, d: &SendDesc<'_>, local: Option<&View>) -> Option<Result<u32, WcStatus>> {
-    let local_bytes = |len: usize| local.map(|v| v.region.lock_range(v.off, len));
-    let arena = &peer.arena;
-    Some(match d.op {
-        SendOp::Read { remote } => {
-            if d.len == 0 {
-                return Some(Ok(0));
-            }
-            match local_bytes(d.len) {
-                Some(mut dst) => arena.read(remote.addr, remote.rkey, &mut dst)?.map(|()| d.len as u32),
-                None => Err(WcStatus::LocLenErr),
-            }
-        }
-        SendOp::Write { remote, imm: None } => {
-            if d.len == 0 {
-                return Some(Ok(0));
-            }
-            match local_bytes(d.len) {
-                Some(src) => arena.write(remote.addr, remote.rkey, &src)?.map(|_| 0),
-                None => Err(WcStatus::LocLenErr),
-            }
-        }
-        SendOp::CompareSwap { remote, compare, swap } => {
-            atomic(arena, remote, Rmw::CompareSwap { compare, swap }, local)?
-        }
-        SendOp::FetchAdd { remote, add } => atomic(arena, remote, Rmw::FetchAdd { add }, local)?,
-        SendOp::Send { imm } => {
-            let taken = match peer.rq.take() {
-                Ok(Some(t)) => t,
-                Ok(None) => return None,
-                Err(()) => return Some(Err(WcStatus::RemOpErr)),
-            };
-            let flags = if imm.is_some() { crate::shm::rq::HAS_IMM } else { 0 };
-            let data = if d.len > 0 { local_bytes(d.len) } else { None };
-            let bytes: &[u8] = data.as_deref().unwrap_or(&[]);
-            // The receiving NIC's check of room in the receive (the receiver checks its buffer
-            // as it copies the payload in).
-            let (ring, result) = if bytes.len() as u64 > taken.len {
-                (
-                    taken.complete(WcStatus::LocLenErr, 0, 0, 0),
-                    Err(WcStatus::RemInvReqErr),
-                )
-            } else if bytes.is_empty() {
-                (taken.complete(WcStatus::Success, flags, 0, imm.unwrap_or(0)), Ok(0))
-            } else if !taken.writable {
-                (taken.complete(WcStatus::LocProtErr, 0, 0, 0), Err(WcStatus::RemOpErr))
-            } else if taken.stage(bytes) {
-                let n = bytes.len() as u64;
-                // A copy of its first bytes beside the completion, which a protocol reads its
-                // header from (see `Head`).
-                let taken = taken.with_head(bytes);
-                (taken.complete(WcStatus::Success, flags, n, imm.unwrap_or(0)), Ok(0))
-            } else {
-                // No room in the staging area: the Send goes as a frame.
-                return None;
-            };
-            if ring {
-                peer.ring();
-            }
-            // Off the path of this Send: the next one likely lands in the next posted entry,
-            // whose line the peer's core last read; fetching it (and the staging lines) now
-            // keeps that Send from waiting for them.
-            peer.rq.prefetch_next(bytes.len());
-            result
-        }
-        SendOp::Write { remote, imm: Some(imm) } => {
-            let taken = match peer.rq.take() {
-                Ok(Some(t)) => t,
-                Ok(None) => return None,
-                Err(()) => return Some(Err(WcStatus::RemOpErr)),
-            };
-            let src = match d.len {
-                0 => None,
-                len => match local_bytes(len) {
-                    Some(src) => Some(src),
-                    None => return Some(Err(WcStatus::LocLenErr)),
-                },
-            };
-            let held = match &src {
-                // Without its grant, the Write-with-immediate goes as a frame (the entry taken
-                // is not consumed until completed).
-                Some(src) => match arena.write(remote.addr, remote.rkey, src)? {
-                    Ok(held) => Some(held),
-                    // A failed write consumes no receive; the peer learns of the error (Fatal).
-                    Err(status) => return Some(Err(status)),
-                },
-                None => None,
-            };
-            let flags = crate::shm::rq::HAS_IMM | crate::shm::rq::WRITE_IMM;
-            let ring = taken.complete(WcStatus::Success, flags, d.len as u64, imm);
-            // Both locks go after the completion (see `Held`).
-            drop((held, src));
-            if ring {
-                peer.ring();
-            }
-            Ok(0)
-        }
-    })
-}
-
-fn atomic(
-    peer: &crate::shm::PeerArena,
-    remote: crate::RemoteAddr,
-    op: Rmw,
-    local: Option<&View>,
-) -> Option<Result<u32, WcStatus>> {
-    let old = match peer.atomic(remote.addr, remote.rkey, op)? {
-        Ok(old) => old,
-        Err(status) => return Some(Err(status)),
-    };
-    Some(match local {
-        Some(v) if v.len >= 8 => {
-            v.region.lock_range(v.off, 8).copy_from_slice(&old.to_ne_bytes());
-            Ok(8)
-        }
-        _ => Err(WcStatus::LocLenErr),
-    })
 }
 
 /// A Send or Write of ours the peer ran, acknowledged by any later response (not executed here).
@@ -864,7 +748,7 @@ impl Engine {
     fn drain_rq(&self, st: &mut State) -> bool {
         let Some(rq) = &self.own_rq else { return true };
         while let Some((at, d)) = rq.peek_done() {
-            let opcode = if d.flags & crate::shm::rq::WRITE_IMM != 0 {
+            let opcode = if d.write_imm {
                 WcOpcode::RecvRdmaWithImm
             } else {
                 WcOpcode::Recv
@@ -874,7 +758,7 @@ impl Engine {
             // The peer writes the entry: a Send's length past what was posted (or staged) is a
             // lie a NIC could never tell, and would send the application past its buffer. (A
             // Write-with-immediate's length is the Write's, into memory of its own.)
-            let staged_max = crate::shm::rq::STAGE.min(posted);
+            let staged_max = rq.staged_max().min(posted);
             let mut status = d.status;
             if status.is_success() && opcode == WcOpcode::Recv && d.byte_len as usize > staged_max {
                 tracing::warn!(
@@ -912,7 +796,7 @@ impl Engine {
             if r.seq as u32 != d.seq {
                 tracing::warn!(qp = self.qp_num, "the peer completed receives out of order");
             }
-            let imm = (d.flags & crate::shm::rq::HAS_IMM != 0).then_some(d.imm);
+            let imm = d.imm;
             if status.is_success() {
                 self.push_recv_head(r, WcStatus::Success, opcode, d.byte_len, imm, d.head);
             } else {

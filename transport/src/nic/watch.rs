@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use rustix::event::epoll;
 
-use crate::shm::bell::Registration;
+use crate::nic::bell::Registration;
 use crate::{Error, Result};
 
 /// The runtime's view of a CQ's socket set (an epoll descriptor, readable while any of its
@@ -54,7 +54,7 @@ impl Watch {
 
     /// Waits until the doorbell rings or one of the sockets in `set` has something to read
     /// (or spuriously): the caller polls the CQ next.
-    pub(super) async fn wait(&self, set: &Arc<OwnedFd>, bell: &crate::shm::bell::Bell) -> Result<()> {
+    pub(super) async fn wait(&self, set: &Arc<OwnedFd>, bell: &crate::nic::bell::Bell) -> Result<()> {
         let fd = self.fd.get(set, "registering a CQ's socket set with tokio")?;
         if self.woke_on_sockets.swap(false, Ordering::Relaxed) {
             return bell.wait().await;
@@ -107,7 +107,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::shm::bell::Bell;
+    use crate::nic::bell::Bell;
 
     /// An epoll set holding the reading end of a socket pair, as a CQ's set holds its QPs'.
     fn set_with_socket() -> (Arc<OwnedFd>, UnixStream, UnixStream) {

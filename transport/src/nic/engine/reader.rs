@@ -11,7 +11,7 @@
 //! whatever the host's CPUs do. Neither holder ever waits for a lock another thread may hold
 //! (an application may hold a buffer's lock while it polls, or for as long as it likes): a
 //! frame whose memory is held waits in the reader, a poller hands it to the engine, and the
-//! engine looks again after [`RECHECK`](crate::tcp::sender::RECHECK).
+//! engine looks again after [`RECHECK`](crate::nic::sender::RECHECK).
 //!
 //! A task that sleeps on an armed CQ watches the socket too (`tcp/watch.rs`): an arrival wakes
 //! it and the engine at once, and its next poll reads the socket when the reader is free
@@ -27,12 +27,12 @@ use std::time::{Duration, Instant};
 
 use super::{AckWhen, Engine, Stop};
 use crate::mr::Region;
+use crate::nic::inbox::Inbox;
+use crate::nic::link::{BEAT, KEEPALIVE};
+use crate::nic::now_nanos;
 use crate::nic::progress::Why;
-use crate::tcp::inbox::Inbox;
-use crate::tcp::link::{BEAT, KEEPALIVE};
-use crate::tcp::now_nanos;
-use crate::tcp::sender::RECHECK;
-use crate::tcp::wire::{DataHead, Frame, MAX_BODY};
+use crate::nic::sender::RECHECK;
+use crate::nic::wire::{DataHead, Frame, MAX_BODY};
 
 /// Pollers count as spinning while the last poll came at most this long ago; an application
 /// that polls less often leaves the socket to the progress engine. The price of the pollers' speed:

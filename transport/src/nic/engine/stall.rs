@@ -12,7 +12,7 @@
 
 use std::collections::VecDeque;
 
-use crate::tcp::wire::Frame;
+use crate::nic::wire::Frame;
 
 /// Bytes of held frames past which the engine stops reading its link.
 pub(super) const STALL_CAP: usize = 4 << 20;
@@ -67,7 +67,7 @@ impl Stalled {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tcp::wire::DataHead;
+    use crate::nic::wire::DataHead;
 
     fn send(len: usize) -> Frame {
         Frame::Data {
