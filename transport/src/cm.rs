@@ -4,8 +4,6 @@
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
-use crate::device::DeviceImpl;
-use crate::qp::QpImpl;
 use crate::{Device, Error, QpOptions, QueuePair, RecvWr, Result};
 
 /// The most private data either side may carry (the rdma_cm limit for an RC connect on IB/RoCE).
@@ -86,14 +84,7 @@ fn check_private(data: &[u8]) -> Result<()> {
 /// ```
 pub struct Listener {
     device: Device,
-    imp: ListenerImpl,
-}
-
-enum ListenerImpl {
-    Tcp(crate::tcp::Listener),
-    Shm(crate::shm::cm::Listener),
-    #[cfg(feature = "verbs")]
-    Verbs(crate::verbs::Listener),
+    imp: Box<dyn crate::provider::ListenerOps>,
 }
 
 impl Listener {
@@ -103,12 +94,7 @@ impl Listener {
     /// # Errors
     /// Socket or rdma_cm errors.
     pub fn bind(device: &Device, addr: SocketAddr) -> Result<Self> {
-        let imp = match &device.inner.imp {
-            DeviceImpl::Tcp => ListenerImpl::Tcp(crate::tcp::Listener::bind(device, addr)?),
-            DeviceImpl::Shm { any_user } => ListenerImpl::Shm(crate::shm::cm::Listener::bind(device, addr, *any_user)?),
-            #[cfg(feature = "verbs")]
-            DeviceImpl::Verbs(ctx) => ListenerImpl::Verbs(crate::verbs::Listener::bind(ctx, addr)?),
-        };
+        let imp = device.inner.imp.bind(device, addr)?;
         Ok(Self {
             device: device.clone(),
             imp,
@@ -120,12 +106,7 @@ impl Listener {
     /// # Errors
     /// Socket errors.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        match &self.imp {
-            ListenerImpl::Tcp(l) => l.local_addr(),
-            ListenerImpl::Shm(l) => Ok(l.local_addr()),
-            #[cfg(feature = "verbs")]
-            ListenerImpl::Verbs(l) => l.local_addr(),
-        }
+        self.imp.local_addr()
     }
 
     /// The device connections arrive on.
@@ -140,33 +121,12 @@ impl Listener {
     /// another version, silent for 10 s) is dropped without holding up other connections, and
     /// `accept` goes on waiting.
     pub fn accept(&self, timeout: Option<Duration>) -> Result<ConnectRequest> {
-        match &self.imp {
-            ListenerImpl::Tcp(l) => {
-                let r = l.accept(timeout)?;
-                Ok(ConnectRequest {
-                    private_data: r.private_data.clone(),
-                    peer: Some(r.peer),
-                    imp: RequestImpl::Tcp(r),
-                })
-            }
-            ListenerImpl::Shm(l) => {
-                let r = l.accept(timeout)?;
-                Ok(ConnectRequest {
-                    private_data: r.private_data.clone(),
-                    peer: None,
-                    imp: RequestImpl::Shm(r),
-                })
-            }
-            #[cfg(feature = "verbs")]
-            ListenerImpl::Verbs(l) => {
-                let r = l.accept(timeout)?;
-                Ok(ConnectRequest {
-                    private_data: r.private_data().to_vec(),
-                    peer: r.peer(),
-                    imp: RequestImpl::Verbs(r),
-                })
-            }
-        }
+        let imp = self.imp.accept(timeout)?;
+        Ok(ConnectRequest {
+            private_data: imp.private_data().to_vec(),
+            peer: imp.peer(),
+            imp,
+        })
     }
 }
 
@@ -174,14 +134,7 @@ impl Listener {
 pub struct ConnectRequest {
     private_data: Vec<u8>,
     peer: Option<SocketAddr>,
-    imp: RequestImpl,
-}
-
-enum RequestImpl {
-    Tcp(crate::tcp::Request),
-    Shm(crate::shm::cm::Request),
-    #[cfg(feature = "verbs")]
-    Verbs(crate::verbs::Request),
+    imp: Box<dyn crate::provider::RequestOps>,
 }
 
 impl ConnectRequest {
@@ -217,35 +170,9 @@ impl ConnectRequest {
             self.reject_with(&set_up_failed(&e));
             return Err(e);
         }
-        // Each provider refuses the peer itself when its part fails (it holds the reply's way).
-        let (qp, pending) = match self.imp {
-            RequestImpl::Tcp(r) => {
-                let (qp, num, p) = r.accept(opts)?;
-                (QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), Pending::Tcp(p))
-            }
-            RequestImpl::Shm(r) => {
-                let side = match crate::shm::side(opts) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        r.reject(&set_up_reason(&e));
-                        return Err(e);
-                    }
-                };
-                let (j, p) = r.accept(side)?;
-                match crate::shm::start(j.link, j.peer, j.own_rq, opts) {
-                    Ok((qp, num)) => (QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), Pending::Shm(p)),
-                    Err(e) => {
-                        p.refuse(&set_up_reason(&e));
-                        return Err(e);
-                    }
-                }
-            }
-            #[cfg(feature = "verbs")]
-            RequestImpl::Verbs(r) => {
-                let (qp, num, p) = r.accept(opts)?;
-                (QueuePair::new(QpImpl::Verbs(qp), num, opts.clone()), Pending::Verbs(p))
-            }
-        };
+        // The provider refuses the peer itself when its part fails (it holds the reply's way).
+        let c = self.imp.accept(opts)?;
+        let (qp, pending) = (QueuePair::new(c.qp, c.qp_num, opts.clone()), c.pending);
         if let Err(e) = qp.post_recv_batch(recvs) {
             pending.refuse(&set_up_reason(&e.error));
             return Err(e.error);
@@ -284,21 +211,8 @@ impl ConnectRequest {
     /// ```
     pub fn reject_with(self, reason: &str) {
         let reason = reject_reason(reason);
-        match self.imp {
-            RequestImpl::Tcp(r) => r.reject(&reason),
-            RequestImpl::Shm(r) => r.reject(&reason),
-            #[cfg(feature = "verbs")]
-            RequestImpl::Verbs(r) => r.reject(&reason),
-        }
+        self.imp.reject(&reason);
     }
-}
-
-/// The last step of set-up, once the new QP has its first receives.
-enum Pending {
-    Tcp(crate::tcp::Pending),
-    Shm(crate::shm::cm::Pending),
-    #[cfg(feature = "verbs")]
-    Verbs(crate::verbs::Pending),
 }
 
 /// The reason a peer is refused with when this side's set-up of its connection failed.
@@ -309,27 +223,6 @@ pub(crate) fn set_up_failed(e: &Error) -> String {
 /// [`set_up_failed`]'s reason as the bytes a refusal carries ([`reject_reason`]).
 pub(crate) fn set_up_reason(e: &Error) -> Vec<u8> {
     reject_reason(&set_up_failed(e))
-}
-
-impl Pending {
-    /// Refuses the peer instead of finishing (this side's set-up failed after all).
-    fn refuse(self, reason: &[u8]) {
-        match self {
-            Pending::Tcp(p) => p.refuse(reason),
-            Pending::Shm(p) => p.refuse(reason),
-            #[cfg(feature = "verbs")]
-            Pending::Verbs(p) => p.refuse(reason),
-        }
-    }
-
-    fn finish(self, private_data: &[u8]) -> Result<Vec<u8>> {
-        match self {
-            Pending::Tcp(p) => p.finish(private_data),
-            Pending::Shm(p) => p.finish(private_data),
-            #[cfg(feature = "verbs")]
-            Pending::Verbs(p) => p.finish(private_data),
-        }
-    }
 }
 
 /// Connects a new QP, made from `opts`, to a listener at `addr`, sending `private_data`.
@@ -362,36 +255,13 @@ pub fn connect_with_recvs(
 ) -> Result<(QueuePair, Vec<u8>)> {
     check_private(private_data)?;
     opts.validate()?;
-    let (qp, pending) = match &opts.pd.device().inner.imp {
-        DeviceImpl::Tcp => {
-            let (qp, num, p) = crate::tcp::connect(addr, opts, private_data, timeout)?;
-            (QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()), Pending::Tcp(p))
-        }
-        DeviceImpl::Shm { any_user } => {
-            let addr = addr
-                .to_socket_addrs()
-                .map_err(|e| Error::io("resolving the address", e))?
-                .next()
-                .ok_or_else(|| Error::InvalidArgument("address resolves to nothing".into()))?;
-            let side = crate::shm::side(opts)?;
-            let (j, data) = crate::shm::cm::connect(addr, side, private_data, timeout, *any_user)?;
-            let (qp, num) = crate::shm::start(j.link, j.peer, j.own_rq, opts)?;
-            (
-                QueuePair::new(QpImpl::Tcp(qp), num, opts.clone()),
-                Pending::Shm(crate::shm::cm::Pending::Done(data)),
-            )
-        }
-        #[cfg(feature = "verbs")]
-        DeviceImpl::Verbs(ctx) => {
-            let addr = addr
-                .to_socket_addrs()
-                .map_err(|e| Error::io("resolving the address", e))?
-                .next()
-                .ok_or_else(|| Error::InvalidArgument("address resolves to nothing".into()))?;
-            let (qp, num, p) = crate::verbs::connect(ctx, addr, opts, timeout)?;
-            (QueuePair::new(QpImpl::Verbs(qp), num, opts.clone()), Pending::Verbs(p))
-        }
-    };
+    let addr = addr
+        .to_socket_addrs()
+        .map_err(|e| Error::io("resolving the address", e))?
+        .next()
+        .ok_or_else(|| Error::InvalidArgument("address resolves to nothing".into()))?;
+    let c = opts.pd.device().inner.imp.connect(addr, opts, private_data, timeout)?;
+    let (qp, pending) = (QueuePair::new(c.qp, c.qp_num, opts.clone()), c.pending);
     qp.post_recv_batch(recvs).map_err(|e| e.error)?;
     let data = pending.finish(private_data)?;
     Ok((qp, data))

@@ -6,7 +6,6 @@ use foldhash::HashMap;
 
 use parking_lot::Mutex;
 
-use crate::device::DeviceImpl;
 use crate::qp::QpShared;
 use crate::{Device, Error, MemoryRegion, Result, WcOpcode, WcStatus};
 
@@ -98,13 +97,7 @@ pub(crate) struct CqShared {
     /// and the provider's raw completions of a poll. One lock for both: every reap holds it, so
     /// completions held by `ready` cannot be overtaken by later ones.
     reaping: Mutex<Reaping>,
-    pub(crate) imp: CqImpl,
-}
-
-pub(crate) enum CqImpl {
-    Tcp(Arc<crate::nic::Cq>),
-    #[cfg(feature = "verbs")]
-    Verbs(crate::verbs::Cq),
+    pub(crate) imp: Box<dyn crate::provider::CqOps>,
 }
 
 impl CompletionQueue {
@@ -115,12 +108,7 @@ impl CompletionQueue {
                 device.caps().max_cqe
             )));
         }
-        let imp = match &device.inner.imp {
-            // shm QPs run the tcp provider's engine: the same software CQ.
-            DeviceImpl::Tcp | DeviceImpl::Shm { .. } => CqImpl::Tcp(Arc::new(crate::nic::Cq::new(depth)?)),
-            #[cfg(feature = "verbs")]
-            DeviceImpl::Verbs(ctx) => CqImpl::Verbs(crate::verbs::Cq::new(ctx, depth)?),
-        };
+        let imp = device.inner.imp.create_cq(depth)?;
         Ok(Self {
             inner: Arc::new(CqShared {
                 device: device.clone(),
@@ -165,11 +153,7 @@ impl CompletionQueue {
             return Ok(0);
         }
         scratch.clear();
-        let n = match &self.inner.imp {
-            CqImpl::Tcp(cq) => cq.poll(scratch, max),
-            #[cfg(feature = "verbs")]
-            CqImpl::Verbs(cq) => cq.poll(scratch, max)?,
-        };
+        let n = self.inner.imp.poll(scratch, max)?;
         if n == 0 {
             return Ok(0);
         }
@@ -222,23 +206,11 @@ impl CompletionQueue {
             if self.hold()? {
                 return Ok(());
             }
-            match &self.inner.imp {
-                CqImpl::Tcp(cq) => {
-                    cq.arm();
-                    if self.hold()? {
-                        return Ok(());
-                    }
-                    cq.wait_bell().await?;
-                }
-                #[cfg(feature = "verbs")]
-                CqImpl::Verbs(cq) => {
-                    cq.arm()?;
-                    if self.hold()? {
-                        return Ok(());
-                    }
-                    cq.wait_event().await?;
-                }
+            self.inner.imp.arm()?;
+            if self.hold()? {
+                return Ok(());
             }
+            self.inner.imp.wait().await?;
         }
     }
 

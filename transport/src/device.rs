@@ -125,40 +125,9 @@ pub struct Device {
 
 pub(crate) struct DeviceShared {
     pub(crate) spec: ProviderSpec,
-    pub(crate) name: String,
-    pub(crate) caps: DeviceCaps,
-    pub(crate) imp: DeviceImpl,
+    pub(crate) imp: Box<dyn crate::provider::DeviceOps>,
     /// Bytes registered through this device and not yet deregistered.
     pub(crate) registered: std::sync::atomic::AtomicU64,
-    /// The software providers' progress engine, made with the first QP.
-    progress: std::sync::OnceLock<crate::nic::progress::Progress>,
-    making_progress: parking_lot::Mutex<()>,
-}
-
-impl DeviceShared {
-    /// The progress engine that turns every QP of this (software) device, started with the
-    /// first one.
-    pub(crate) fn progress(&self) -> Result<&crate::nic::progress::Progress> {
-        if let Some(p) = self.progress.get() {
-            return Ok(p);
-        }
-        let _one = self.making_progress.lock();
-        if let Some(p) = self.progress.get() {
-            return Ok(p);
-        }
-        let p = crate::nic::progress::Progress::new(crate::nic::progress::Progress::threads_from_env())?;
-        Ok(self.progress.get_or_init(|| p))
-    }
-}
-
-pub(crate) enum DeviceImpl {
-    Tcp,
-    /// `any_user`: connections from and to processes of other users are accepted.
-    Shm {
-        any_user: bool,
-    },
-    #[cfg(feature = "verbs")]
-    Verbs(crate::verbs::Context),
 }
 
 impl Device {
@@ -184,45 +153,12 @@ impl Device {
     /// # Errors
     /// As [`Device::open`].
     pub fn open_spec(spec: &ProviderSpec) -> Result<Device> {
-        let shared = match spec {
-            ProviderSpec::Tcp => DeviceShared {
-                spec: spec.clone(),
-                name: "tcp".to_owned(),
-                caps: crate::tcp::caps(),
-                imp: DeviceImpl::Tcp,
-                registered: Default::default(),
-                progress: Default::default(),
-                making_progress: Default::default(),
-            },
-            ProviderSpec::Shm | ProviderSpec::ShmAnyUser => DeviceShared {
-                spec: spec.clone(),
-                name: "shm".to_owned(),
-                caps: crate::shm::caps(),
-                imp: DeviceImpl::Shm {
-                    any_user: *spec == ProviderSpec::ShmAnyUser,
-                },
-                registered: Default::default(),
-                progress: Default::default(),
-                making_progress: Default::default(),
-            },
-            #[cfg(feature = "verbs")]
-            ProviderSpec::Verbs(name) => {
-                let ctx = crate::verbs::Context::open(name.as_deref())?;
-                DeviceShared {
-                    spec: spec.clone(),
-                    name: ctx.name().to_owned(),
-                    caps: ctx.caps().clone(),
-                    imp: DeviceImpl::Verbs(ctx),
-                    registered: Default::default(),
-                    progress: Default::default(),
-                    making_progress: Default::default(),
-                }
-            }
-            #[cfg(not(feature = "verbs"))]
-            ProviderSpec::Verbs(_) => return Err(Error::ProviderNotBuilt("verbs")),
-        };
         Ok(Device {
-            inner: Arc::new(shared),
+            inner: Arc::new(DeviceShared {
+                spec: spec.clone(),
+                imp: crate::provider::open(spec)?,
+                registered: Default::default(),
+            }),
         })
     }
 
@@ -242,12 +178,12 @@ impl Device {
 
     /// The device name (`tcp`, or the verbs device such as `rxe0` or `mlx5_0`).
     pub fn name(&self) -> &str {
-        &self.inner.name
+        self.inner.imp.name()
     }
 
     /// Capabilities read at open.
     pub fn caps(&self) -> &DeviceCaps {
-        &self.inner.caps
+        self.inner.imp.caps()
     }
 
     /// Bytes registered through this device (every PD) and not yet deregistered: a registration
@@ -278,8 +214,8 @@ impl fmt::Debug for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Device")
             .field("spec", &self.inner.spec)
-            .field("name", &self.inner.name)
-            .field("caps", &self.inner.caps)
+            .field("name", &self.name())
+            .field("caps", self.caps())
             .finish()
     }
 }

@@ -53,7 +53,6 @@
 //! ```
 
 mod access;
-mod backlog;
 mod cm;
 mod cq;
 mod device;
@@ -63,6 +62,7 @@ mod mr;
 mod nic;
 mod pd;
 mod pool;
+mod provider;
 mod qp;
 mod shm;
 mod srq;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use parking_lot::{MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use serde::{Deserialize, Serialize};
 
-use crate::pd::{PdImpl, PdShared};
+use crate::pd::PdShared;
 use crate::pool::PoolHome;
 use crate::{AccessFlags, Error, ProtectionDomain, Result};
 
@@ -15,8 +15,8 @@ use crate::{AccessFlags, Error, ProtectionDomain, Result};
 /// [`MemoryRegion`] naming it — including those held by work requests in flight — is gone.
 pub(crate) struct Region {
     // Field order is drop order: deregister (`imp`) before freeing (`mem`) before the PD goes.
-    #[allow(dead_code)] // held for its Drop
-    pub(crate) imp: RegionImpl,
+    /// The provider's part of the registration (none where the provider keeps nothing).
+    pub(crate) imp: Option<Box<dyn crate::provider::RegistrationOps>>,
     /// The bytes. Local users and the software providers' progress engines go through this lock
     /// (any number of readers, or one writer); a real NIC reaches the same memory by DMA, as it
     /// does in every verbs program.
@@ -40,7 +40,7 @@ pub(crate) struct Region {
 /// application's vector registered where it is ([`ProtectionDomain::register_vec`]).
 pub(crate) enum Mem {
     Heap(Box<[u64]>),
-    Shared(crate::shm::Slice),
+    Shared(Box<dyn crate::provider::SharedMemory>),
     Vec(Vec<u8>),
 }
 
@@ -97,12 +97,27 @@ impl Rmw {
 
 /// The provider's registration; kept only to be dropped (deregistered) at the right moment.
 #[allow(dead_code)]
-pub(crate) enum RegionImpl {
-    Tcp,
-    /// Published in the PD's arena table under this rkey: withdrawn on drop.
-    Shm(Arc<crate::shm::Arena>, u32, u32),
-    #[cfg(feature = "verbs")]
-    Verbs(crate::verbs::Mr),
+/// The heap memory a registration of `len` bytes is made in (`vec` itself, or zeroed words),
+/// and its address: for providers whose registrations live in the process's own heap.
+pub(crate) fn heap(len: usize, vec: Option<Vec<u8>>) -> Result<(Mem, u64)> {
+    Ok(match vec {
+        Some(mut v) => {
+            let addr = v.as_mut_ptr() as u64;
+            (Mem::Vec(v), addr)
+        }
+        None => {
+            let mut mem = zeroed_words(len)?;
+            let addr = mem.as_mut_ptr() as u64;
+            (Mem::Heap(mem), addr)
+        }
+    })
+}
+
+/// Whether a registration with `access` lets peers write it (REMOTE_WRITE or REMOTE_ATOMIC):
+/// its memory is then never borrowed in place (see `Region::exposed`), on providers where a
+/// peer writes it without this process's locks.
+pub(crate) fn peers_write(access: AccessFlags) -> bool {
+    remote_writes(access)
 }
 
 /// `len` bytes of zeroed words, or [`Error::OutOfMemory`] where the allocator refuses them (a
@@ -295,19 +310,10 @@ impl Drop for Region {
     fn drop(&mut self) {
         let registered = &self.pd.device.inner.registered;
         registered.fetch_sub(self.len as u64, std::sync::atomic::Ordering::Relaxed);
-        match &self.pd.imp {
-            PdImpl::Tcp(pd) => pd.deregister(self.rkey, self.lkey),
-            PdImpl::Shm(pd) => pd.keys.deregister(self.rkey, self.lkey),
-            #[cfg(feature = "verbs")]
-            PdImpl::Verbs(_) => {}
-        }
-        if let RegionImpl::Shm(arena, rkey, lkey) = &self.imp {
-            arena.withdraw((*lkey, *rkey));
-        }
-        #[cfg(feature = "verbs")]
-        if let RegionImpl::Verbs(mr) = &mut self.imp {
-            if !mr.deregister() {
-                // The NIC may still reach the memory: it must never be freed or reused.
+        self.pd.imp.deregister(self.rkey, self.lkey);
+        if let Some(imp) = &mut self.imp {
+            if !imp.deregister() {
+                // The device may still reach the memory: it must never be freed or reused.
                 std::mem::forget(std::mem::replace(self.mem.get_mut(), Mem::Vec(Vec::new())));
             }
         }
@@ -356,83 +362,7 @@ impl MemoryRegion {
             ));
         }
         let from_vec = vec.is_some();
-        // The heap memory a registration is made in, and its address.
-        let local = |vec: Option<Vec<u8>>| -> Result<(Mem, u64)> {
-            Ok(match vec {
-                Some(mut v) => {
-                    let addr = v.as_mut_ptr() as u64;
-                    (Mem::Vec(v), addr)
-                }
-                None => {
-                    let mut mem = zeroed_words(len)?;
-                    let addr = mem.as_mut_ptr() as u64;
-                    (Mem::Heap(mem), addr)
-                }
-            })
-        };
-        let region = match &pd.inner.imp {
-            PdImpl::Shm(spd) => {
-                let mut slice = crate::shm::Slice::alloc(len, access)?;
-                if let Some(v) = &vec {
-                    bytemuck::cast_slice_mut::<u64, u8>(slice.words_mut())[..len].copy_from_slice(v);
-                }
-                let addr = slice.addr();
-                let (lkey, rkey) = spd.fresh_keys();
-                spd.publish((lkey, rkey), access, &slice, len as u64)?;
-                let region = Arc::new(Region {
-                    pd: pd.inner.clone(),
-                    addr,
-                    len,
-                    lkey,
-                    rkey,
-                    access,
-                    from_vec,
-                    exposed: remote_writes(access),
-                    mem: RwLock::new(Mem::Shared(slice)),
-                    imp: RegionImpl::Shm(spd.arena.clone(), rkey, lkey),
-                });
-                spd.keys.register(&region);
-                region
-            }
-            PdImpl::Tcp(tpd) => {
-                let (mem, addr) = local(vec)?;
-                let (lkey, rkey) = tpd.fresh_keys();
-                let region = Arc::new(Region {
-                    pd: pd.inner.clone(),
-                    addr,
-                    len,
-                    lkey,
-                    rkey,
-                    access,
-                    from_vec,
-                    // The tcp provider writes under the lock, as local users do.
-                    exposed: false,
-                    mem: RwLock::new(mem),
-                    imp: RegionImpl::Tcp,
-                });
-                tpd.register(&region);
-                region
-            }
-            #[cfg(feature = "verbs")]
-            PdImpl::Verbs(vpd) => {
-                let (mem, addr) = local(vec)?;
-                // The memory moves into the region below with the registration; a vector's
-                // or a box's heap buffer stays where it is when its owner moves.
-                let mr = vpd.register(addr as *mut u8, len, access)?;
-                Arc::new(Region {
-                    pd: pd.inner.clone(),
-                    addr,
-                    len,
-                    lkey: mr.lkey(),
-                    rkey: mr.rkey(),
-                    access,
-                    from_vec,
-                    exposed: remote_writes(access),
-                    mem: RwLock::new(mem),
-                    imp: RegionImpl::Verbs(mr),
-                })
-            }
-        };
+        let region = pd.inner.imp.register(&pd.inner, len, access, vec, from_vec)?;
         pd.device()
             .inner
             .registered

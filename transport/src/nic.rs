@@ -36,6 +36,7 @@
 /// Largest message: 1 GiB.
 pub(crate) const MAX_MSG: u64 = 1 << 30;
 
+pub(crate) mod backlog;
 pub(crate) mod bell;
 mod cpu;
 mod cq;
@@ -45,6 +46,7 @@ mod inbox;
 pub(crate) mod link;
 mod pd;
 pub(crate) mod progress;
+mod provider;
 mod sender;
 mod watch;
 mod wire;
@@ -54,3 +56,4 @@ pub(crate) use engine::srq::Srq;
 pub(crate) use engine::Qp;
 pub(crate) use link::{Link, BEAT, KEEPALIVE};
 pub(crate) use pd::{random_u32, Pd};
+pub(crate) use provider::{SoftCq, SoftSrq};

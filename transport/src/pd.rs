@@ -15,26 +15,14 @@ pub struct ProtectionDomain {
 pub(crate) struct PdShared {
     pub(crate) device: Device,
     pub(crate) id: u64,
-    pub(crate) imp: PdImpl,
-}
-
-pub(crate) enum PdImpl {
-    Tcp(crate::nic::Pd),
-    Shm(crate::shm::Pd),
-    #[cfg(feature = "verbs")]
-    Verbs(crate::verbs::Pd),
+    pub(crate) imp: Box<dyn crate::provider::PdOps>,
 }
 
 static NEXT_PD_ID: AtomicU64 = AtomicU64::new(1);
 
 impl ProtectionDomain {
     pub(crate) fn new(device: &Device) -> Result<Self> {
-        let imp = match &device.inner.imp {
-            crate::device::DeviceImpl::Tcp => PdImpl::Tcp(crate::nic::Pd::new()),
-            crate::device::DeviceImpl::Shm { .. } => PdImpl::Shm(crate::shm::Pd::new()?),
-            #[cfg(feature = "verbs")]
-            crate::device::DeviceImpl::Verbs(ctx) => PdImpl::Verbs(crate::verbs::Pd::new(ctx)?),
-        };
+        let imp = device.inner.imp.alloc_pd()?;
         Ok(Self {
             inner: Arc::new(PdShared {
                 device: device.clone(),

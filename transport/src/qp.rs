@@ -137,54 +137,6 @@ pub(crate) struct RecvDesc<'a> {
     pub(crate) local: Option<LocalDesc<'a>>,
 }
 
-pub(crate) enum QpImpl {
-    Tcp(crate::nic::Qp),
-    #[cfg(feature = "verbs")]
-    Verbs(crate::verbs::Qp),
-}
-
-impl QpImpl {
-    fn post_send(&self, descs: &[SendDesc<'_>]) -> Result<(), (usize, Error)> {
-        match self {
-            QpImpl::Tcp(qp) => qp.post_send(descs),
-            #[cfg(feature = "verbs")]
-            QpImpl::Verbs(qp) => qp.post_send(descs),
-        }
-    }
-
-    fn post_recv(&self, descs: &[RecvDesc<'_>]) -> Result<(), (usize, Error)> {
-        match self {
-            QpImpl::Tcp(qp) => qp.post_recv(descs),
-            #[cfg(feature = "verbs")]
-            QpImpl::Verbs(qp) => qp.post_recv(descs),
-        }
-    }
-
-    fn is_error(&self) -> bool {
-        match self {
-            QpImpl::Tcp(qp) => qp.is_error(),
-            #[cfg(feature = "verbs")]
-            QpImpl::Verbs(qp) => qp.is_error(),
-        }
-    }
-
-    fn peer_shares_cpu(&self) -> bool {
-        match self {
-            QpImpl::Tcp(qp) => qp.peer_shares_cpu(),
-            #[cfg(feature = "verbs")]
-            QpImpl::Verbs(_) => false,
-        }
-    }
-
-    fn leave_peer_cpu(&self) -> bool {
-        match self {
-            QpImpl::Tcp(qp) => qp.leave_peer_cpu(),
-            #[cfg(feature = "verbs")]
-            QpImpl::Verbs(_) => false,
-        }
-    }
-}
-
 /// A post that was refused at once (as `ibv_post_send` returning an errno): the work requests
 /// that were not posted come back, with their buffers.
 #[derive(Debug, thiserror::Error)]
@@ -302,13 +254,13 @@ impl RawWc {
 /// completion of a QP, poll until its last one came before dropping it.
 pub struct QueuePair {
     // Field order is drop order: the provider QP goes before the buffers it may touch.
-    imp: QpImpl,
+    imp: Box<dyn crate::provider::QpOps>,
     shared: Arc<QpShared>,
     opts: QpOptions,
 }
 
 impl QueuePair {
-    pub(crate) fn new(imp: QpImpl, qp_num: u32, opts: QpOptions) -> Self {
+    pub(crate) fn new(imp: Box<dyn crate::provider::QpOps>, qp_num: u32, opts: QpOptions) -> Self {
         let shared = Arc::new(QpShared {
             qp_num,
             tracker: Mutex::new(Tracker::default()),
@@ -656,11 +608,7 @@ impl QueuePair {
 
 impl Drop for QueuePair {
     fn drop(&mut self) {
-        match &mut self.imp {
-            QpImpl::Tcp(qp) => qp.destroy(),
-            #[cfg(feature = "verbs")]
-            QpImpl::Verbs(qp) => qp.destroy(),
-        }
+        self.imp.destroy();
         self.opts.send_cq.detach(self.shared.qp_num);
         self.opts.recv_cq.detach(self.shared.qp_num);
     }

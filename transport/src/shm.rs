@@ -38,6 +38,7 @@
 mod arena;
 pub(crate) mod cm;
 mod copy;
+mod device;
 mod direct;
 pub(crate) mod grant;
 pub(crate) mod link;
@@ -48,10 +49,10 @@ mod sys;
 use std::sync::Arc;
 
 pub(crate) use arena::{Arena, PeerArena};
+pub(crate) use device::ShmDevice;
 pub(crate) use rq::OwnRq;
 
-use crate::cq::CqImpl;
-use crate::{AccessFlags, DeviceCaps, Error, QpOptions, Result};
+use crate::{AccessFlags, DeviceCaps, QpOptions, Result};
 
 /// What a QP reaches of its peer: its memory and its receive queue.
 pub(crate) struct Peer {
@@ -82,20 +83,14 @@ pub(crate) fn start(
 
 /// What this side brings to a connection, from the PD in `opts`.
 pub(crate) fn side(opts: &QpOptions) -> Result<cm::Side> {
-    match &opts.pd.inner.imp {
-        crate::pd::PdImpl::Shm(pd) => {
-            let bell = match &opts.recv_cq.inner.imp {
-                CqImpl::Tcp(cq) => cq.share_bell()?,
-                #[allow(unreachable_patterns)]
-                _ => return Err(Error::InvalidArgument("an shm QP needs shm CQs".into())),
-            };
-            cm::Side::new(pd.arena.clone(), opts.caps.max_recv_wr, bell, opts.pd.device().clone())
-        }
-        _ => Err(Error::InvalidArgument("an shm QP needs an shm PD".into())),
-    }
+    let pd = crate::provider::pd_of::<Pd>(&opts.pd.inner, "an shm QP")?;
+    let bell = crate::provider::cq_of::<crate::nic::SoftCq>(&opts.recv_cq, "an shm QP")?
+        .0
+        .share_bell()?;
+    cm::Side::new(pd.arena.clone(), opts.caps.max_recv_wr, bell, opts.pd.device().clone())
 }
 
-pub(crate) fn caps() -> DeviceCaps {
+fn caps() -> DeviceCaps {
     DeviceCaps {
         max_inline_data: 256,
         max_msg_size: 1 << 30,

@@ -71,7 +71,7 @@ pub struct SharedReceiveQueue {
 
 pub(crate) struct SrqShared {
     // Field order is drop order: the provider's queue goes before the buffers it names.
-    pub(crate) imp: SrqImpl,
+    pub(crate) imp: Box<dyn crate::provider::SrqOps>,
     pd: ProtectionDomain,
     max_wr: u32,
     slots: Mutex<Slots>,
@@ -83,12 +83,6 @@ struct Slots {
     /// Posted receives by sequence number, each owning its buffer until its completion.
     posted: HashMap<u64, (u64, Option<MemoryRegion>)>,
     next: u64,
-}
-
-pub(crate) enum SrqImpl {
-    Soft(Arc<crate::nic::Srq>),
-    #[cfg(feature = "verbs")]
-    Verbs(crate::verbs::Srq),
 }
 
 /// The SRQ limit event: fired once per arming.
@@ -125,13 +119,7 @@ impl SharedReceiveQueue {
             )));
         }
         let event = Arc::new(LimitEvent::new());
-        let imp = match &pd.inner.imp {
-            crate::pd::PdImpl::Tcp(_) | crate::pd::PdImpl::Shm(_) => {
-                SrqImpl::Soft(Arc::new(crate::nic::Srq::new(max_wr, event.clone())))
-            }
-            #[cfg(feature = "verbs")]
-            crate::pd::PdImpl::Verbs(v) => SrqImpl::Verbs(crate::verbs::Srq::new(dev, v, max_wr, event.clone())?),
-        };
+        let imp = dev.inner.imp.create_srq(pd, max_wr, event.clone())?;
         Ok(Self {
             inner: Arc::new(SrqShared {
                 imp,
@@ -181,12 +169,11 @@ impl SharedReceiveQueue {
                 }),
             })
             .collect();
-        let (posted, err) = match &self.inner.imp {
-            SrqImpl::Soft(s) => s.post(&descs),
-            #[cfg(feature = "verbs")]
-            SrqImpl::Verbs(s) => s.post(&descs),
-        }
-        .map_or_else(|(i, e)| (i, Some(e)), |()| (descs.len(), None));
+        let (posted, err) = self
+            .inner
+            .imp
+            .post(&descs)
+            .map_or_else(|(i, e)| (i, Some(e)), |()| (descs.len(), None));
         drop(descs);
         let rest = wrs.split_off(posted);
         for (i, w) in wrs.into_iter().enumerate() {
@@ -213,22 +200,12 @@ impl SharedReceiveQueue {
                 self.inner.max_wr
             )));
         }
-        match &self.inner.imp {
-            SrqImpl::Soft(s) => {
-                s.arm(limit);
-                Ok(())
-            }
-            #[cfg(feature = "verbs")]
-            SrqImpl::Verbs(s) => s.arm(limit),
-        }
+        self.inner.imp.arm(limit)
     }
 
     /// Whether the armed limit event fired since the last call (and takes it).
     pub fn limit_fired(&self) -> bool {
-        #[cfg(feature = "verbs")]
-        if let SrqImpl::Verbs(s) = &self.inner.imp {
-            s.read_events();
-        }
+        self.inner.imp.read_events();
         self.inner.event.take()
     }
 
@@ -247,15 +224,9 @@ impl SharedReceiveQueue {
             if self.limit_fired() {
                 return Ok(());
             }
-            match &self.inner.imp {
-                SrqImpl::Soft(_) => notified.await,
-                #[cfg(feature = "verbs")]
-                SrqImpl::Verbs(s) => {
-                    tokio::select! {
-                        () = &mut notified => {}
-                        r = s.events_ready() => r?,
-                    }
-                }
+            tokio::select! {
+                () = &mut notified => {}
+                r = self.inner.imp.events_ready() => r?,
             }
         }
     }
@@ -263,14 +234,6 @@ impl SharedReceiveQueue {
     /// The buffer and id of the receive a completion names (`seq`), given back.
     pub(crate) fn complete(&self, seq: u64) -> Option<(u64, Option<MemoryRegion>)> {
         self.inner.slots.lock().posted.remove(&seq)
-    }
-
-    pub(crate) fn soft(&self) -> Option<&Arc<crate::nic::Srq>> {
-        match &self.inner.imp {
-            SrqImpl::Soft(s) => Some(s),
-            #[cfg(feature = "verbs")]
-            SrqImpl::Verbs(_) => None,
-        }
     }
 }
 

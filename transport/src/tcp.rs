@@ -5,11 +5,75 @@
 mod cm;
 mod link;
 
-use crate::DeviceCaps;
+use std::any::Any;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
-pub(crate) use cm::{connect, Listener, Pending, Request};
+use crate::nic::{SoftCq, SoftSrq};
+use crate::provider::{Connected, CqOps, DeviceOps, ListenerOps, PdOps, SrqOps};
+use crate::srq::LimitEvent;
+use crate::{Device, DeviceCaps, ProtectionDomain, QpOptions, Result};
 
-pub(crate) fn caps() -> DeviceCaps {
+/// A tcp device: the software NIC, its QPs over TCP connections.
+pub(crate) struct TcpDevice {
+    caps: DeviceCaps,
+    progress: crate::nic::progress::Lazy,
+}
+
+impl TcpDevice {
+    pub(crate) fn new() -> Self {
+        TcpDevice {
+            caps: caps(),
+            progress: Default::default(),
+        }
+    }
+}
+
+impl DeviceOps for TcpDevice {
+    fn name(&self) -> &str {
+        "tcp"
+    }
+
+    fn caps(&self) -> &DeviceCaps {
+        &self.caps
+    }
+
+    fn alloc_pd(&self) -> Result<Box<dyn PdOps>> {
+        Ok(Box::new(crate::nic::Pd::new()))
+    }
+
+    fn create_cq(&self, depth: u32) -> Result<Box<dyn CqOps>> {
+        Ok(Box::new(SoftCq::new(depth)?))
+    }
+
+    fn create_srq(&self, _pd: &ProtectionDomain, max_wr: u32, event: Arc<LimitEvent>) -> Result<Box<dyn SrqOps>> {
+        Ok(Box::new(SoftSrq(Arc::new(crate::nic::Srq::new(max_wr, event)))))
+    }
+
+    fn bind(&self, device: &Device, addr: SocketAddr) -> Result<Box<dyn ListenerOps>> {
+        Ok(Box::new(cm::Listener::bind(device, addr)?))
+    }
+
+    fn connect(&self, addr: SocketAddr, opts: &QpOptions, private_data: &[u8], timeout: Duration) -> Result<Connected> {
+        let (qp, qp_num, pending) = cm::connect(addr, opts, private_data, timeout)?;
+        Ok(Connected {
+            qp: Box::new(qp),
+            qp_num,
+            pending: Box::new(pending),
+        })
+    }
+
+    fn progress(&self) -> Result<&crate::nic::progress::Progress> {
+        self.progress.get()
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+fn caps() -> DeviceCaps {
     DeviceCaps {
         max_inline_data: 256,
         max_msg_size: crate::nic::MAX_MSG,

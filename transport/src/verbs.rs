@@ -6,6 +6,7 @@
 
 mod cm;
 mod cq;
+mod provider;
 mod qp;
 mod srq;
 
@@ -21,10 +22,9 @@ use crate::{AccessFlags, DeviceCaps, Error, Result};
 /// bytes and spares both CPUs the copies.
 const EAGER_HINT: usize = 16 * 1024;
 
-pub(crate) use cm::{connect, Listener, Pending, Request};
-pub(crate) use cq::Cq;
-pub(crate) use qp::Qp;
-pub(crate) use srq::Srq;
+use cq::Cq;
+use qp::Qp;
+use srq::Srq;
 
 fn last_os_error(call: &'static str) -> Error {
     Error::Verbs {

@@ -175,14 +175,23 @@ impl Qp {
         opts: &crate::QpOptions,
         shm: Option<(Arc<dyn Direct>, Arc<dyn OwnQueue>)>,
     ) -> Result<Self, Error> {
-        let cq = |c: &crate::CompletionQueue| match &c.inner.imp {
-            crate::cq::CqImpl::Tcp(cq) => Ok(Arc::clone(cq)),
-            #[allow(unreachable_patterns)]
-            _ => Err(Error::InvalidArgument("a software QP needs software CQs".into())),
+        let cq = |c: &crate::CompletionQueue| -> Result<Arc<Cq>, Error> {
+            Ok(crate::provider::cq_of::<super::SoftCq>(c, "a software QP")?.0.clone())
         };
         let (pd, send_cq, recv_cq) = (opts.pd.inner.clone(), cq(&opts.send_cq)?, cq(&opts.recv_cq)?);
-        let srq = opts.srq.as_ref().and_then(|s| s.soft().cloned());
-        let progress: &Progress = opts.pd.inner.device.inner.progress()?;
+        let srq = match &opts.srq {
+            Some(s) => Some(
+                s.inner
+                    .imp
+                    .as_any()
+                    .downcast_ref::<super::SoftSrq>()
+                    .ok_or_else(|| Error::InvalidArgument("a software QP needs a software SRQ".into()))?
+                    .0
+                    .clone(),
+            ),
+            None => None,
+        };
+        let progress: &Progress = opts.pd.inner.device.inner.imp.progress()?;
         let (direct, own_rq) = match shm {
             Some((p, rq)) => (Some(p), Some(rq)),
             None => (None, None),
@@ -1035,13 +1044,7 @@ impl Engine {
     /// The target's checks, as a NIC makes them: a registration with this rkey in this QP's PD,
     /// the access flag, and the range inside the registration.
     fn check_remote(&self, addr: u64, rkey: u32, len: usize, need: AccessFlags) -> Result<Arc<Region>, WcStatus> {
-        let pd = match &self.pd.imp {
-            crate::pd::PdImpl::Tcp(pd) => pd,
-            crate::pd::PdImpl::Shm(pd) => &pd.keys,
-            #[cfg(feature = "verbs")]
-            crate::pd::PdImpl::Verbs(_) => return Err(WcStatus::GeneralErr),
-        };
-        let region = pd.lookup(rkey).ok_or(WcStatus::RemAccessErr)?;
+        let region = self.pd.imp.lookup(rkey).ok_or(WcStatus::RemAccessErr)?;
         if !region.access.contains(need) {
             return Err(WcStatus::RemAccessErr);
         }

@@ -254,6 +254,28 @@ impl Progress {
     }
 }
 
+/// A device's progress engine, made when first asked for.
+#[derive(Default)]
+pub(crate) struct Lazy {
+    engine: OnceLock<Progress>,
+    making: Mutex<()>,
+}
+
+impl Lazy {
+    /// The engine, made with [`THREADS_ENV`]'s thread count the first time.
+    pub(crate) fn get(&self) -> Result<&Progress> {
+        if let Some(p) = self.engine.get() {
+            return Ok(p);
+        }
+        let _one = self.making.lock();
+        if let Some(p) = self.engine.get() {
+            return Ok(p);
+        }
+        let p = Progress::new(Progress::threads_from_env())?;
+        Ok(self.engine.get_or_init(|| p))
+    }
+}
+
 impl Drop for Progress {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);

@@ -19,8 +19,8 @@ use super::ring::{self, Ring};
 use super::rq::{self, OwnRq, PeerRq};
 use super::sys::{self, Mapping};
 use super::Peer;
-use crate::backlog::{Acceptor, Backlog, Handshake};
 use crate::cm::MAX_PRIVATE_DATA;
+use crate::nic::backlog::{Acceptor, Backlog, Handshake};
 use crate::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"RDRPCSHM";
@@ -145,7 +145,7 @@ impl Side {
         let pushes = sock.try_clone().map_err(|e| Error::io("cloning the socket", e))?;
         let server = Server::start(self.arena.clone(), pushes);
         self.server = Some(server.clone());
-        let progress = self.device.inner.progress()?;
+        let progress = self.device.inner.imp.progress()?;
         let link = ShmLink::new(rx, tx, qp_bell, sock, dead, server, grants.clone(), progress)?;
         Ok(Joined {
             link,
@@ -229,7 +229,7 @@ impl Listener {
                 }) as Box<dyn Handshake<Request>>
             }),
             refuse: Box::new(|stream| {
-                refuse(&stream, crate::backlog::OUT_OF_FDS.as_bytes());
+                refuse(&stream, crate::nic::backlog::OUT_OF_FDS.as_bytes());
                 None
             }),
         };
@@ -323,37 +323,30 @@ impl Handshake<Request> for Hello {
     }
 }
 
-/// The last step of set-up, once the new QP has its first receives.
-pub(crate) enum Pending {
-    /// Accepting: the reply (with our descriptors) to send.
-    Reply { stream: UnixStream, side: Side },
-    /// Connecting: done, with the peer's private data.
-    Done(Vec<u8>),
+/// The last step of accepting, once the new QP has its first receives: the reply (with our
+/// descriptors) to send. (Connecting has no step left: `provider::Done`.)
+pub(crate) struct Pending {
+    stream: UnixStream,
+    side: Side,
 }
 
 impl Pending {
     /// Refuses the peer instead of finishing (the accepting side's set-up failed).
     pub(crate) fn refuse(self, reason: &[u8]) {
-        if let Pending::Reply { stream, .. } = self {
-            refuse(&stream, reason);
-        }
+        refuse(&self.stream, reason);
     }
 
     pub(crate) fn finish(self, private_data: &[u8]) -> Result<Vec<u8>> {
-        match self {
-            Pending::Reply { stream, side } => {
-                let mut reply = vec![1u8];
-                reply.extend_from_slice(private_data);
-                // The grants of what the peer may use at once go first (`connect` keeps them),
-                // so that it holds them even if this process stops right after the reply.
-                if let Some(server) = &side.server {
-                    server.ready();
-                }
-                sys::send_with_fds(&stream, &reply, &side.fds()).map_err(|e| Error::io("answering", e))?;
-                Ok(Vec::new())
-            }
-            Pending::Done(data) => Ok(data),
+        let Pending { stream, side } = self;
+        let mut reply = vec![1u8];
+        reply.extend_from_slice(private_data);
+        // The grants of what the peer may use at once go first (`connect` keeps them), so that
+        // it holds them even if this process stops right after the reply.
+        if let Some(server) = &side.server {
+            server.ready();
         }
+        sys::send_with_fds(&stream, &reply, &side.fds()).map_err(|e| Error::io("answering", e))?;
+        Ok(Vec::new())
     }
 }
 
@@ -370,7 +363,7 @@ impl Request {
             }
         };
         match side.join(self.stream, self.fds) {
-            Ok(joined) => Ok((joined, Pending::Reply { stream: reply, side })),
+            Ok(joined) => Ok((joined, Pending { stream: reply, side })),
             Err(e) => {
                 refuse(&reply, &crate::cm::set_up_reason(&e));
                 Err(e)

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use socket2::{SockRef, TcpKeepalive};
 
-use crate::backlog::{Acceptor, Backlog, Handshake};
 use crate::cm::MAX_PRIVATE_DATA;
+use crate::nic::backlog::{Acceptor, Backlog, Handshake};
 use crate::nic::{random_u32, Qp};
 use crate::{Error, QpOptions, Result};
 
@@ -59,14 +59,6 @@ impl Listener {
         };
         let backlog = Backlog::start(device, socket.as_fd(), how)?;
         Ok(Self { addr, backlog })
-    }
-
-    pub(crate) fn local_addr(&self) -> Result<SocketAddr> {
-        Ok(self.addr)
-    }
-
-    pub(crate) fn accept(&self, timeout: Option<Duration>) -> Result<Request> {
-        self.backlog.accept(timeout)
     }
 }
 
@@ -128,7 +120,7 @@ impl Handshake<Request> for Hello {
             }
         }
         if self.refusing {
-            refuse(stream, crate::backlog::OUT_OF_FDS.as_bytes());
+            refuse(stream, crate::nic::backlog::OUT_OF_FDS.as_bytes());
             return Err(Error::Protocol("refused: out of file descriptors".into()));
         }
         let hello = self.buf.split_off(9);
@@ -344,4 +336,47 @@ fn take<const N: usize>(r: &mut &[u8]) -> Result<[u8; N]> {
         .ok_or_else(|| Error::Protocol("handshake truncated".into()))?;
     *r = rest;
     Ok(*h)
+}
+
+impl crate::provider::ListenerOps for Listener {
+    fn local_addr(&self) -> Result<SocketAddr> {
+        Ok(self.addr)
+    }
+
+    fn accept(&self, timeout: Option<Duration>) -> Result<Box<dyn crate::provider::RequestOps>> {
+        Ok(Box::new(self.backlog.accept(timeout)?))
+    }
+}
+
+impl crate::provider::RequestOps for Request {
+    fn private_data(&self) -> &[u8] {
+        &self.private_data
+    }
+
+    fn peer(&self) -> Option<SocketAddr> {
+        Some(self.peer)
+    }
+
+    fn accept(self: Box<Self>, opts: &QpOptions) -> Result<crate::provider::Connected> {
+        let (qp, qp_num, pending) = Request::accept(*self, opts)?;
+        Ok(crate::provider::Connected {
+            qp: Box::new(qp),
+            qp_num,
+            pending: Box::new(pending),
+        })
+    }
+
+    fn reject(self: Box<Self>, reason: &[u8]) {
+        Request::reject(*self, reason);
+    }
+}
+
+impl crate::provider::PendingOps for Pending {
+    fn refuse(self: Box<Self>, reason: &[u8]) {
+        Pending::refuse(*self, reason);
+    }
+
+    fn finish(self: Box<Self>, private_data: &[u8]) -> Result<Vec<u8>> {
+        Pending::finish(*self, private_data)
+    }
 }

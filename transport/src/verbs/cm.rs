@@ -8,8 +8,6 @@ use std::time::{Duration, Instant};
 use rdma_sys::*;
 
 use super::{check, last_os_error, Context, Qp};
-use crate::cq::CqImpl;
-use crate::pd::PdImpl;
 use crate::{Error, QpOptions, Result};
 
 /// rdma_set_option level and name (rdma_cma.h enums that bindgen does not export).
@@ -233,13 +231,8 @@ pub(super) fn unframe(raw: &[u8]) -> Vec<u8> {
 }
 
 fn create_qp(id: &Id, opts: &QpOptions) -> Result<()> {
-    let PdImpl::Verbs(pd) = &opts.pd.inner.imp else {
-        return Err(Error::InvalidArgument("a verbs QP needs a verbs PD".into()));
-    };
-    let cq = |c: &crate::CompletionQueue| match &c.inner.imp {
-        CqImpl::Verbs(c) => Ok(c.raw()),
-        _ => Err(Error::InvalidArgument("a verbs QP needs verbs CQs".into())),
-    };
+    let pd = crate::provider::pd_of::<super::Pd>(&opts.pd.inner, "a verbs QP")?;
+    let cq = |c: &crate::CompletionQueue| crate::provider::cq_of::<super::Cq>(c, "a verbs QP").map(|c| c.raw());
     // SAFETY: ibv_qp_init_attr is plain old data.
     let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
     init.send_cq = cq(&opts.send_cq)?;
@@ -254,10 +247,9 @@ fn create_qp(id: &Id, opts: &QpOptions) -> Result<()> {
     init.qp_type = ibv_qp_type::IBV_QPT_RC;
     init.sq_sig_all = 0;
     if let Some(srq) = &opts.srq {
-        match &srq.inner.imp {
-            crate::srq::SrqImpl::Verbs(s) => init.srq = s.raw(),
-            #[allow(unreachable_patterns)]
-            _ => return Err(Error::InvalidArgument("a verbs QP needs a verbs SRQ".into())),
+        match srq.inner.imp.as_any().downcast_ref::<super::Srq>() {
+            Some(s) => init.srq = s.raw(),
+            None => return Err(Error::InvalidArgument("a verbs QP needs a verbs SRQ".into())),
         }
         init.cap.max_recv_wr = 0;
     }
@@ -579,7 +571,7 @@ impl Request {
 
     /// When the QP cannot be made the peer is refused, with the error as the reason.
     pub(crate) fn accept(mut self, opts: &QpOptions) -> Result<(Qp, u32, Pending)> {
-        let crate::device::DeviceImpl::Verbs(ctx) = &opts.pd.device().inner.imp else {
+        let Some(ctx) = opts.pd.device().inner.imp.as_any().downcast_ref::<Context>() else {
             let e = Error::InvalidArgument("a verbs QP needs a verbs device".into());
             self.reject(&crate::cm::set_up_reason(&e));
             return Err(e);

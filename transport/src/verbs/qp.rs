@@ -10,7 +10,6 @@ use std::thread::JoinHandle;
 use rdma_sys::*;
 
 use super::cq::{OnQpError, RECV_BIT};
-use crate::cq::CqImpl;
 use crate::qp::{RecvDesc, SendDesc};
 use crate::{CompletionQueue, Error, Result, SendOp};
 
@@ -54,11 +53,7 @@ pub(crate) struct Qp {
 }
 
 fn verbs_cq(cq: &CompletionQueue) -> Option<&super::Cq> {
-    match &cq.inner.imp {
-        CqImpl::Verbs(c) => Some(c),
-        #[allow(unreachable_patterns)]
-        _ => None,
-    }
+    cq.inner.imp.as_any().downcast_ref::<super::Cq>()
 }
 
 impl Qp {

@@ -119,11 +119,7 @@ unsafe impl Send for Srq {}
 unsafe impl Sync for Srq {}
 
 fn ctx(device: &Device) -> Option<&Context> {
-    match &device.inner.imp {
-        crate::device::DeviceImpl::Verbs(c) => Some(c),
-        #[allow(unreachable_patterns)]
-        _ => None,
-    }
+    device.inner.imp.as_any().downcast_ref::<Context>()
 }
 
 impl Srq {

@@ -125,7 +125,7 @@ impl<R: Send + 'static> Backlog<R> {
                 spare: open_spare(),
             }),
         });
-        let handle = device.inner.progress()?.register(task, Some(fd))?;
+        let handle = device.inner.imp.progress()?.register(task, Some(fd))?;
         *backlog.acceptor.lock() = Some(handle);
         Ok(backlog)
     }
@@ -223,7 +223,7 @@ impl<C: Send + 'static, R: Send + 'static> Task for Accepting<C, R> {
         if backlog.closed.load(Ordering::Acquire) {
             return Next::default();
         }
-        let Ok(progress) = self.device.inner.progress() else {
+        let Ok(progress) = self.device.inner.imp.progress() else {
             return Next::default();
         };
         let mut st = self.state.lock();
