@@ -455,6 +455,25 @@ fn lock_clients_in_separate_processes_lose_no_update_and_share_no_ticket() {
     assert_eq!(tickets, (0..clients * each).collect::<Vec<_>>(), "every ticket once");
 }
 
+/// Waits until every thread of process `pid` is stopped (state `T` in `/proc`).
+fn wait_stopped(pid: u32) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the server's threads");
+        let all_stopped = tasks.flatten().all(|t| {
+            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+            // The state follows the command's closing parenthesis.
+            stat.rsplit_once(')')
+                .is_some_and(|(_, rest)| matches!(rest.trim_start().chars().next(), Some('T' | 't')))
+        });
+        if all_stopped {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "the server did not stop");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
 /// A server process that stops (SIGSTOP) keeps its connection open, so nothing closes: a call
 /// made to it with no deadline still ends, with the connection lost, once the provider's
 /// keepalive gives up on the silent peer (10 s on `tcp` and `shm`). `verbs` has no keepalive
@@ -475,6 +494,9 @@ fn a_call_to_a_stopped_server_ends_without_a_deadline() {
             .status()
             .expect("kill -STOP");
         assert!(stopped.success(), "the server stopped");
+        // SIGSTOP takes effect as each thread next runs: a call made before the last of them
+        // stopped could still be answered.
+        wait_stopped(server.child.0.id());
         let started = std::time::Instant::now();
         let verbs = dev.provider() == "verbs";
         let options = rdma_rpc::CallOptions {

@@ -36,6 +36,7 @@
 //! remote access holds one descriptor here.
 
 mod arena;
+mod bells;
 pub(crate) mod cm;
 mod copy;
 mod device;
@@ -58,8 +59,9 @@ use crate::{AccessFlags, DeviceCaps, QpOptions, Result};
 pub(crate) struct Peer {
     pub(crate) arena: PeerArena,
     pub(crate) rq: rq::PeerRq,
-    /// The doorbell of the peer's receive CQ (an eventfd), rung when it waits.
-    bell: std::os::fd::OwnedFd,
+    /// The doorbell of the peer's receive CQ (an eventfd), rung when it waits; shared by the
+    /// connections to the same CQ of the same process (`bells`).
+    bell: Arc<std::os::fd::OwnedFd>,
 }
 
 impl Peer {
@@ -84,10 +86,8 @@ pub(crate) fn start(
 /// What this side brings to a connection, from the PD in `opts`.
 pub(crate) fn side(opts: &QpOptions) -> Result<cm::Side> {
     let pd = crate::provider::pd_of::<Pd>(&opts.pd.inner, "an shm QP")?;
-    let bell = crate::provider::cq_of::<crate::nic::SoftCq>(&opts.recv_cq, "an shm QP")?
-        .0
-        .share_bell()?;
-    cm::Side::new(pd.arena.clone(), opts.caps.max_recv_wr, bell, opts.pd.device().clone())
+    let cq = &crate::provider::cq_of::<crate::nic::SoftCq>(&opts.recv_cq, "an shm QP")?.0;
+    cm::Side::new(pd.arena.clone(), opts.caps.max_recv_wr, cq.share_bell()?, cq.bell_id())
 }
 
 fn caps() -> DeviceCaps {

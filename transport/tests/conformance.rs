@@ -2124,7 +2124,7 @@ async fn a_borrow_shows_bytes_that_do_not_change_under_it() {
 #[tokio::test]
 async fn a_thousand_qps_on_one_device_each_carry_a_message() {
     const QPS: usize = 1000;
-    // Both ends here: each connection holds descriptors on both sides (shm: six a side).
+    // Both ends here: each connection holds descriptors on both sides.
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,

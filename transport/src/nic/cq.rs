@@ -37,6 +37,7 @@ pub(crate) struct Cq {
     queued: AtomicUsize,
     armed: AtomicBool,
     bell: crate::nic::bell::Bell,
+    bell_id: u64,
     /// When the CQ was last polled ([`now_nanos`]; 0: never): whether an application thread
     /// spins on it, for the engines of its QPs.
     last_poll: AtomicU64,
@@ -70,6 +71,7 @@ impl Cq {
             queued: AtomicUsize::new(0),
             armed: AtomicBool::new(false),
             bell: crate::nic::bell::Bell::new()?,
+            bell_id: u64::from(super::random_u32()) << 32 | u64::from(super::random_u32()),
             last_poll: AtomicU64::new(0),
             sockets: Sockets {
                 epoll: Arc::new(
@@ -214,6 +216,11 @@ impl Cq {
     /// A duplicate of the doorbell for a peer process that delivers into our receives (shm).
     pub(crate) fn share_bell(&self) -> crate::Result<std::os::fd::OwnedFd> {
         self.bell.share()
+    }
+
+    /// The doorbell's id, random: a peer process keeps one descriptor per id (shm's `bells`).
+    pub(crate) fn bell_id(&self) -> u64 {
+        self.bell_id
     }
 }
 

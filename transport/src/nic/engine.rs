@@ -1249,10 +1249,11 @@ impl Engine {
             if let Some(gen) = rnr_due {
                 self.rnr_expired(gen);
             }
+            let link_at = self.link.service(now);
             let read = self.read_turn(&mut rl, why, now);
             let (full, write_at) = self.out.write_turn(now);
             let rnr_at = self.state.lock().rnr.map(|(at, _)| at);
-            let at = [read.at, write_at, rnr_at].into_iter().flatten().min();
+            let at = [link_at, read.at, write_at, rnr_at].into_iter().flatten().min();
             // A link whose readiness no descriptor tells (shm) rings its descriptor when what
             // was armed comes; armed with it there already, the turn goes on.
             let again = (read.watch && self.link.arm_read()) || (full && self.link.arm_write());
@@ -1270,9 +1271,9 @@ impl Engine {
                     write: full,
                     at,
                 },
-                // One descriptor rung for both.
+                // One descriptor rung for both (and for the link's own traffic).
                 false => Next {
-                    read: read.watch || full,
+                    read: read.watch || full || self.link.always_watched(),
                     write: false,
                     at,
                 },

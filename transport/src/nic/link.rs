@@ -30,8 +30,18 @@ pub(crate) trait Link: Send + Sync + 'static {
     fn arm_write(&self) -> bool {
         false
     }
-    /// A turn begins: takes the rings of [`event_fd`](Self::event_fd) and what was armed.
+    /// A turn begins: takes back what was armed.
     fn disarm(&self) {}
+    /// A turn's upkeep of the link itself (shm: its socket's messages, its heartbeat); when the
+    /// next is due.
+    fn service(&self, _now: std::time::Instant) -> Option<std::time::Instant> {
+        None
+    }
+    /// Whether [`event_fd`](Self::event_fd) is watched whatever the engine waits for (it
+    /// carries the link's own traffic).
+    fn always_watched(&self) -> bool {
+        false
+    }
     /// Writes what fits without waiting; `Ok(0)` when nothing does.
     fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
     /// Writes what fits of `a` then `b` without waiting; the count of bytes taken from both.

@@ -29,7 +29,8 @@ const MAGIC: &[u8; 8] = b"RDRPCSHM";
 /// 4: read responses sent as frames go in parts (the tcp wire's `READ_PART`).
 /// 5: each ring's header carries its consumer's heartbeat (`link::KEEPALIVE`).
 /// 6: a key table (read-only) instead of the whole arena; memory granted key by key (`grant`).
-/// 7: a fifth descriptor, the QP's doorbell, rung instead of the rings' futexes (`link`).
+/// 7: the rings' doorbell is a message on the socket (`grant::wake`), not a futex; the hello
+/// and the reply carry the id of the CQ doorbell they send (`bells`).
 const VERSION: u16 = 7;
 
 fn name(addr: SocketAddr) -> Result<UnixAddr> {
@@ -45,14 +46,10 @@ pub(crate) struct Side {
     pub(crate) inbox: Arc<Mapping>,
     rq_fd: OwnedFd,
     rq: Option<OwnRq>,
-    /// The receive CQ's doorbell, for the peer to ring after delivering into our receives.
+    /// The receive CQ's doorbell, for the peer to ring after delivering into our receives, and
+    /// its id (one descriptor per CQ in the peer process, however many QPs share the CQ).
     bell_fd: OwnedFd,
-    /// The QP's doorbell, which our progress engine watches: the peer rings it when it wrote
-    /// to our sleeping reader or freed room for our sleeping writer.
-    qp_bell: Option<OwnedFd>,
-    qp_bell_fd: OwnedFd,
-    /// Whose progress engine turns the QP.
-    device: crate::Device,
+    bell_id: u64,
     /// Once joined: the grants' server, to start pushing when the handshake is over.
     server: Option<Arc<Server>>,
 }
@@ -65,7 +62,7 @@ pub(crate) struct Joined {
 }
 
 impl Side {
-    pub(crate) fn new(arena: Arc<Arena>, max_recv_wr: u32, bell_fd: OwnedFd, device: crate::Device) -> Result<Side> {
+    pub(crate) fn new(arena: Arc<Arena>, max_recv_wr: u32, bell_fd: OwnedFd, bell_id: u64) -> Result<Side> {
         let fd =
             sys::sealed_memfd("rdma-rpc-shm-ring", ring::BYTES as u64).map_err(|e| Error::io("creating a ring", e))?;
         let inbox = Arc::new(Mapping::map(&fd, ring::BYTES).map_err(|e| Error::io("mapping a ring", e))?);
@@ -73,14 +70,6 @@ impl Side {
         ring::init(&inbox);
         let (rq_fd, rq) = OwnRq::create(rq::capacity(max_recv_wr))?;
         let table_fd = sys::reopen_read_only(&arena.table_fd).map_err(|e| Error::io("opening the key table", e))?;
-        let qp_bell = rustix::event::eventfd(
-            0,
-            rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
-        )
-        .map_err(|e| Error::io("creating a QP's doorbell (eventfd)", e.into()))?;
-        let qp_bell_fd = qp_bell
-            .try_clone()
-            .map_err(|e| Error::io("duplicating a QP's doorbell", e))?;
         Ok(Side {
             arena,
             table_fd,
@@ -89,31 +78,29 @@ impl Side {
             rq_fd,
             rq: Some(rq),
             bell_fd,
-            qp_bell: Some(qp_bell),
-            qp_bell_fd,
-            device,
+            bell_id,
             server: None,
         })
     }
 
-    fn fds(&self) -> [std::os::fd::RawFd; 5] {
+    fn fds(&self) -> [std::os::fd::RawFd; 4] {
         [
             self.table_fd.as_raw_fd(),
             self.inbox_fd.as_raw_fd(),
             self.rq_fd.as_raw_fd(),
             self.bell_fd.as_raw_fd(),
-            self.qp_bell_fd.as_raw_fd(),
         ]
     }
 
     /// The link, the peer's memory and receive queue, from the peer's descriptors. Our
     /// descriptors stay with `self` until they were sent.
-    fn join(&mut self, sock: UnixStream, peer_fds: Vec<OwnedFd>) -> Result<Joined> {
-        let [table_fd, inbox_fd, rq_fd, bell, peer_qp_bell]: [OwnedFd; 5] = peer_fds
+    fn join(&mut self, sock: UnixStream, peer_fds: Vec<OwnedFd>, peer_bell_id: u64) -> Result<Joined> {
+        let [table_fd, inbox_fd, rq_fd, bell]: [OwnedFd; 4] = peer_fds
             .try_into()
             .map_err(|_| Error::Protocol("the peer sent the wrong descriptors".into()))?;
-        let requests = sock.try_clone().map_err(|e| Error::io("cloning the socket", e))?;
-        let grants = Arc::new(Grants::new(&table_fd, requests)?);
+        // One descriptor for the connection's socket, whoever uses it.
+        let sock = Arc::new(sock);
+        let grants = Arc::new(Grants::new(&table_fd, sock.clone())?);
         let peer_rq = PeerRq::map(&rq_fd)?;
         let size = sys::peer_memfd(&inbox_fd).map_err(|e| Error::io("checking the peer's ring", e))?;
         if size != ring::BYTES as u64 {
@@ -123,30 +110,24 @@ impl Side {
             )));
         }
         sys::peer_eventfd(&bell).map_err(|e| Error::io("checking the peer's doorbell", e))?;
-        sys::peer_eventfd(&peer_qp_bell).map_err(|e| Error::io("checking the peer's QP doorbell", e))?;
-        let peer_qp_bell = Arc::new(peer_qp_bell);
+        let peer_pid = sys::peer_pid(&sock).map_err(|e| Error::io("reading the peer's credentials", e))?;
+        let bell = super::bells::shared(peer_pid, peer_bell_id, bell);
         let tx_map =
             Arc::new(Mapping::map(&inbox_fd, ring::BYTES).map_err(|e| Error::io("mapping the peer's ring", e))?);
         let dead = Arc::new(AtomicBool::new(false));
         let rx = Ring::new(self.inbox.clone(), dead.clone())
             .ok_or_else(|| Error::Protocol("ring".into()))?
-            .with_peer_bell(peer_qp_bell.clone());
+            .with_peer_wake(doorbell(&sock));
         let tx = Ring::new(tx_map, dead.clone())
             .ok_or_else(|| Error::Protocol("ring".into()))?
-            .with_peer_bell(peer_qp_bell);
-        let qp_bell = self
-            .qp_bell
-            .take()
-            .ok_or_else(|| Error::Protocol("side joined twice".into()))?;
+            .with_peer_wake(doorbell(&sock));
         let own_rq = self
             .rq
             .take()
             .ok_or_else(|| Error::Protocol("side joined twice".into()))?;
-        let pushes = sock.try_clone().map_err(|e| Error::io("cloning the socket", e))?;
-        let server = Server::start(self.arena.clone(), pushes);
+        let server = Server::start(self.arena.clone(), sock.clone());
         self.server = Some(server.clone());
-        let progress = self.device.inner.imp.progress()?;
-        let link = ShmLink::new(rx, tx, qp_bell, sock, dead, server, grants.clone(), progress)?;
+        let link = ShmLink::new(rx, tx, sock, dead, server, grants.clone());
         Ok(Joined {
             link,
             peer: Arc::new(Peer {
@@ -159,14 +140,28 @@ impl Side {
     }
 }
 
-fn hello(private_data: &[u8]) -> Vec<u8> {
+/// Rings the peer's doorbell: a message on the connection's socket (`grant::wake`). The ring
+/// holds the socket weakly: the link owns it.
+fn doorbell(sock: &Arc<UnixStream>) -> Arc<dyn Fn() + Send + Sync> {
+    let sock = Arc::downgrade(sock);
+    Arc::new(move || {
+        if let Some(s) = sock.upgrade() {
+            grant::wake(&s);
+        }
+    })
+}
+
+/// The hello: magic, version, the id of the CQ doorbell it carries, the private data.
+fn hello(private_data: &[u8], bell_id: u64) -> Vec<u8> {
     let mut m = MAGIC.to_vec();
     m.extend_from_slice(&VERSION.to_le_bytes());
+    m.extend_from_slice(&bell_id.to_le_bytes());
     m.extend_from_slice(private_data);
     m
 }
 
-fn parse_hello(m: &[u8]) -> Result<Vec<u8>> {
+/// The hello's doorbell id and private data.
+fn parse_hello(m: &[u8]) -> Result<(u64, Vec<u8>)> {
     if m.len() < 10 || &m[..8] != MAGIC {
         return Err(Error::Protocol("not an rdma-rpc shm peer (bad magic)".into()));
     }
@@ -176,7 +171,16 @@ fn parse_hello(m: &[u8]) -> Result<Vec<u8>> {
             "peer speaks shm version {v}, we speak {VERSION}"
         )));
     }
-    Ok(m[10..].to_vec())
+    let (id, data) = take_id(&m[10..])?;
+    Ok((id, data.to_vec()))
+}
+
+/// The doorbell id at the front of a hello's or a reply's rest, and what follows it.
+fn take_id(m: &[u8]) -> Result<(u64, &[u8])> {
+    let (id, rest) = m
+        .split_first_chunk::<8>()
+        .ok_or_else(|| Error::Protocol("shm handshake truncated".into()))?;
+    Ok((u64::from_le_bytes(*id), rest))
 }
 
 /// A listening endpoint; it and the handshakes in progress are tasks on the device's progress
@@ -191,6 +195,7 @@ pub(crate) struct Request {
     pub(crate) stream: UnixStream,
     pub(crate) private_data: Vec<u8>,
     pub(crate) fds: Vec<OwnedFd>,
+    bell_id: u64,
 }
 
 impl Listener {
@@ -297,7 +302,7 @@ impl Handshake<Request> for Hello {
             }
             self.checked = true;
         }
-        let (m, fds) = match sys::recv_with_fds_now(stream, 10 + MAX_PRIVATE_DATA) {
+        let (m, fds) = match sys::recv_with_fds_now(stream, 18 + MAX_PRIVATE_DATA) {
             Ok(Some(got)) => got,
             Ok(None) => return Ok(None),
             Err(e) => {
@@ -310,7 +315,7 @@ impl Handshake<Request> for Hello {
                 return Err(e);
             }
         };
-        let private_data = parse_hello(&m)?;
+        let (bell_id, private_data) = parse_hello(&m)?;
         let stream = self
             .stream
             .take()
@@ -319,6 +324,7 @@ impl Handshake<Request> for Hello {
             stream,
             private_data,
             fds,
+            bell_id,
         }))
     }
 }
@@ -339,6 +345,7 @@ impl Pending {
     pub(crate) fn finish(self, private_data: &[u8]) -> Result<Vec<u8>> {
         let Pending { stream, side } = self;
         let mut reply = vec![1u8];
+        reply.extend_from_slice(&side.bell_id.to_le_bytes());
         reply.extend_from_slice(private_data);
         // The grants of what the peer may use at once go first (`connect` keeps them), so that
         // it holds them even if this process stops right after the reply.
@@ -362,7 +369,7 @@ impl Request {
                 return Err(e);
             }
         };
-        match side.join(self.stream, self.fds) {
+        match side.join(self.stream, self.fds, self.bell_id) {
             Ok(joined) => Ok((joined, Pending { stream: reply, side })),
             Err(e) => {
                 refuse(&reply, &crate::cm::set_up_reason(&e));
@@ -398,9 +405,9 @@ pub(crate) fn connect(
     stream
         .set_read_timeout(Some(timeout))
         .map_err(|e| Error::io("setting a handshake timeout", e))?;
-    sys::send_with_fds(&stream, &hello(private_data), &side.fds())
+    sys::send_with_fds(&stream, &hello(private_data, side.bell_id), &side.fds())
         .map_err(|e| Error::io("sending the handshake", e))?;
-    let longest = 1 + MAX_PRIVATE_DATA.max(crate::cm::MAX_REJECT_REASON);
+    let longest = 9 + MAX_PRIVATE_DATA.max(crate::cm::MAX_REJECT_REASON);
     // The grants the server pushes come just before its reply, each read on its own (a read
     // ends with the message whose descriptors it took): kept for the link.
     let deadline = std::time::Instant::now() + timeout;
@@ -419,10 +426,11 @@ pub(crate) fn connect(
         pushed.push((m, fds));
     };
     match reply.split_first() {
-        Some((1, data)) => {
+        Some((1, rest)) => {
+            let (bell_id, data) = take_id(rest)?;
             let data = data.to_vec();
             let _ = stream.set_read_timeout(None);
-            let joined = side.join(stream, fds)?;
+            let joined = side.join(stream, fds, bell_id)?;
             for (m, fds) in pushed {
                 joined.peer.arena.grants().take_pushed(&m, fds);
             }
@@ -443,8 +451,11 @@ mod tests {
 
     #[test]
     fn a_peer_of_another_layout_version_is_refused_by_name() {
-        assert_eq!(parse_hello(&hello(b"data")).expect("our own hello"), b"data");
-        let mut old = hello(b"");
+        assert_eq!(
+            parse_hello(&hello(b"data", 7)).expect("our own hello"),
+            (7, b"data".to_vec())
+        );
+        let mut old = hello(b"", 0);
         old[8..10].copy_from_slice(&(VERSION - 1).to_le_bytes());
         let e = parse_hello(&old).expect_err("another version");
         assert!(
@@ -462,7 +473,6 @@ mod tests {
         inbox: OwnedFd,
         rq: OwnedFd,
         bell: OwnedFd,
-        qp_bell: OwnedFd,
         _side: Side,
     }
 
@@ -481,13 +491,12 @@ mod tests {
             // SAFETY: dup returned a fresh descriptor nothing else owns.
             unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(d) }
         };
-        let [a, i, r, b, q] = side.fds();
+        let [a, i, r, b] = side.fds();
         Fds {
             table: dup(a),
             inbox: dup(i),
             rq: dup(r),
             bell: dup(b),
-            qp_bell: dup(q),
             _side: side,
         }
     }
@@ -512,11 +521,11 @@ mod tests {
 
     /// Sends a handshake with `fds` to the listener at `addr` as a raw process would, and
     /// returns the reply: `Ok(())` for an acceptance, `Err(reason)` for a refusal.
-    fn try_join(addr: SocketAddr, fds: [&OwnedFd; 5]) -> std::result::Result<(), String> {
+    fn try_join(addr: SocketAddr, fds: [&OwnedFd; 4]) -> std::result::Result<(), String> {
         let stream = UnixStream::connect_addr(&name(addr).expect("name")).expect("connect");
         stream.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
         let raw = fds.map(|f| f.as_raw_fd());
-        sys::send_with_fds(&stream, &hello(b""), &raw).expect("send the handshake");
+        sys::send_with_fds(&stream, &hello(b"", 1), &raw).expect("send the handshake");
         let (reply, _fds) = sys::recv_with_fds(&stream, 512).expect("a reply, not a hang");
         match reply.split_first() {
             Some((1, _)) => Ok(()),
@@ -546,7 +555,7 @@ mod tests {
         let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
         let listener = Listener::bind(&crate::Device::open("shm").expect("shm"), addr, false).expect("bind");
         let addr = listener.local_addr();
-        let server = serve(listener, 9);
+        let server = serve(listener, 8);
         let g = good_fds();
         let sealed = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
         let huge_table = memfd(libc::MFD_HUGETLB, 2 << 20, sealed);
@@ -562,46 +571,41 @@ mod tests {
             p.map(|fd| unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
         };
         let file = tempfile_of(super::super::arena::TABLE as u64);
-        let cases: [(&str, [&OwnedFd; 5], &str); 8] = [
+        let cases: [(&str, [&OwnedFd; 4], &str); 7] = [
             (
                 "a hugetlbfs key table",
-                [&huge_table, &g.inbox, &g.rq, &g.bell, &g.qp_bell],
+                [&huge_table, &g.inbox, &g.rq, &g.bell],
                 "hugetlbfs",
             ),
             (
                 "a hugetlbfs receive queue",
-                [&g.table, &g.inbox, &huge_rq, &g.bell, &g.qp_bell],
+                [&g.table, &g.inbox, &huge_rq, &g.bell],
                 "hugetlbfs",
             ),
             (
                 "an unsealed ring",
-                [&g.table, &unsealed_ring, &g.rq, &g.bell, &g.qp_bell],
+                [&g.table, &unsealed_ring, &g.rq, &g.bell],
                 "not sealed",
             ),
             (
                 "a key table of the wrong size",
-                [&small_table, &g.inbox, &g.rq, &g.bell, &g.qp_bell],
+                [&small_table, &g.inbox, &g.rq, &g.bell],
                 "key table is",
             ),
             (
                 "a receive queue of no valid size",
-                [&g.table, &g.inbox, &odd_rq, &g.bell, &g.qp_bell],
+                [&g.table, &g.inbox, &odd_rq, &g.bell],
                 "receive queue is",
             ),
             (
                 "a pipe as the doorbell",
-                [&g.table, &g.inbox, &g.rq, &pipe_r, &g.qp_bell],
-                "not an eventfd",
-            ),
-            (
-                "a pipe as the QP's doorbell",
-                [&g.table, &g.inbox, &g.rq, &g.bell, &pipe_r],
+                [&g.table, &g.inbox, &g.rq, &pipe_r],
                 "not an eventfd",
             ),
             // On a tmpfs /tmp a plain file passes as memory, but cannot be sealed.
             (
                 "a plain file",
-                [&file, &g.inbox, &g.rq, &g.bell, &g.qp_bell],
+                [&file, &g.inbox, &g.rq, &g.bell],
                 "not a memfd|not sealed",
             ),
         ];
@@ -615,7 +619,7 @@ mod tests {
             }
         }
         // The same server, still alive, takes a side whose descriptors are all in order.
-        try_join(addr, [&g.table, &g.inbox, &g.rq, &g.bell, &g.qp_bell]).expect("a good side is accepted");
+        try_join(addr, [&g.table, &g.inbox, &g.rq, &g.bell]).expect("a good side is accepted");
         assert_eq!(
             server.join().expect("the server thread"),
             1,
@@ -665,8 +669,8 @@ mod tests {
         // The attacker: a side of its own, then the server's receive queue, mapped.
         let g = good_fds();
         let stream = UnixStream::connect_addr(&name(addr).expect("name")).expect("connect");
-        let raw = [&g.table, &g.inbox, &g.rq, &g.bell, &g.qp_bell].map(|f| f.as_raw_fd());
-        sys::send_with_fds(&stream, &hello(b""), &raw).expect("send the handshake");
+        let raw = [&g.table, &g.inbox, &g.rq, &g.bell].map(|f| f.as_raw_fd());
+        sys::send_with_fds(&stream, &hello(b"", 1), &raw).expect("send the handshake");
         let (reply, fds) = sys::recv_with_fds(&stream, 512).expect("the reply");
         assert_eq!(reply.first(), Some(&1), "accepted");
         let their_rq = PeerRq::map(&fds[2]).expect("the server's receive queue");
@@ -782,8 +786,8 @@ mod tests {
         stream
             .set_read_timeout(Some(Duration::from_millis(500)))
             .expect("timeout");
-        let raw = [&g.table, &g.inbox, &g.rq, &g.bell, &g.qp_bell].map(|f| f.as_raw_fd());
-        sys::send_with_fds(&stream, &hello(b""), &raw).expect("send the handshake");
+        let raw = [&g.table, &g.inbox, &g.rq, &g.bell].map(|f| f.as_raw_fd());
+        sys::send_with_fds(&stream, &hello(b"", 1), &raw).expect("send the handshake");
         // Before the reply, the grants of what it may use at once, each read on its own.
         let mut early = Vec::new();
         let (reply, fds) = loop {

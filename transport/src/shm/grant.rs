@@ -39,6 +39,9 @@ use crate::{AccessFlags, WcStatus};
 pub(crate) const MSG: usize = 48;
 const REQUEST: u8 = 1;
 const ANSWER: u8 = 2;
+/// A doorbell: the sender wrote to a ring whose reader sleeps, or freed room for a writer that
+/// waits (`link`). Carries nothing else.
+const WAKE: u8 = 3;
 const REFUSED: u8 = 0;
 const READ_ONLY: u8 = 1;
 const READ_WRITE: u8 = 2;
@@ -69,14 +72,14 @@ impl Want {
 /// The owner's side of one connection: pushes grants to its peer and answers its requests.
 pub(crate) struct Server {
     arena: Arc<Arena>,
-    sock: UnixStream,
+    sock: Arc<UnixStream>,
     /// Set once the handshake's last message is out: nothing may go before it.
     ready: AtomicBool,
 }
 
 impl Server {
     /// Serves the peer at the other end of `sock`; pushes nothing before [`Server::ready`].
-    pub(crate) fn start(arena: Arc<Arena>, sock: UnixStream) -> Arc<Server> {
+    pub(crate) fn start(arena: Arc<Arena>, sock: Arc<UnixStream>) -> Arc<Server> {
         let server = Arc::new(Server {
             arena,
             sock,
@@ -184,13 +187,13 @@ pub(crate) struct Grants {
     cache: RwLock<HashMap<(u32, Want), Grant>>,
     /// Requests sent and not answered yet (at most [`MAX_ASKED`]).
     pending: Mutex<HashSet<(u32, Want)>>,
-    sock: UnixStream,
+    sock: Arc<UnixStream>,
     dead: AtomicBool,
 }
 
 impl Grants {
     /// Maps the peer's table (read-only, whatever the descriptor allows); requests go on `sock`.
-    pub(crate) fn new(table_fd: &OwnedFd, sock: UnixStream) -> crate::Result<Grants> {
+    pub(crate) fn new(table_fd: &OwnedFd, sock: Arc<UnixStream>) -> crate::Result<Grants> {
         let size = sys::peer_memfd(table_fd).map_err(|e| crate::Error::io("checking the peer's key table", e))?;
         if size != arena::TABLE as u64 {
             return Err(crate::Error::Protocol(format!(
@@ -339,6 +342,14 @@ pub(crate) fn is_grant(m: &[u8]) -> bool {
     m.len() == MSG && m[0] == ANSWER
 }
 
+/// Rings the peer's doorbell: a [`WAKE`] message, without waiting (a full socket means the
+/// peer has messages to read, which wake it all the same).
+pub(crate) fn wake(sock: &UnixStream) {
+    let mut m = [0u8; MSG];
+    m[0] = WAKE;
+    let _ = sys::send_with_fds_nowait(sock, &m, &[]);
+}
+
 /// Sends one message (and a descriptor), without waiting: a peer that leaves its socket full
 /// is not reading what we send it.
 fn send(sock: &UnixStream, m: &[u8; MSG], fd: Option<&OwnedFd>) -> bool {
@@ -388,6 +399,7 @@ impl Inbound {
                         return broken("the peer does not read the answers to its requests");
                     }
                 }
+                (WAKE, _) => {} // the turn that reads it is what it asked for
                 (ANSWER, Some(_)) => {
                     let fd = if m[2] == REFUSED { None } else { self.fds.pop_front() };
                     grants.answered(m, fd);

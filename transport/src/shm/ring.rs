@@ -118,9 +118,10 @@ pub(crate) struct Ring {
     /// Set locally when the peer process is known dead (its socket closed): wakes and ends
     /// every wait even though the peer never set `closed`.
     peer_dead: Arc<std::sync::atomic::AtomicBool>,
-    /// The peer's doorbell (an eventfd its progress engine watches), rung instead of the futex
-    /// when the peer said it sleeps ([`arm_read`](Ring::arm_read), [`arm_write`](Ring::arm_write)).
-    peer_bell: Option<Arc<std::os::fd::OwnedFd>>,
+    /// The peer's doorbell (a message on the connection's socket, which its progress engine
+    /// watches), rung instead of the futex when the peer said it sleeps
+    /// ([`arm_read`](Ring::arm_read), [`arm_write`](Ring::arm_write)).
+    peer_wake: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 /// Why a ring operation ended.
@@ -137,23 +138,23 @@ impl Ring {
         (map.len() >= BYTES).then_some(Ring {
             map,
             peer_dead,
-            peer_bell: None,
+            peer_wake: None,
         })
     }
 
     /// Wakes the peer through its doorbell rather than the futex: its progress engine waits on
     /// the doorbell, never on the futex.
     #[cfg_attr(rdma_loom, allow(dead_code))]
-    pub(crate) fn with_peer_bell(mut self, bell: Arc<std::os::fd::OwnedFd>) -> Ring {
-        self.peer_bell = Some(bell);
+    pub(crate) fn with_peer_wake(mut self, wake: Arc<dyn Fn() + Send + Sync>) -> Ring {
+        self.peer_wake = Some(wake);
         self
     }
 
     /// Wakes the peer's sleeper on `word` (just bumped).
     fn wake_peer(&self, word: &AtomicU32) {
-        match &self.peer_bell {
+        match &self.peer_wake {
             #[cfg(not(rdma_loom))]
-            Some(bell) => crate::nic::bell::ring(bell),
+            Some(wake) => wake(),
             _ => futex_wake(word),
         }
     }

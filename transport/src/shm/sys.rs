@@ -96,6 +96,24 @@ pub(crate) fn peer_uid(sock: &UnixStream) -> io::Result<u32> {
     Ok(cred.uid)
 }
 
+/// The process id of the peer at the other end of `sock` (as the kernel saw it connect).
+pub(crate) fn peer_pid(sock: &UnixStream) -> io::Result<i32> {
+    // SAFETY: `cred` is a plain C struct getsockopt fills in.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes and describe each other.
+    check(unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    })?;
+    Ok(cred.pid)
+}
+
 /// This process's effective user id.
 pub(crate) fn own_uid() -> u32 {
     // SAFETY: geteuid cannot fail and touches no memory.
