@@ -239,6 +239,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         return Ok(());
     }
+    if let Ok(addr) = std::env::var(scale::CONNECT_ENV) {
+        // The connecting end of a `--sweep scale` row (a child of the run).
+        let n = std::env::var(scale::COUNT_ENV)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1);
+        return Ok(scale::connecting_end(&Device::open_default()?, &addr, n)?);
+    }
     let from_env = std::env::var(rdma_rpc::transport::PROVIDER_ENV)
         .ok()
         .filter(|p| !p.trim().is_empty());
@@ -435,7 +443,7 @@ fn rate_sweep(args: &Args, dev: &Device) -> Result<(), Box<dyn std::error::Error
 fn scale_sweep(args: &Args, dev: &Device) -> Result<(), Box<dyn std::error::Error>> {
     scale::raise_fd_limit();
     println!(
-        "rdma-rpc connection scale: provider {} (device {}), {}",
+        "rdma-rpc connection scale: provider {} (device {}), clients in a child process, {}",
         dev.provider(),
         dev.name(),
         chrono_free_date()

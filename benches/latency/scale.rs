@@ -1,10 +1,11 @@
-//! What idle connections cost a process, by how many there are: connected QPs on one device,
-//! both ends in this process (one PD and one CQ for each end), made one after another.
+//! What idle connections cost a process, by how many there are: a server here accepts QPs on
+//! one device (one PD, one CQ, one shared receive queue) that a child process connects one
+//! after another, as clients would.
 //!
 //! For each count the row gives the set-up rate, then the threads, file descriptors,
-//! registered bytes and resident memory that the connections added, per connection and per
-//! side (both ends run here, and hold alike), and whether every QP then carried a message.
-//! The process's descriptor limit is raised to its hard limit first (only for this process).
+//! registered bytes and resident memory that the connections added to the server, per
+//! connection, and whether every QP then carried a message. Both processes raise their
+//! descriptor limit first (only for themselves).
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
@@ -78,71 +79,133 @@ pub fn raise_fd_limit() {
     unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
 }
 
-/// One row: `n` connections on `dev`.
-pub fn measure(dev: &Device, ip: IpAddr, n: usize) -> Result<ScaleRow, String> {
-    let e = |what: &'static str| move |err: Error| format!("{what}: {err}");
-    let (spd, scq) = (dev.alloc_pd().map_err(e("PD"))?, dev.create_cq(4096).map_err(e("CQ"))?);
-    let (cpd, ccq) = (dev.alloc_pd().map_err(e("PD"))?, dev.create_cq(4096).map_err(e("CQ"))?);
-    let listener = Listener::bind(dev, SocketAddr::new(ip, 0)).map_err(e("listening"))?;
-    let addr = listener.local_addr().map_err(e("listening"))?;
-    let caps = QpCaps {
+/// The environment variable that makes this binary the connecting end of a scale row: the
+/// listener's address; with [`COUNT_ENV`], how many QPs to connect.
+pub const CONNECT_ENV: &str = "RDMA_RPC_SCALE_CONNECT";
+pub const COUNT_ENV: &str = "RDMA_RPC_SCALE_COUNT";
+
+fn caps() -> QpCaps {
+    QpCaps {
         max_send_wr: 4,
         max_recv_wr: 4,
         max_inline_data: 0,
-    };
-    let sopts = QpOptions::new(&spd, &scq).caps(caps);
-    let copts = QpOptions::new(&cpd, &ccq).caps(caps);
-    let before = snapshot(dev);
-    let started = Instant::now();
-    let server = std::thread::spawn(move || {
-        let mut qps = Vec::with_capacity(n);
-        while qps.len() < n {
-            match listener
-                .accept(Some(Duration::from_secs(30)))
-                .and_then(|r| r.accept(&sopts, b""))
-            {
-                Ok(qp) => qps.push(qp),
-                Err(err) => return (qps, Some(err.to_string())),
-            }
+    }
+}
+
+/// The connecting end (a child process): connects the QPs one after another, says
+/// `CONNECTED`, waits for a line on stdin, sends one message on each, says `SENT`, and holds
+/// them until its stdin ends.
+pub fn connecting_end(dev: &Device, addr: &str, n: usize) -> Result<(), String> {
+    raise_fd_limit();
+    let e = |what: &'static str| move |err: Error| format!("{what}: {err}");
+    let addr: SocketAddr = addr.parse().map_err(|err| format!("{addr}: {err}"))?;
+    let (pd, cq) = (dev.alloc_pd().map_err(e("PD"))?, dev.create_cq(1 << 16).map_err(e("CQ"))?);
+    let opts = QpOptions::new(&pd, &cq).caps(caps());
+    let mut qps = Vec::with_capacity(n);
+    for i in 0..n {
+        let (qp, _) = connect(addr, &opts, &(i as u32).to_le_bytes(), Duration::from_secs(30))
+            .map_err(|err| format!("connection {}: {err}", i + 1))?;
+        qps.push(qp);
+    }
+    println!("CONNECTED");
+    // The server posts its receives first, then says go.
+    let mut go = String::new();
+    std::io::stdin().read_line(&mut go).map_err(|err| err.to_string())?;
+    let pool = BufferPool::new(&pd, 4, n.max(1), AccessFlags::NONE).map_err(e("buffers"))?;
+    for (i, qp) in qps.iter().enumerate() {
+        let b = pool.take().ok_or("a buffer")?;
+        qp.post_send(SendWr::send(i as u64, b)).map_err(|err| format!("post: {}", err.error))?;
+    }
+    let mut out = Vec::new();
+    let (mut done, deadline) = (0, Instant::now() + Duration::from_secs(60));
+    while done < n && Instant::now() < deadline {
+        out.clear();
+        done += cq.poll(&mut out, 256).map_err(e("poll"))?;
+        if out.iter().any(|c| !c.status.is_success()) {
+            return Err("a Send failed".into());
         }
-        (qps, None)
-    });
-    let mut clients = Vec::with_capacity(n);
+        std::thread::yield_now();
+    }
+    println!("SENT {done}");
+    let _ = std::io::stdin().lines().count();
+    Ok(())
+}
+
+/// One row: `n` connections on `dev`, made by a child process (the connecting end) to a
+/// listener here; the figures are this side's, as a server sees its clients.
+pub fn measure(dev: &Device, ip: IpAddr, n: usize) -> Result<ScaleRow, String> {
+    use std::io::BufRead;
+    let e = |what: &'static str| move |err: Error| format!("{what}: {err}");
+    let (pd, cq) = (dev.alloc_pd().map_err(e("PD"))?, dev.create_cq(1 << 16).map_err(e("CQ"))?);
+    let srq = pd.create_srq(n.max(1) as u32).map_err(e("SRQ"))?;
+    let listener = Listener::bind(dev, SocketAddr::new(ip, 0)).map_err(e("listening"))?;
+    let addr = listener.local_addr().map_err(e("listening"))?;
+    let opts = QpOptions::new(&pd, &cq).caps(caps()).srq(&srq);
+    let before = snapshot(dev);
+    let mut child = std::process::Command::new(std::env::current_exe().map_err(|err| err.to_string())?)
+        .env(CONNECT_ENV, addr.to_string())
+        .env(COUNT_ENV, n.to_string())
+        .env(rdma_rpc::transport::PROVIDER_ENV, dev.spec().to_string())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|err| format!("starting the connecting end: {err}"))?;
+    let mut lines = std::io::BufReader::new(child.stdout.take().ok_or("the child's output")?).lines();
+    let started = Instant::now();
+    let mut qps = Vec::with_capacity(n);
     let mut error = None;
-    while clients.len() < n {
-        match connect(addr, &copts, b"", Duration::from_secs(30)) {
-            Ok((qp, _)) => clients.push(qp),
+    while qps.len() < n {
+        match listener
+            .accept(Some(Duration::from_secs(30)))
+            .and_then(|r| r.accept(&opts, b""))
+        {
+            Ok(qp) => qps.push(qp),
             Err(err) => {
-                error = Some(format!("connection {}: {err}", clients.len() + 1));
+                error = Some(format!("connection {}: {err}", qps.len() + 1));
                 break;
             }
         }
     }
     let setup = started.elapsed();
-    let (servers, refused) = if error.is_some() {
-        // The server waits for connections that will not come: it gives up after its timeout.
-        let made = clients.len();
-        drop(clients);
-        return Ok(ScaleRow {
-            conns: n,
-            made,
-            setup_per_s: 0.0,
-            threads: 0.0,
-            fds: 0.0,
-            registered_bytes: 0.0,
-            rss_kib: 0.0,
-            threads_total: snapshot(dev).0,
-            carried: false,
-            error,
-        });
-    } else {
-        server.join().map_err(|_| "the accepting thread panicked".to_owned())?
-    };
     std::thread::sleep(Duration::from_millis(200));
     let after = snapshot(dev);
-    let made = clients.len().min(servers.len());
-    let per = |a: f64, b: f64| (a - b).max(0.0) / (2 * made.max(1)) as f64;
-    let carried = refused.is_none() && carry(&spd, &scq, &servers, &ccq, &clients)?;
+    let made = qps.len();
+    let per = |a: f64, b: f64| (a - b).max(0.0) / made.max(1) as f64;
+    let mut carried = false;
+    if error.is_none() {
+        let pool = BufferPool::new(&pd, 4, n.max(1), AccessFlags::LOCAL_WRITE).map_err(e("buffers"))?;
+        let recvs: Vec<RecvWr> = (0..n)
+            .map(|k| pool.take().map(|b| RecvWr::new(k as u64, b)))
+            .collect::<Option<_>>()
+            .ok_or("receive buffers")?;
+        srq.post_recv_batch(recvs).map_err(|err| format!("posting receives: {}", err.error))?;
+        if let Some(stdin) = child.stdin.as_mut() {
+            use std::io::Write;
+            let _ = writeln!(stdin, "go");
+        }
+        if lines.by_ref().map_while(Result::ok).any(|l| l.starts_with("SENT")) {
+            let mut out = Vec::new();
+            let (mut got, deadline) = (0, Instant::now() + Duration::from_secs(60));
+            let mut seen = vec![false; n];
+            while got < n && Instant::now() < deadline {
+                out.clear();
+                cq.poll(&mut out, 256).map_err(e("poll"))?;
+                for c in out.drain(..) {
+                    let i = c.qp_num;
+                    let from = qps.iter().position(|q| q.qp_num() == i);
+                    if let (true, Some(k)) = (c.status.is_success(), from) {
+                        if !std::mem::replace(&mut seen[k], true) {
+                            got += 1;
+                        }
+                    }
+                }
+                std::thread::yield_now();
+            }
+            carried = got == n;
+        }
+    }
+    drop(child.stdin.take());
+    let _ = child.wait();
     Ok(ScaleRow {
         conns: n,
         made,
@@ -153,60 +216,15 @@ pub fn measure(dev: &Device, ip: IpAddr, n: usize) -> Result<ScaleRow, String> {
         rss_kib: per(after.3 as f64, before.3 as f64),
         threads_total: after.0,
         carried,
-        error: refused,
+        error,
     })
-}
-
-/// Has every client QP send one message to its server QP, at most 256 at a time; whether all
-/// arrived.
-fn carry(
-    spd: &ProtectionDomain,
-    scq: &CompletionQueue,
-    servers: &[QueuePair],
-    ccq: &CompletionQueue,
-    clients: &[QueuePair],
-) -> Result<bool, String> {
-    let cpd = clients.first().map(|q| q.pd().clone());
-    let Some(cpd) = cpd else { return Ok(true) };
-    let rpool = BufferPool::new(spd, 8, 256, AccessFlags::LOCAL_WRITE).map_err(|e| format!("buffers: {e}"))?;
-    let spool = BufferPool::new(&cpd, 8, 256, AccessFlags::NONE).map_err(|e| format!("buffers: {e}"))?;
-    let mut out = Vec::new();
-    for (chunk_s, chunk_c) in servers.chunks(256).zip(clients.chunks(256)) {
-        for (i, (s, c)) in chunk_s.iter().zip(chunk_c).enumerate() {
-            let r = rpool.take().ok_or("a receive buffer")?;
-            s.post_recv(RecvWr::new(i as u64, r))
-                .map_err(|e| format!("post_recv: {}", e.error))?;
-            let b = spool.take().ok_or("a send buffer")?;
-            c.post_send(SendWr::send(i as u64, b))
-                .map_err(|e| format!("post_send: {}", e.error))?;
-        }
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let (mut recvd, mut sent) = (0, 0);
-        while recvd < chunk_s.len() || sent < chunk_c.len() {
-            if Instant::now() > deadline {
-                return Ok(false);
-            }
-            for (cq, count) in [(scq, &mut recvd), (ccq, &mut sent)] {
-                out.clear();
-                cq.poll(&mut out, 64).map_err(|e| format!("poll: {e}"))?;
-                for c in out.drain(..) {
-                    if !c.status.is_success() {
-                        return Ok(false);
-                    }
-                    *count += 1;
-                }
-            }
-            std::thread::yield_now();
-        }
-    }
-    Ok(true)
 }
 
 /// The connection-scale table.
 pub fn table(rows: &[ScaleRow]) {
     println!();
     println!("---------------------------------------------------------------------------------------");
-    println!(" connection scale: idle connected QPs on one device, per connection and side");
+    println!(" connection scale: idle connected QPs on one device, the server's side, per connection");
     println!("---------------------------------------------------------------------------------------");
     println!(
         " {:>7} {:>6} {:>11} {:>8} {:>6} {:>11} {:>9} {:>13} {:>8}",
