@@ -99,7 +99,10 @@ pub fn connecting_end(dev: &Device, addr: &str, n: usize) -> Result<(), String> 
     raise_fd_limit();
     let e = |what: &'static str| move |err: Error| format!("{what}: {err}");
     let addr: SocketAddr = addr.parse().map_err(|err| format!("{addr}: {err}"))?;
-    let (pd, cq) = (dev.alloc_pd().map_err(e("PD"))?, dev.create_cq(1 << 16).map_err(e("CQ"))?);
+    let (pd, cq) = (
+        dev.alloc_pd().map_err(e("PD"))?,
+        dev.create_cq(1 << 16).map_err(e("CQ"))?,
+    );
     let opts = QpOptions::new(&pd, &cq).caps(caps());
     let mut qps = Vec::with_capacity(n);
     for i in 0..n {
@@ -114,7 +117,8 @@ pub fn connecting_end(dev: &Device, addr: &str, n: usize) -> Result<(), String> 
     let pool = BufferPool::new(&pd, 4, n.max(1), AccessFlags::NONE).map_err(e("buffers"))?;
     for (i, qp) in qps.iter().enumerate() {
         let b = pool.take().ok_or("a buffer")?;
-        qp.post_send(SendWr::send(i as u64, b)).map_err(|err| format!("post: {}", err.error))?;
+        qp.post_send(SendWr::send(i as u64, b))
+            .map_err(|err| format!("post: {}", err.error))?;
     }
     let mut out = Vec::new();
     let (mut done, deadline) = (0, Instant::now() + Duration::from_secs(60));
@@ -136,7 +140,10 @@ pub fn connecting_end(dev: &Device, addr: &str, n: usize) -> Result<(), String> 
 pub fn measure(dev: &Device, ip: IpAddr, n: usize) -> Result<ScaleRow, String> {
     use std::io::BufRead;
     let e = |what: &'static str| move |err: Error| format!("{what}: {err}");
-    let (pd, cq) = (dev.alloc_pd().map_err(e("PD"))?, dev.create_cq(1 << 16).map_err(e("CQ"))?);
+    let (pd, cq) = (
+        dev.alloc_pd().map_err(e("PD"))?,
+        dev.create_cq(1 << 16).map_err(e("CQ"))?,
+    );
     let srq = pd.create_srq(n.max(1) as u32).map_err(e("SRQ"))?;
     let listener = Listener::bind(dev, SocketAddr::new(ip, 0)).map_err(e("listening"))?;
     let addr = listener.local_addr().map_err(e("listening"))?;
@@ -178,7 +185,8 @@ pub fn measure(dev: &Device, ip: IpAddr, n: usize) -> Result<ScaleRow, String> {
             .map(|k| pool.take().map(|b| RecvWr::new(k as u64, b)))
             .collect::<Option<_>>()
             .ok_or("receive buffers")?;
-        srq.post_recv_batch(recvs).map_err(|err| format!("posting receives: {}", err.error))?;
+        srq.post_recv_batch(recvs)
+            .map_err(|err| format!("posting receives: {}", err.error))?;
         if let Some(stdin) = child.stdin.as_mut() {
             use std::io::Write;
             let _ = writeln!(stdin, "go");

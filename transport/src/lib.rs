@@ -2,12 +2,13 @@
 //!
 //! The types follow ibverbs: a [`Device`] (opened by provider spec), a [`ProtectionDomain`],
 //! [`MemoryRegion`]s that own their buffers (lkey, rkey, access flags), a [`BufferPool`] of
-//! pre-registered buffers, [`CompletionQueue`]s, and reliable-connected [`QueuePair`]s made by
-//! [`connect`] and [`Listener`]. Work requests ([`SendWr`], [`RecvWr`]) own their buffers until
+//! pre-registered buffers, [`CompletionQueue`]s, [`SharedReceiveQueue`]s, and
+//! reliable-connected [`QueuePair`]s made by [`connect`] and [`Listener`]. Work requests ([`SendWr`], [`RecvWr`]) own their buffers until
 //! the [`Completion`] gives them back, so memory a NIC may touch cannot be freed or reused.
 //!
 //! Providers, chosen at run time by spec (`RDMA_RPC_PROVIDER`, default `tcp`):
-//! - `tcp`: software RC over TCP, a faithful model of the NIC for any two hosts;
+//! - `tcp`: software RC over TCP, a faithful model of the NIC for any two hosts (its connections
+//!   and `shm`'s run on one progress thread per device, `RDMA_RPC_PROGRESS_THREADS` for more);
 //! - `shm`: software RC through shared memory, for processes on one host (one-sided operations
 //!   and Sends run by the initiator on the peer's mapped memory);
 //! - `verbs`, `verbs:<device>`: real libibverbs + librdmacm (ConnectX, soft-RoCE rxe, ...),
