@@ -570,18 +570,7 @@ impl QueuePair {
             depth: self.opts.caps.max_recv_wr,
         });
         let base = t.next_recv;
-        let descs: Vec<RecvDesc<'_>> = wrs[..n_ok]
-            .iter()
-            .enumerate()
-            .map(|(i, w)| RecvDesc {
-                seq: base + i as u64,
-                local: w.buf.as_ref().map(|b| LocalDesc {
-                    region: &b.region,
-                    off: b.off,
-                    len: b.len,
-                }),
-            })
-            .collect();
+        let descs = recv_descs(&wrs[..n_ok], base);
         let posted = match self.imp.post_recv(&descs) {
             Ok(()) => n_ok,
             Err((i, e)) => {
@@ -621,6 +610,21 @@ impl std::fmt::Debug for QueuePair {
             .field("caps", &self.opts.caps)
             .finish()
     }
+}
+
+/// The receives `wrs` as a provider sees them, numbered from `base`.
+pub(crate) fn recv_descs(wrs: &[RecvWr], base: u64) -> Vec<RecvDesc<'_>> {
+    wrs.iter()
+        .enumerate()
+        .map(|(i, w)| RecvDesc {
+            seq: base + i as u64,
+            local: w.buf.as_ref().map(|b| LocalDesc {
+                region: &b.region,
+                off: b.off,
+                len: b.len,
+            }),
+        })
+        .collect()
 }
 
 fn srq_attached() -> Error {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::qp::{LocalDesc, PostError, RecvDesc};
+use crate::qp::PostError;
 use crate::{Error, MemoryRegion, ProtectionDomain, RecvWr, Result};
 
 /// A shared receive queue (SRQ), as `ibv_create_srq` makes: receives posted here are taken,
@@ -157,18 +157,7 @@ impl SharedReceiveQueue {
         let mut wrs: Vec<RecvWr> = wrs.into_iter().collect();
         let mut slots = self.inner.slots.lock();
         let base = slots.next;
-        let descs: Vec<RecvDesc<'_>> = wrs
-            .iter()
-            .enumerate()
-            .map(|(i, w)| RecvDesc {
-                seq: base + i as u64,
-                local: w.buf.as_ref().map(|b| LocalDesc {
-                    region: &b.region,
-                    off: b.off,
-                    len: b.len,
-                }),
-            })
-            .collect();
+        let descs = crate::qp::recv_descs(&wrs, base);
         let (posted, err) = self
             .inner
             .imp

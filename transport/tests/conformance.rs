@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use rdma_rpc_transport::*;
 
+mod limits;
 mod rng;
 use rng::Rng;
 
@@ -2125,17 +2126,7 @@ async fn a_borrow_shows_bytes_that_do_not_change_under_it() {
 async fn a_thousand_qps_on_one_device_each_carry_a_message() {
     const QPS: usize = 1000;
     // Both ends here: each connection holds descriptors on both sides.
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: `lim` is a valid out-parameter, then a valid in-parameter.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
-            lim.rlim_cur = lim.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-        }
-    }
+    limits::raise_fd_limit();
     let dev = device();
     let (spd, scq) = (dev.alloc_pd().expect("pd"), dev.create_cq(4096).expect("cq"));
     let (cpd, ccq) = (dev.alloc_pd().expect("pd"), dev.create_cq(4096).expect("cq"));

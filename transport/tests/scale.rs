@@ -14,6 +14,9 @@ use std::time::{Duration, Instant};
 
 use rdma_rpc_transport::*;
 
+mod limits;
+use limits::raise_fd_limit;
+
 const CHILD_ENV: &str = "RDMA_RPC_SCALE_CHILD";
 const WAIT: Duration = Duration::from_secs(120);
 
@@ -23,21 +26,6 @@ fn device() -> Device {
 
 /// QPs to connect.
 const QPS: usize = 10_000;
-
-/// Lets this process hold as many descriptors as its hard limit allows.
-fn raise_fd_limit() {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: `lim` is a valid out-parameter, then a valid in-parameter.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
-            lim.rlim_cur = lim.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-        }
-    }
-}
 
 fn threads() -> usize {
     std::fs::read_dir("/proc/self/task").map(Iterator::count).unwrap_or(0)

@@ -1116,22 +1116,15 @@ impl Engine {
                     }
                 }
                 if let Some(imm) = imm {
-                    match self.take_for_frame(st) {
-                        Some(true) => {}
+                    // Without a receive (one held by the application's buffer on shm, or taken
+                    // by another QP of the shared queue), held: written already, written again
+                    // when it runs (the same bytes).
+                    let receive = match self.take_for_frame(st) {
+                        Some(true) => self.take_recv(st),
                         Some(false) => return fail(st, ssn, WcStatus::RemOpErr),
-                        None => {
-                            // Written already; written again when it runs (the same bytes).
-                            let head = DataHead::Write {
-                                ssn,
-                                addr,
-                                rkey,
-                                imm: Some(imm),
-                                ack,
-                            };
-                            return self.start_stall(st, Frame::Data { head, data });
-                        }
-                    }
-                    let Some(r) = self.take_recv(st) else {
+                        None => None,
+                    };
+                    let Some(r) = receive else {
                         let head = DataHead::Write {
                             ssn,
                             addr,

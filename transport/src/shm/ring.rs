@@ -475,17 +475,24 @@ mod models {
     use super::*;
     use std::sync::atomic::AtomicBool;
 
+    /// A fresh ring's producer and consumer ends, in a memfd, with loom's atomics built in it.
+    fn rings() -> (Ring, Ring) {
+        let fd = sys::sealed_memfd("model-ring", BYTES as u64).expect("memfd");
+        let m = Arc::new(Mapping::map(&fd, BYTES).expect("map"));
+        init(&m);
+        let dead = Arc::new(AtomicBool::new(false));
+        (
+            Ring::new(m.clone(), dead.clone()).expect("ring"),
+            Ring::new(m, dead).expect("ring"),
+        )
+    }
+
     /// A producer writes while the consumer goes to sleep for want of bytes, and the other
     /// way round: every byte arrives, in order, and no side sleeps with nobody left to wake it.
     #[test]
     fn no_side_sleeps_through_the_others_progress() {
         loom::model(|| {
-            let fd = sys::sealed_memfd("model-ring", BYTES as u64).expect("memfd");
-            let m = Arc::new(Mapping::map(&fd, BYTES).expect("map"));
-            init(&m);
-            let dead = Arc::new(AtomicBool::new(false));
-            let tx = Ring::new(m.clone(), dead.clone()).expect("ring");
-            let rx = Ring::new(m, dead).expect("ring");
+            let (tx, rx) = rings();
             let producer = loom::thread::spawn(move || {
                 for b in [1u8, 2] {
                     tx.write_all(&[b]).expect("write");
@@ -510,12 +517,7 @@ mod models {
     #[test]
     fn an_armed_reader_is_woken_or_sees_the_bytes() {
         loom::model(|| {
-            let fd = sys::sealed_memfd("model-ring", BYTES as u64).expect("memfd");
-            let m = Arc::new(Mapping::map(&fd, BYTES).expect("map"));
-            init(&m);
-            let dead = Arc::new(AtomicBool::new(false));
-            let tx = Ring::new(m.clone(), dead.clone()).expect("ring");
-            let rx = Ring::new(m, dead).expect("ring");
+            let (tx, rx) = rings();
             let producer = loom::thread::spawn(move || {
                 for b in [1u8, 2] {
                     while tx.try_write(&[b]).expect("write") == 0 {

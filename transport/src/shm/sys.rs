@@ -77,9 +77,8 @@ pub(crate) fn peer_eventfd(fd: &OwnedFd) -> io::Result<()> {
     Ok(())
 }
 
-/// The user id of the process at the other end of a Unix socket, as the kernel recorded it
-/// when the socket was connected (SO_PEERCRED).
-pub(crate) fn peer_uid(sock: &UnixStream) -> io::Result<u32> {
+/// The credentials of the peer at the other end of `sock`, as the kernel saw it connect.
+fn peer_cred(sock: &UnixStream) -> io::Result<libc::ucred> {
     // SAFETY: `cred` is a plain C struct getsockopt fills in.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -93,25 +92,17 @@ pub(crate) fn peer_uid(sock: &UnixStream) -> io::Result<u32> {
             &mut len,
         )
     })?;
-    Ok(cred.uid)
+    Ok(cred)
 }
 
-/// The process id of the peer at the other end of `sock` (as the kernel saw it connect).
+/// The user id of the peer at the other end of `sock`.
+pub(crate) fn peer_uid(sock: &UnixStream) -> io::Result<u32> {
+    peer_cred(sock).map(|c| c.uid)
+}
+
+/// The process id of the peer at the other end of `sock`.
 pub(crate) fn peer_pid(sock: &UnixStream) -> io::Result<i32> {
-    // SAFETY: `cred` is a plain C struct getsockopt fills in.
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` and `len` are valid for writes and describe each other.
-    check(unsafe {
-        libc::getsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    })?;
-    Ok(cred.pid)
+    peer_cred(sock).map(|c| c.pid)
 }
 
 /// This process's effective user id.

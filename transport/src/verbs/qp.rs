@@ -217,38 +217,12 @@ impl Qp {
     }
 
     pub(crate) fn post_recv(&self, descs: &[RecvDesc<'_>]) -> Result<(), (usize, Error)> {
-        if descs.is_empty() {
-            return Ok(());
-        }
-        let mut sges: Vec<ibv_sge> = descs
-            .iter()
-            .map(|d| ibv_sge {
-                addr: d.local.as_ref().map_or(0, |l| l.region.addr + l.off as u64),
-                length: d.local.as_ref().map_or(0, |l| l.len as u32),
-                lkey: d.local.as_ref().map_or(0, |l| l.region.lkey),
-            })
-            .collect();
-        let mut wrs: Vec<ibv_recv_wr> = descs
-            .iter()
-            .map(|d| ibv_recv_wr {
-                wr_id: d.seq | RECV_BIT,
-                next: std::ptr::null_mut(),
-                sg_list: std::ptr::null_mut(),
-                num_sge: i32::from(d.local.is_some()),
-            })
-            .collect();
-        let base = wrs.as_mut_ptr();
-        for (i, wr) in wrs.iter_mut().enumerate() {
-            wr.sg_list = &mut sges[i];
-            if i + 1 < descs.len() {
-                // SAFETY: i + 1 is in bounds of `wrs`, which is not reallocated from here on.
-                wr.next = unsafe { base.add(i + 1) };
-            }
-        }
-        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: as for post_send.
-        let rc = unsafe { ibv_post_recv(self.inner.qp(), base, &mut bad) };
-        post_result("ibv_post_recv", rc, bad, base)
+        let qp = self.inner.qp();
+        post_recvs(descs, "ibv_post_recv", |wr, bad| {
+            // SAFETY: the QP is live; the list and its SGEs live until the call returns, and the
+            // memory they name stays registered until completion (the tracker owns it).
+            unsafe { ibv_post_recv(qp, wr, bad) }
+        })
     }
 
     /// Disconnects, stops the event thread and destroys QP, id and channel, in that order.
@@ -279,6 +253,46 @@ impl Qp {
             libc::close(self.wake[1]);
         }
     }
+}
+
+/// Posts `descs` as one list of receives through `post` (`ibv_post_recv` or
+/// `ibv_post_srq_recv`), which is given the list and where to say which one it refused.
+pub(super) fn post_recvs(
+    descs: &[RecvDesc<'_>],
+    call: &'static str,
+    post: impl FnOnce(*mut ibv_recv_wr, *mut *mut ibv_recv_wr) -> i32,
+) -> Result<(), (usize, Error)> {
+    if descs.is_empty() {
+        return Ok(());
+    }
+    let mut sges: Vec<ibv_sge> = descs
+        .iter()
+        .map(|d| ibv_sge {
+            addr: d.local.as_ref().map_or(0, |l| l.region.addr + l.off as u64),
+            length: d.local.as_ref().map_or(0, |l| l.len as u32),
+            lkey: d.local.as_ref().map_or(0, |l| l.region.lkey),
+        })
+        .collect();
+    let mut wrs: Vec<ibv_recv_wr> = descs
+        .iter()
+        .map(|d| ibv_recv_wr {
+            wr_id: d.seq | RECV_BIT,
+            next: std::ptr::null_mut(),
+            sg_list: std::ptr::null_mut(),
+            num_sge: i32::from(d.local.is_some()),
+        })
+        .collect();
+    let base = wrs.as_mut_ptr();
+    for (i, wr) in wrs.iter_mut().enumerate() {
+        wr.sg_list = &mut sges[i];
+        if i + 1 < descs.len() {
+            // SAFETY: i + 1 is in bounds of `wrs`, which is not reallocated from here on.
+            wr.next = unsafe { base.add(i + 1) };
+        }
+    }
+    let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
+    let rc = post(base, &mut bad);
+    post_result(call, rc, bad, base)
 }
 
 /// Maps a post's return code to the index of the first request not posted and the error.

@@ -12,7 +12,6 @@ use rdma_sys::*;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
-use super::cq::RECV_BIT;
 use super::{check, last_os_error, Context, Pd};
 use crate::qp::RecvDesc;
 use crate::srq::LimitEvent;
@@ -153,39 +152,12 @@ impl Srq {
     }
 
     pub(crate) fn post(&self, descs: &[RecvDesc<'_>]) -> Result<(), (usize, Error)> {
-        if descs.is_empty() {
-            return Ok(());
-        }
-        let mut sges: Vec<ibv_sge> = descs
-            .iter()
-            .map(|d| ibv_sge {
-                addr: d.local.as_ref().map_or(0, |l| l.region.addr + l.off as u64),
-                length: d.local.as_ref().map_or(0, |l| l.len as u32),
-                lkey: d.local.as_ref().map_or(0, |l| l.region.lkey),
-            })
-            .collect();
-        let mut wrs: Vec<ibv_recv_wr> = descs
-            .iter()
-            .map(|d| ibv_recv_wr {
-                wr_id: d.seq | RECV_BIT,
-                next: std::ptr::null_mut(),
-                sg_list: std::ptr::null_mut(),
-                num_sge: i32::from(d.local.is_some()),
-            })
-            .collect();
-        let base = wrs.as_mut_ptr();
-        for (i, wr) in wrs.iter_mut().enumerate() {
-            wr.sg_list = &mut sges[i];
-            if i + 1 < descs.len() {
-                // SAFETY: i + 1 is in bounds of `wrs`, which is not reallocated from here on.
-                wr.next = unsafe { base.add(i + 1) };
-            }
-        }
-        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: the SRQ is live; the list and its SGEs live until the call returns, and the
-        // memory they name stays registered until completion (the SRQ's slots own it).
-        let rc = unsafe { ibv_post_srq_recv(self.raw(), base, &mut bad) };
-        super::qp::post_result("ibv_post_srq_recv", rc, bad, base)
+        let srq = self.raw();
+        super::qp::post_recvs(descs, "ibv_post_srq_recv", |wr, bad| {
+            // SAFETY: the SRQ is live; the list and its SGEs live until the call returns, and the
+            // memory they name stays registered until completion (the SRQ's slots own it).
+            unsafe { ibv_post_srq_recv(srq, wr, bad) }
+        })
     }
 
     pub(crate) fn arm(&self, limit: u32) -> Result<()> {
