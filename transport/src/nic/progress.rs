@@ -436,8 +436,25 @@ impl Shared {
             let bits = cell.pending.swap(0, Ordering::SeqCst);
             if bits != 0 {
                 let outer = TURNING.with(|t| t.replace(token));
-                let next = cell.task.turn(Why::from_bits(bits));
+                // A task that panics is a bug of its own: it is taken off the engine, and every
+                // other task of the device goes on.
+                let turned =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cell.task.turn(Why::from_bits(bits))));
                 TURNING.with(|t| t.set(outer));
+                let Ok(next) = turned else {
+                    tracing::error!(
+                        token,
+                        "a task of the progress engine panicked: it is taken off the engine"
+                    );
+                    cell.gone.store(true, Ordering::Release);
+                    self.cells.lock().remove(&token);
+                    if let Some(fd) = cell.fd {
+                        // SAFETY: the task's owner keeps the descriptor open while it is
+                        // registered, and it is until its handle goes.
+                        let _ = epoll::delete(&self.epoll, unsafe { BorrowedFd::borrow_raw(fd) });
+                    }
+                    return;
+                };
                 if cell.gone.load(Ordering::Acquire) {
                     return;
                 }
@@ -550,6 +567,29 @@ mod tests {
         std::thread::sleep(Duration::from_millis(60));
         assert_eq!(c.turns.load(Ordering::SeqCst), after, "no turn after deregistering");
         assert_eq!(c.timers.load(Ordering::SeqCst), 1, "the voided timer never fired");
+    }
+
+    #[test]
+    fn a_task_that_panics_is_taken_off_and_the_others_go_on() {
+        struct Bad;
+        impl Task for Bad {
+            fn turn(&self, _why: Why) -> Next {
+                panic!("a bug in a task");
+            }
+        }
+        let p = Progress::new(1).expect("engine");
+        let bad = p.register(Arc::new(Bad), None).expect("register");
+        let c = Arc::new(Counter {
+            turns: AtomicUsize::new(0),
+            timers: AtomicUsize::new(0),
+            again_at: Mutex::new(None),
+        });
+        let good = p.register(c.clone(), None).expect("register");
+        wait_for(|| c.turns.load(Ordering::SeqCst) >= 1);
+        bad.wake();
+        good.wake();
+        wait_for(|| c.turns.load(Ordering::SeqCst) >= 2);
+        drop(bad); // taken off already: dropping it waits for nothing
     }
 
     #[test]
