@@ -393,10 +393,19 @@ impl Shared {
         self.cells.lock().get(&token).cloned()
     }
 
+    /// How long until the earliest live timer. Entries a later deadline voided are dropped from
+    /// the top first: a task that pushes its deadline back at every turn (the heartbeat, the
+    /// pollers' grace) would otherwise wake a thread for nothing once per turn.
     fn until_next_timer(&self) -> Option<Duration> {
-        let t = self.timers.lock();
-        t.peek()
-            .map(|Reverse((at, _, _))| at.saturating_duration_since(Instant::now()))
+        let mut t = self.timers.lock();
+        loop {
+            let &Reverse((at, token, gen)) = t.peek()?;
+            let live = self.cell(token).is_some_and(|c| c.timer.lock().0 == gen);
+            if live {
+                return Some(at.saturating_duration_since(Instant::now()));
+            }
+            t.pop();
+        }
     }
 
     fn fire_timers(&self) {
@@ -489,16 +498,21 @@ impl Shared {
                 }
             }
         }
-        let mut timer = cell.timer.lock();
-        if timer.1 == next.at {
-            return;
-        }
-        timer.0 += 1;
-        timer.1 = next.at;
+        // The cell's timer, then the heap, never both at once (`until_next_timer` takes them
+        // the other way round).
+        let gen = {
+            let mut timer = cell.timer.lock();
+            if timer.1 == next.at {
+                return;
+            }
+            timer.0 += 1;
+            timer.1 = next.at;
+            timer.0
+        };
         if let Some(at) = next.at {
             let mut t = self.timers.lock();
             let earlier = t.peek().is_none_or(|Reverse((first, _, _))| at < *first);
-            t.push(Reverse((at, token, timer.0)));
+            t.push(Reverse((at, token, gen)));
             drop(t);
             if earlier {
                 // A thread asleep until a later deadline looks again.
