@@ -53,6 +53,11 @@ read -r shmc_pass shmc_fail < <(count "$LOG/shm-conf.log")
 step "scale on provider shm: 10,000 QPs between two processes, each carrying a message, threads unchanged (tcp ran it with the workspace)"
 RDMA_RPC_PROVIDER=shm cargo test -p rdma-rpc-transport --test scale || fail=1
 
+step "conformance on tcp and shm with two progress threads per device (RDMA_RPC_PROGRESS_THREADS=2: tasks turn on either thread, never on both at once)"
+for p in tcp shm; do
+    RDMA_RPC_PROGRESS_THREADS=2 RDMA_RPC_PROVIDER=$p cargo test -p rdma-rpc-transport --test conformance || fail=1
+done
+
 step "conformance, RPC end-to-end, registered buffers, shutdown, isolation, #[service] and examples suites on provider verbs (rxe0, soft-RoCE in a qemu VM)"
 # One boot runs every test binary below (scripts/vm-lane.sh inside the guest); the examples'
 # binaries go to /examples, where tests/examples.rs looks for them (next to its own directory).
