@@ -1242,7 +1242,7 @@ impl Engine {
             if let Some(gen) = rnr_due {
                 self.rnr_expired(gen);
             }
-            let link_at = self.link.service(now);
+            let link_at = self.link.service(now, why.readable);
             let read = self.read_turn(&mut rl, why, now);
             let (full, write_at) = self.out.write_turn(now);
             let rnr_at = self.state.lock().rnr.map(|(at, _)| at);

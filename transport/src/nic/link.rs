@@ -32,9 +32,9 @@ pub(crate) trait Link: Send + Sync + 'static {
     }
     /// A turn begins: takes back what was armed.
     fn disarm(&self) {}
-    /// A turn's upkeep of the link itself (shm: its socket's messages, its heartbeat); when the
-    /// next is due.
-    fn service(&self, _now: std::time::Instant) -> Option<std::time::Instant> {
+    /// A turn's upkeep of the link itself (shm: its socket's messages when `readable` says
+    /// [`event_fd`](Self::event_fd) has some, its heartbeat); when the next is due.
+    fn service(&self, _now: std::time::Instant, _readable: bool) -> Option<std::time::Instant> {
         None
     }
     /// Whether [`event_fd`](Self::event_fd) is watched whatever the engine waits for (it

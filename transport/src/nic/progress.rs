@@ -345,8 +345,7 @@ impl Shared {
                     continue;
                 }
             };
-            let got: Vec<(u64, epoll::EventFlags)> = events.iter().map(|e| (e.data.u64(), e.flags)).collect();
-            for (token, flags) in got {
+            for (token, flags) in events.iter().map(|e| (e.data.u64(), e.flags)) {
                 if token == WAKE_TOKEN {
                     let _ = rustix::io::read(&self.wake, &mut [0u8; 8]);
                     let _ = epoll::modify(

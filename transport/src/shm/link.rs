@@ -96,29 +96,33 @@ impl Link for ShmLink {
 
     /// Reads what came on the socket (grants, requests for them, doorbells; its end), beats,
     /// and looks at the peer's beat.
-    fn service(&self, now: Instant) -> Option<Instant> {
+    fn service(&self, now: Instant, readable: bool) -> Option<Instant> {
         let mut w = self.watch.lock();
         if w.done {
             return None;
         }
         let mut dead = false;
         // After set-up the socket carries grants and doorbells only (`grant`): the end, an
-        // error, or a broken message ends the connection.
-        loop {
-            match sys::recv_with_fds_now(&self.sock, 64 * MSG) {
+        // error, or a broken message ends the connection. Read only when the engine saw it
+        // readable (its one-shot interest reports what comes meanwhile): no system call for
+        // a turn something else caused.
+        let mut more = readable;
+        while more {
+            more = match sys::recv_with_fds_now(&self.sock, 64 * MSG) {
                 Ok(Some((bytes, fds))) => {
-                    if let Err(e) = w.inbound.take(&bytes, fds, &self.sock, &self.server, &self.grants) {
+                    let taken = w.inbound.take(&bytes, fds, &self.sock, &self.server, &self.grants);
+                    if let Err(e) = &taken {
                         tracing::warn!("shm peer dropped: {e}");
-                        dead = true;
-                        break;
                     }
+                    dead = taken.is_err();
+                    !dead
                 }
-                Ok(None) => break,
+                Ok(None) => false,
                 Err(_) => {
                     dead = true;
-                    break;
+                    false
                 }
-            }
+            };
         }
         self.grants.sweep();
         if !dead && now >= w.next_beat {

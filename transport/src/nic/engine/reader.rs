@@ -348,7 +348,7 @@ impl Engine {
                     got,
                 } => {
                     while *got < *len {
-                        let Some(mut dst) = lock(region, *off + *got, *len - *got, who) else {
+                        let Some(mut dst) = lock(region, *off + *got, *len - *got) else {
                             return Ok(Outcome::HandOff);
                         };
                         let n = r.inbox.read_into(&mut dst)?;
@@ -568,6 +568,6 @@ fn nanos(d: Duration) -> u64 {
 
 /// `len` bytes of `region` from `off`, if nobody holds them (neither holder of the reader
 /// waits for an application).
-fn lock(region: &Region, off: usize, len: usize, _who: Who) -> Option<crate::BufMut<'_>> {
+fn lock(region: &Region, off: usize, len: usize) -> Option<crate::BufMut<'_>> {
     region.try_lock_range(off, len)
 }
