@@ -51,7 +51,7 @@ pub trait Echo {
 }
 
 #[derive(Clone)]
-struct EchoServer;
+pub struct EchoServer;
 
 impl Echo for EchoServer {
     async fn echo(self, _: tarpc::context::Context, data: serde_bytes::ByteBuf) -> serde_bytes::ByteBuf {

@@ -7,7 +7,8 @@
 //!
 //! `--sweep rate` measures the raw provider's message rate instead (perftest's `ib_send_bw` /
 //! `ib_write_bw`, by depth and post list), `--sweep scale` what idle connections cost by how many
-//! there are.
+//! there are, `--sweep throughput` calls per second under load (by calls in flight and by
+//! connections, beside a tokio TCP echo and tarpc).
 
 mod baseline;
 mod host;
@@ -21,6 +22,7 @@ mod sampler;
 mod scale;
 mod service;
 mod stats;
+mod throughput;
 
 use std::net::IpAddr;
 use std::time::Duration;
@@ -137,7 +139,7 @@ struct Args {
     /// IP to listen on (loopback for tcp; the rxe netdev's address for verbs).
     #[arg(long, default_value = "127.0.0.1")]
     ip: IpAddr,
-    /// Completion mode of the RPC driver: spin, event, adaptive.
+    /// Completion mode of the RPC driver: spin, event, adaptive (`throughput`: a list).
     #[arg(long, default_value = "adaptive")]
     completion: String,
     /// Raw modes: microseconds to poll the CQ before waiting on its completion channel
@@ -191,9 +193,31 @@ struct Args {
     /// `rate`: requests posted per call (at most the depth).
     #[arg(long, value_delimiter = ',', default_value = "1,16")]
     post_lists: Vec<u32>,
-    /// `scale`: connection counts.
-    #[arg(long, value_delimiter = ',', default_value = "1,100,1000,10000")]
-    conns: Vec<usize>,
+    /// `scale`: connection counts (default 1,100,1000,10000); `throughput`: the connection
+    /// counts of the rows by connections (default 1,16,256,4096).
+    #[arg(long, value_delimiter = ',')]
+    conns: Option<Vec<usize>>,
+    /// `throughput`: calls in flight on one connection.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,256")]
+    in_flight: Vec<usize>,
+    /// `throughput`: calls in flight on each connection of the rows by connections.
+    #[arg(long, default_value_t = 2)]
+    conn_in_flight: usize,
+    /// `throughput`: the servers, of rpc (rdma-rpc on the provider), tcp (a tokio TCP echo),
+    /// tarpc.
+    #[arg(long, value_delimiter = ',', default_value = "rpc,tcp,tarpc")]
+    systems: Vec<String>,
+    /// `throughput`: run every row without (0) and with (1) a busy process beside it.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    busy: Vec<u8>,
+    /// `throughput`: skip the raw provider's Send rate rows.
+    #[arg(long)]
+    no_raw: bool,
+    /// `throughput`: worker threads of the client's runtime and of the server's.
+    #[arg(long, default_value_t = 1)]
+    client_threads: usize,
+    #[arg(long, default_value_t = 1)]
+    server_threads: usize,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -205,6 +229,7 @@ enum Sweep {
     Latency,
     Rate,
     Scale,
+    Throughput,
 }
 
 /// On an error, its message (`Display`: what failed and what to do, e.g. an unknown provider
@@ -247,6 +272,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             .unwrap_or(1);
         return Ok(scale::connecting_end(&Device::open_default()?, &addr, n)?);
     }
+    if let Ok(what) = std::env::var(throughput::server::SERVE_ENV) {
+        // The server of a `--sweep throughput` row (a child of the run).
+        return throughput::server::serve_child(&what);
+    }
+    if std::env::var_os(throughput::server::BUSY_ENV).is_some() {
+        throughput::server::busy_child();
+        return Ok(());
+    }
     let from_env = std::env::var(rdma_rpc::transport::PROVIDER_ENV)
         .ok()
         .filter(|p| !p.trim().is_empty());
@@ -257,6 +290,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         Sweep::Latency => {}
         Sweep::Rate => return rate_sweep(&args, &dev),
         Sweep::Scale => return scale_sweep(&args, &dev),
+        Sweep::Throughput => return throughput_sweep(&args, &dev),
     }
     raw::SPIN_US.store(args.raw_spin_us, std::sync::atomic::Ordering::Relaxed);
     raw::CQ_MOD.store(args.raw_cq_mod as usize, std::sync::atomic::Ordering::Relaxed);
@@ -450,11 +484,61 @@ fn scale_sweep(args: &Args, dev: &Device) -> Result<(), Box<dyn std::error::Erro
     );
     println!("host: {}", host::describe());
     let mut rows = Vec::new();
-    for &n in &args.conns {
+    for &n in args.conns.as_deref().unwrap_or(&[1, 100, 1000, 10000]) {
         eprintln!("{n} connections ...");
         rows.push(scale::measure(dev, args.ip, n)?);
     }
     scale::table(&rows);
+    write_json(args, &rows)
+}
+
+/// `--sweep throughput`: calls/s under load, by calls in flight and by connections.
+fn throughput_sweep(args: &Args, dev: &Device) -> Result<(), Box<dyn std::error::Error>> {
+    let systems = args
+        .systems
+        .iter()
+        .map(|s| throughput::server::System::parse(s).ok_or_else(|| format!("unknown system {s}: use rpc,tcp,tarpc")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let completions: Vec<String> = args.completion.split(',').map(|c| c.trim().to_owned()).collect();
+    if let Some(c) = completions.iter().find(|c| throughput::server::completion(c).is_none()) {
+        return Err(format!("unknown completion mode {c}: use spin,event,adaptive").into());
+    }
+    if let Some(d) = args
+        .in_flight
+        .iter()
+        .chain([&args.conn_in_flight])
+        .find(|&&d| d == 0 || d > 4096)
+    {
+        return Err(format!("calls in flight {d} must be within 1..=4096").into());
+    }
+    let plan = throughput::Plan {
+        systems,
+        completions,
+        sizes: args.sizes.clone().unwrap_or_else(|| vec![32, 4096, 1 << 20]),
+        in_flight: args.in_flight.clone(),
+        conns: args.conns.clone().unwrap_or_else(|| vec![1, 16, 256, 4096]),
+        conn_in_flight: args.conn_in_flight,
+        busy: args.busy.iter().map(|&b| b != 0).collect(),
+        raw: !args.no_raw,
+        client_threads: args.client_threads,
+        server_threads: args.server_threads,
+        seconds: args.seconds,
+        ip: args.ip,
+    };
+    let rows = throughput::sweep(&plan, dev)?;
+    throughput::tables(&rows);
+    throughput::report::summary(&rows);
+    if let Some(path) = &args.plot {
+        if let Some(dir) = std::path::Path::new(path)
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+        {
+            std::fs::create_dir_all(dir)?;
+        }
+        let title = format!("rdma-rpc calls/s by calls in flight, provider {}", dev.provider());
+        throughput::report::draw(path, &rows, &title)?;
+        println!("plot written to {path}");
+    }
     write_json(args, &rows)
 }
 

@@ -1,0 +1,205 @@
+//! The client side of a throughput row: `conns` connections, each with `in_flight` calls kept
+//! going (closed loop: a call that ends starts the next), every call's latency recorded.
+//!
+//! rdma-rpc and tarpc clients run `in_flight` tasks per connection, each making one call after
+//! another; the TCP echo (one byte stream per connection, no call identifiers) keeps
+//! `in_flight` frames written ahead of the answers it reads, in order.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use rdma_rpc::core::{Client, Config};
+use rdma_rpc::transport::Device;
+use tarpc::tokio_serde::formats::Bincode;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+use super::server::{System, ECHO};
+use crate::baseline::EchoClient;
+
+/// What the loops share: whether the window is open, when to stop, and calls made in the window.
+pub struct Gate {
+    /// Calls ending while this is set are counted and timed.
+    pub open: AtomicBool,
+    pub stop: AtomicBool,
+    pub calls: AtomicU64,
+    /// The first error a loop met (it stops then).
+    pub error: std::sync::Mutex<Option<String>>,
+}
+
+impl Gate {
+    pub fn new() -> Arc<Gate> {
+        Arc::new(Gate {
+            open: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            calls: AtomicU64::new(0),
+            error: std::sync::Mutex::new(None),
+        })
+    }
+
+    fn fail(&self, e: String) {
+        if let Ok(mut slot) = self.error.lock() {
+            slot.get_or_insert(e);
+        }
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// One call ended after `since`: counted and timed when the window is open.
+    fn record(&self, h: &mut Histogram<u64>, since: Instant) {
+        if self.open.load(Ordering::Relaxed) {
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            let _ = h.record(since.elapsed().as_nanos().max(1) as u64);
+        }
+    }
+}
+
+fn histogram() -> Histogram<u64> {
+    // 1 ns to 100 s, 3 significant digits.
+    Histogram::new_with_bounds(1, 100_000_000_000, 3).expect("histogram bounds")
+}
+
+/// The connections of a row, made before it is timed.
+pub enum Conns {
+    Rpc(Vec<Client>),
+    Tcp(Vec<TcpStream>),
+    Tarpc(Vec<EchoClient>),
+}
+
+/// Makes `n` connections to `addr` (one after another, as a pool of clients starts).
+pub async fn connect(system: System, dev: &Device, addr: SocketAddr, n: usize, cfg: &Config) -> Result<Conns, String> {
+    let err = |i: usize, e: String| format!("connection {} of {n}: {e}", i + 1);
+    Ok(match system {
+        System::Rpc => {
+            let mut v = Vec::with_capacity(n);
+            for i in 0..n {
+                v.push(
+                    Client::connect(dev, addr, cfg.clone())
+                        .await
+                        .map_err(|e| err(i, e.to_string()))?,
+                );
+            }
+            Conns::Rpc(v)
+        }
+        System::Tcp => {
+            let mut v = Vec::with_capacity(n);
+            for i in 0..n {
+                let s = TcpStream::connect(addr).await.map_err(|e| err(i, e.to_string()))?;
+                s.set_nodelay(true).map_err(|e| err(i, e.to_string()))?;
+                v.push(s);
+            }
+            Conns::Tcp(v)
+        }
+        System::Tarpc => {
+            let mut v = Vec::with_capacity(n);
+            for i in 0..n {
+                let mut c = tarpc::serde_transport::tcp::connect(addr, Bincode::default);
+                c.config_mut().max_frame_length(usize::MAX);
+                let t = c.await.map_err(|e| err(i, e.to_string()))?;
+                v.push(EchoClient::new(tarpc::client::Config::default(), t).spawn());
+            }
+            Conns::Tarpc(v)
+        }
+    })
+}
+
+/// Starts the loops of a row on the current runtime; each gives back its histogram when
+/// `gate.stop` is set.
+pub fn start(
+    conns: Conns,
+    in_flight: usize,
+    size: usize,
+    gate: &Arc<Gate>,
+) -> Vec<tokio::task::JoinHandle<Histogram<u64>>> {
+    let mut tasks = Vec::new();
+    match conns {
+        Conns::Rpc(clients) => {
+            for c in clients {
+                for _ in 0..in_flight {
+                    let (c, gate) = (c.clone(), gate.clone());
+                    tasks.push(tokio::spawn(async move {
+                        let mut h = histogram();
+                        let payload = vec![0xa5u8; size];
+                        while !gate.stop.load(Ordering::Relaxed) {
+                            let t = Instant::now();
+                            match c.call(ECHO, payload.clone()).await {
+                                Ok(r) if r.len() == size => gate.record(&mut h, t),
+                                Ok(r) => gate.fail(format!("an echo of {size} B came back with {} B", r.len())),
+                                Err(e) => gate.fail(format!("call: {e}")),
+                            }
+                        }
+                        h
+                    }));
+                }
+            }
+        }
+        Conns::Tarpc(clients) => {
+            for c in clients {
+                for _ in 0..in_flight {
+                    let (c, gate) = (c.clone(), gate.clone());
+                    tasks.push(tokio::spawn(async move {
+                        let mut h = histogram();
+                        let payload = serde_bytes::ByteBuf::from(vec![0xa5u8; size]);
+                        while !gate.stop.load(Ordering::Relaxed) {
+                            let t = Instant::now();
+                            let mut ctx = tarpc::context::current();
+                            ctx.deadline = Instant::now() + Duration::from_secs(600);
+                            match c.echo(ctx, payload.clone()).await {
+                                Ok(r) if r.len() == size => gate.record(&mut h, t),
+                                Ok(r) => gate.fail(format!("an echo of {size} B came back with {} B", r.len())),
+                                Err(e) => gate.fail(format!("tarpc call: {e}")),
+                            }
+                        }
+                        h
+                    }));
+                }
+            }
+        }
+        Conns::Tcp(streams) => {
+            for s in streams {
+                let gate = gate.clone();
+                tasks.push(tokio::spawn(async move {
+                    let mut h = histogram();
+                    if let Err(e) = tcp_loop(s, in_flight, size, &gate, &mut h).await {
+                        gate.fail(format!("tcp echo: {e}"));
+                    }
+                    h
+                }));
+            }
+        }
+    }
+    tasks
+}
+
+/// One TCP connection: `in_flight` frames written ahead, each answer read in order.
+async fn tcp_loop(
+    s: TcpStream,
+    in_flight: usize,
+    size: usize,
+    gate: &Gate,
+    h: &mut Histogram<u64>,
+) -> std::io::Result<()> {
+    let (r, mut w) = s.into_split();
+    let mut r = BufReader::with_capacity(64 * 1024, r);
+    let mut frame = (size as u32).to_le_bytes().to_vec();
+    frame.extend(std::iter::repeat_n(0xa5u8, size));
+    let mut back = vec![0u8; 4 + size];
+    let mut sent: std::collections::VecDeque<Instant> = std::collections::VecDeque::new();
+    while !gate.stop.load(Ordering::Relaxed) {
+        while sent.len() < in_flight {
+            w.write_all(&frame).await?;
+            sent.push_back(Instant::now());
+        }
+        r.read_exact(&mut back).await?;
+        if let Some(t) = sent.pop_front() {
+            gate.record(h, t);
+        }
+    }
+    // The answers still on their way, so the server's side ends cleanly.
+    while sent.pop_front().is_some() {
+        r.read_exact(&mut back).await?;
+    }
+    Ok(())
+}
