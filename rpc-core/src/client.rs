@@ -81,6 +81,13 @@ struct State {
     closed: bool,
     /// Results handed to calls so far: a spinning call looks its own up only when this moved.
     settled: u64,
+    /// The connection's adaptive spinning, off for a while after a spinner was held up.
+    backoff: driver::Backoff,
+    /// The one call that polls the connection by spinning; the others sleep until it (or the
+    /// driver) hands them their results. One poller finds every completion in one batch and
+    /// wakes their calls together, where a spinner per call polled (and locked) once per
+    /// call per turn of the runtime, and a busy peer then waited for all of them.
+    spinner: Option<u32>,
     /// Passed as `now` to calls without a deadline (the session reads the clock's value only
     /// to place a deadline), which saves a clock read per call.
     epoch: Instant,
@@ -162,6 +169,8 @@ impl Client {
                 sleeping: 0,
                 driver_on_cq: false,
                 driver_until: None,
+                backoff: driver::Backoff::default(),
+                spinner: None,
                 epoch: Instant::now(),
                 closed: false,
             }),
@@ -629,6 +638,31 @@ impl State {
         }
     }
 
+    /// When `call` (leaving) was the spinner: hands the turn to a call still waiting, and wakes
+    /// it to spin. True when a call took it.
+    fn pass_turn(&mut self, call: u32) -> bool {
+        if self.spinner != Some(call) {
+            return false;
+        }
+        self.spinner = None;
+        let next = self
+            .calls
+            .iter()
+            .find(|&(id, slot)| id != call && slot.result.is_none() && slot.waker.is_some())
+            .map(|(id, _)| id);
+        let Some(next) = next else {
+            return false;
+        };
+        match self.calls.get_mut(next).and_then(|s| s.waker.take()) {
+            Some(w) => {
+                self.spinner = Some(next);
+                w.wake();
+                true
+            }
+            None => false,
+        }
+    }
+
     /// True when no call polls by itself, so the driver must watch the CQ for them.
     fn needs_watch(&self) -> bool {
         self.conn.lost().is_none() && self.conn.has_work() && self.calls.len() <= self.sleeping
@@ -782,7 +816,26 @@ impl<T> Call<'_, T> {
         }
         st.conn.link.driven_here();
         // A server driven by this very thread cannot answer while this call spins.
-        let mut spin = !self.sleeping && self.budget.spins(shared.mode) && !st.conn.peer_on_this_thread(shared.mode);
+        // One spinner per connection: this call, unless another has the turn (a sleeping call
+        // spins only when a spinner that left handed the turn to it).
+        let turn = match st.spinner {
+            Some(c) => c == self.call,
+            None => !self.sleeping,
+        };
+        let mut spin =
+            turn && {
+                let st = &mut *st;
+                self.budget.spins(shared.mode, &mut st.backoff)
+            } && !st.conn.peer_on_this_thread(shared.mode);
+        if spin {
+            st.spinner = Some(self.call);
+            if self.sleeping {
+                self.sleeping = false;
+                st.sleeping -= 1;
+            }
+        } else if turn {
+            st.spinner = None;
+        }
         // The only call in flight spins right here for a while: giving way to the runtime
         // between polls costs more than a round trip on shm (a syscall per turn when the caller
         // is the runtime's `block_on`). With other calls in flight it gives way at once, so
@@ -823,6 +876,10 @@ impl<T> Call<'_, T> {
                 spin = false;
             }
         }
+        if !spin && st.spinner == Some(self.call) {
+            // Out of budget (or the peer needs the core): the turn goes with it.
+            st.spinner = None;
+        }
         let Some(slot) = st.calls.get_mut(self.call) else {
             // Only a finished call leaves the table, and only here.
             self.done = true;
@@ -843,8 +900,10 @@ impl<T> Call<'_, T> {
                     Err(e)
                 }
             };
-            // The last spinning call leaving: whoever sleeps now needs the driver on the CQ.
-            let kick = (!st.driver_on_cq && st.needs_watch()) || st.driver_must_post();
+            // The spinner leaving hands its turn on; without a call to take it, whoever sleeps
+            // now needs the driver on the CQ.
+            let handed = st.pass_turn(self.call);
+            let kick = (!handed && !st.driver_on_cq && st.needs_watch()) || st.driver_must_post();
             drop(st);
             if kick {
                 shared.kick.notify_one();
@@ -906,6 +965,7 @@ impl<T> Drop for Call<'_, T> {
         if self.sleeping {
             st.sleeping -= 1;
         }
+        st.pass_turn(self.call);
         if let Some(slot) = st.calls.remove(self.call) {
             if slot.result.is_none() {
                 st.conn.session.cancel(self.call);

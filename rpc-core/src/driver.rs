@@ -22,6 +22,9 @@ use crate::proto::{BufId, Event, Session, Token, Transmit, HEADER_LEN, LANDING_P
 use crate::stash::Stash;
 use crate::{RpcError, TransportError};
 
+mod wait;
+pub(crate) use wait::{reschedule, Backoff, Budget};
+
 const KIND_SHIFT: u32 = 60;
 const RECV: u64 = 1 << KIND_SHIFT;
 const SEND: u64 = 2 << KIND_SHIFT;
@@ -824,6 +827,7 @@ const MOVE_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
 /// Runs a connection until it is lost or its role is finished.
 pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: CompletionMode) {
     let mut budget = Budget::default();
+    let mut backoff = Backoff::default();
     // When this connection last moved its thread off its peer's CPU.
     let mut moved: Option<Instant> = None;
     loop {
@@ -852,7 +856,7 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
             budget.restart();
             continue;
         }
-        if budget.spins(mode) && !conn.peer_on_this_thread(mode) {
+        if budget.spins(mode, &mut backoff) && !conn.peer_on_this_thread(mode) {
             // Poll a while before giving way: a turn through the runtime costs more than the
             // polls, and a message usually comes within them.
             let mut found = false;
@@ -899,63 +903,6 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
         }
         wait(&mut conn, &mut role).await;
         budget.restart();
-    }
-}
-
-/// Lets the runtime run other tasks once, then continues: how a spinning task gives way.
-///
-/// Unlike `tokio::task::yield_now`, which defers the task until the runtime has polled its IO
-/// driver (a syscall per spin), this only queues the task again behind the others.
-pub(crate) async fn reschedule() {
-    let mut queued = false;
-    std::future::poll_fn(|cx| {
-        if queued {
-            return std::task::Poll::Ready(());
-        }
-        queued = true;
-        cx.waker().wake_by_ref();
-        std::task::Poll::Pending
-    })
-    .await;
-}
-
-/// The spin budget of [`CompletionMode::Adaptive`], timed from the first round of polls that
-/// found nothing after the last activity (a round: 256 polls of a waiting call, 64 of the
-/// connection's driver), not from the activity itself: a connection whose messages come
-/// within a round (a ping-pong, a busy server) then reads no clock at all, where it read it
-/// twice per message (a syscall per read on hosts whose clocksource is the HPET,
-/// such as the soft-RoCE VM). A waiter so spins at most one round longer than the budget.
-#[derive(Debug, Default)]
-pub(crate) struct Budget {
-    /// When the first idle round since the last activity ended; `None` before it.
-    idle_since: Option<Instant>,
-}
-
-impl Budget {
-    /// Activity (a completion, a command): the budget starts again at the next idle round.
-    pub(crate) fn restart(&mut self) {
-        self.idle_since = None;
-    }
-
-    /// A round of polls found nothing: the budget's clock starts, unless it runs already. Only
-    /// an adaptive budget has a clock: `Spin` (the VM lane's mode) reads none.
-    pub(crate) fn idle_round(&mut self, mode: CompletionMode) {
-        if self.idle_since.is_none() && matches!(mode, CompletionMode::Adaptive { spin } if !spin.is_zero()) {
-            self.idle_since = Some(Instant::now());
-        }
-    }
-
-    /// Whether `mode` spins on. On every provider, tcp included: a wake-up costs more than
-    /// the spin budget's CPU (on tcp a spinning poll also reads the socket itself, where a
-    /// sleeping caller waits for the engine's reader thread and then for its own wake-up).
-    pub(crate) fn spins(&self, mode: CompletionMode) -> bool {
-        match mode {
-            CompletionMode::Spin => true,
-            // No budget: no spinning at all, not even the first round.
-            CompletionMode::Adaptive { spin } if spin.is_zero() => false,
-            CompletionMode::Adaptive { spin } => self.idle_since.is_none_or(|t| t.elapsed() < spin),
-            _ => false,
-        }
     }
 }
 
@@ -1365,33 +1312,5 @@ mod tests {
                 i + 1
             );
         }
-    }
-
-    #[test]
-    fn the_adaptive_budget_runs_from_the_first_idle_round_and_restarts_on_activity() {
-        let tiny = CompletionMode::Adaptive {
-            spin: Duration::from_nanos(1),
-        };
-        let mut b = Budget::default();
-        assert!(b.spins(tiny), "no idle round yet: the budget has not started");
-        b.idle_round(tiny);
-        std::thread::sleep(Duration::from_millis(2));
-        assert!(!b.spins(tiny), "a 1 ns budget is spent 2 ms after its first idle round");
-        b.idle_round(tiny);
-        assert!(!b.spins(tiny), "a later idle round does not start it again");
-        b.restart();
-        assert!(b.spins(tiny), "activity: the budget starts again");
-        let plenty = CompletionMode::Adaptive {
-            spin: Duration::from_secs(3600),
-        };
-        b.idle_round(plenty);
-        assert!(b.spins(plenty));
-        let none = CompletionMode::Adaptive { spin: Duration::ZERO };
-        b.restart();
-        assert!(!b.spins(none), "a zero budget never spins, not even a first round");
-        assert!(b.spins(CompletionMode::Spin) && !b.spins(CompletionMode::Event));
-        b.idle_round(CompletionMode::Spin);
-        b.idle_round(none);
-        assert!(b.idle_since.is_none(), "only an adaptive budget reads the clock");
     }
 }
