@@ -88,6 +88,11 @@ struct State {
     /// wakes their calls together, where a spinner per call polled (and locked) once per
     /// call per turn of the runtime, and a busy peer then waited for all of them.
     spinner: Option<u32>,
+    /// Calls woken with their results whose futures have not run since: each may start its
+    /// next call when it does, so a spinner posts after them ([`State::may_post`]).
+    woken: usize,
+    /// Polls the spinner held back posting for since it last posted.
+    held_back: u32,
     /// Passed as `now` to calls without a deadline (the session reads the clock's value only
     /// to place a deadline), which saves a clock read per call.
     epoch: Instant,
@@ -98,7 +103,13 @@ struct State {
 struct Slot {
     result: Option<Result<Body, RpcError>>,
     waker: Option<Waker>,
+    /// Woken with its result, and not polled since ([`State::woken`]).
+    woken: bool,
 }
+
+/// Polls a spinner holds back posting for at most, waiting for the calls it woke
+/// ([`State::may_post`]).
+const HOLD_BACK_POLLS: u32 = 4;
 
 impl Client {
     /// Connects to a server at `addr` on `device` and starts the connection's driver task.
@@ -157,6 +168,7 @@ impl Client {
             session.limit_call_bytes(theirs.max_request_bytes);
         }
         session.interleave(config.interleave && theirs.flags & Hello::TAKES_INTERLEAVED != 0);
+        session.batch(theirs.flags & Hello::TAKES_BATCHES != 0);
         let mut conn = Conn::configured(session, &pd, qp, cq, slot, &config)?;
         link.pair(reply.get(Hello::LEN..));
         link.withdraw();
@@ -171,6 +183,8 @@ impl Client {
                 driver_until: None,
                 backoff: driver::Backoff::default(),
                 spinner: None,
+                woken: 0,
+                held_back: 0,
                 epoch: Instant::now(),
                 closed: false,
             }),
@@ -584,8 +598,12 @@ impl State {
         match result {
             Ok(call) => {
                 // The request goes out first: nothing polls in between, so its slot in the
-                // call table can come after, off the round trip's path.
-                self.conn.flush();
+                // call table can come after, off the round trip's path. With another call
+                // spinning, its next poll posts it instead, in one Send with the other short
+                // messages queued by then (the calls its last results let start).
+                if self.spinner.is_none() {
+                    self.conn.flush();
+                }
                 self.calls.insert(call, Slot::default());
                 Ok((call, back))
             }
@@ -601,10 +619,37 @@ impl State {
         }
     }
 
-    /// Polls the connection once and hands finished calls their results.
+    /// Polls the connection once and hands finished calls their results; posts what is
+    /// queued unless calls it woke are still to run ([`State::woken`]).
     fn progress(&mut self) {
-        self.conn.progress();
+        self.conn.take_inputs();
         self.settle();
+        if self.may_post() {
+            self.conn.flush();
+        }
+    }
+
+    /// Whether to post now: unless calls this side woke with their results have not run yet
+    /// and a spinner will post after them. Each such call starts its next one as it runs,
+    /// and its request then goes out with the others in one batch (`proto/batch.rs`) where
+    /// posting at once sent each alone. A spinner holds back a few polls at most, whatever the
+    /// woken calls do.
+    fn may_post(&mut self) -> bool {
+        if self.woken == 0 || self.spinner.is_none() || self.held_back >= HOLD_BACK_POLLS {
+            self.held_back = 0;
+            return true;
+        }
+        self.held_back += 1;
+        false
+    }
+
+    /// `call` runs again after its result woke it: one woken call fewer to wait for.
+    fn ran(&mut self, call: u32) {
+        if let Some(slot) = self.calls.get_mut(call) {
+            if std::mem::take(&mut slot.woken) {
+                self.woken -= 1;
+            }
+        }
     }
 
     /// Hands out what the session decided since (results, transmits), without polling.
@@ -626,13 +671,18 @@ impl State {
                     slot.result = Some(result);
                     if let Some(w) = slot.waker.take() {
                         w.wake();
+                        if !std::mem::replace(&mut slot.woken, true) {
+                            self.woken += 1;
+                        }
                     }
                 }
             }
         }
         // Consumed receive slots are posted again by the next `flush` (the next call's, or the
         // driver's): after the request it sends, off the path of this result.
-        self.conn.send_pending();
+        if self.woken == 0 || self.spinner.is_none() {
+            self.conn.send_pending();
+        }
         if self.conn.lost().is_some() {
             self.conn.drain_flushed();
         }
@@ -812,7 +862,11 @@ impl<T> Call<'_, T> {
                 }
             }
         } else {
-            st.progress();
+            st.ran(self.call);
+            // Another call spinning polls for all: this one only looks at its own slot.
+            if st.spinner.is_none_or(|c| c == self.call) {
+                st.progress();
+            }
         }
         st.conn.link.driven_here();
         // A server driven by this very thread cannot answer while this call spins.
@@ -965,6 +1019,7 @@ impl<T> Drop for Call<'_, T> {
         if self.sleeping {
             st.sleeping -= 1;
         }
+        st.ran(self.call);
         st.pass_turn(self.call);
         if let Some(slot) = st.calls.remove(self.call) {
             if slot.result.is_none() {

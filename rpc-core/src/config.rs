@@ -360,7 +360,8 @@ pub struct Hello {
     /// ([`Config::max_concurrent_requests`]); 0 when it did not say (no limit).
     pub max_requests: u32,
     /// What the sender's protocol takes beyond version 3's first form
-    /// ([`Hello::TAKES_INTERLEAVED`]); 0 from a peer built before the field.
+    /// ([`Hello::TAKES_INTERLEAVED`], [`Hello::TAKES_BATCHES`]); 0 from a peer built before
+    /// the field.
     pub flags: u32,
     /// Bytes of request bodies the sender serves at once
     /// ([`Config::max_request_bytes_in_flight`]); 0 when it did not say (no limit).
@@ -376,6 +377,12 @@ impl Hello {
     /// peer, or [`Config::interleave`] off) its peer sends pieces back to back.
     pub const TAKES_INTERLEAVED: u32 = 1;
 
+    /// [`Hello::flags`] bit: the sender takes several short messages in one Send
+    /// ([`FLAG_MORE`](crate::proto::FLAG_MORE)), and its peer sends short messages queued at
+    /// the same time so ([`Session::batch`](crate::proto::Session::batch)). Every build that
+    /// knows the bit sets it.
+    pub const TAKES_BATCHES: u32 = 2;
+
     /// Bytes of an encoded hello ([`Hello::encode`]); a peer's private data may go on after
     /// them.
     pub const LEN: usize = 37;
@@ -387,7 +394,7 @@ impl Hello {
             eager_threshold: c.eager().min(u32::MAX as usize) as u32,
             max_payload: c.max_payload,
             max_requests: c.max_concurrent_requests,
-            flags: if c.interleave { Self::TAKES_INTERLEAVED } else { 0 },
+            flags: Self::TAKES_BATCHES | if c.interleave { Self::TAKES_INTERLEAVED } else { 0 },
             max_request_bytes: c.max_request_bytes_in_flight,
         }
     }

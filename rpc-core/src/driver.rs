@@ -286,6 +286,12 @@ impl Conn {
     /// One round of progress without waiting: reaps completions, fires due deadlines and posts
     /// what the session wants sent. Returns whether anything happened.
     pub(crate) fn progress(&mut self) -> bool {
+        let busy = self.take_inputs();
+        busy | self.flush()
+    }
+
+    /// As [`Conn::progress`], without the flush: completions and timeouts only.
+    pub(crate) fn take_inputs(&mut self) -> bool {
         let mut busy = self.poll_cq();
         if let Some(d) = self.session.poll_timeout() {
             let now = Instant::now();
@@ -300,7 +306,7 @@ impl Conn {
                 busy = true;
             }
         }
-        busy | self.flush()
+        busy
     }
 
     /// True once this side's Close went out and every Send is complete

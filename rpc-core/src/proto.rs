@@ -13,9 +13,13 @@
 //! receiving session joins before reading the message; receive slots are never longer than one
 //! piece ([`SessionConfig::slot_size`]).
 //!
+//! Short messages queued together may share one Send ([`FLAG_MORE`], `batch.rs`): one slot and
+//! one credit for all, each handled as if it had come alone.
+//!
 //! Buffers are named by [`BufId`]s the driver gives: the session never frees memory, it tells the
 //! driver when a buffer a peer could reach may be released ([`Transmit::Release`]).
 
+mod batch;
 mod calls;
 mod credits;
 mod header;
@@ -23,6 +27,7 @@ mod inline;
 mod session;
 
 pub use crate::config::Hello;
+pub use batch::FLAG_MORE;
 pub(crate) use calls::CallMap;
 pub use credits::Credits;
 pub use header::{
@@ -79,4 +84,8 @@ pub enum ProtoError {
     /// length is within the configured maximum): the connection ends, the process goes on.
     #[error("no memory for a {0}-byte message: lower eager_threshold, or give the process more memory")]
     NoMemory(usize),
+    /// A batch of messages in one Send that does not parse: a message longer than the rest,
+    /// bytes after the last, a piece of a longer message inside, or too many messages.
+    #[error("bad batch: {0}")]
+    BadBatch(&'static str),
 }

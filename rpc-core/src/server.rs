@@ -355,6 +355,7 @@ async fn serve_connection(
     let mut session = Session::new(agree(&mine, &theirs));
     session.serve_in_slot(in_slot.iter().copied());
     session.interleave(config.interleave && theirs.flags & Hello::TAKES_INTERLEAVED != 0);
+    session.batch(theirs.flags & Hello::TAKES_BATCHES != 0);
     session.limit_serving(
         config.max_concurrent_requests as usize,
         config.max_request_bytes_in_flight,
@@ -538,7 +539,11 @@ impl Role for ServerRole {
                             std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
                         };
                         answer(conn, call, or_panic(answered));
-                        conn.send_pending();
+                        // Now, unless more requests wait to be run: then after the last of
+                        // them, all in one batch (the driver flushes after the events).
+                        if !conn.session.has_event() {
+                            conn.send_pending();
+                        }
                         // After the response is out: a request kept in its receive slot goes
                         // back to the ring off the round trip's path.
                         drop(body);
@@ -564,9 +569,12 @@ impl Role for ServerRole {
                 };
                 if let std::task::Poll::Ready(r) = first {
                     answer(conn, call, or_panic(r));
-                    // The response goes out now; the handler's future and the request are
+                    // The response goes out now (or with the answers to the requests that
+                    // came with it, after the last); the handler's future and the request are
                     // dropped after it, off the round trip's path.
-                    conn.send_pending();
+                    if !conn.session.has_event() {
+                        conn.send_pending();
+                    }
                     return;
                 }
                 // Aborting the task (cancel, deadline) drops the handler and sends nothing.

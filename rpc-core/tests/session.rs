@@ -105,6 +105,12 @@ impl Side {
         self
     }
 
+    /// Sends short messages queued together in one Send, as to a peer that takes batches.
+    fn batching(mut self) -> Self {
+        self.s.batch(true);
+        self
+    }
+
     fn in_slots(mut self) -> Self {
         self.in_slot = true;
         self.s.serve_in_slot([1]);
@@ -686,6 +692,130 @@ fn credit_exhaustion(a: Side, b: Side) {
     assert!(a.done.values().all(Result::is_ok));
     assert_eq!((a.rnr, b.rnr), (0, 0));
     assert!(a.s.credits().available() <= RING && b.s.credits().available() <= RING);
+}
+
+#[test]
+fn batched_sessions_carry_every_call_through_credit_exhaustion() {
+    credit_exhaustion(Side::new(1000).batching(), Side::new(2000).batching());
+    credit_exhaustion(
+        Side::new(1000).batching().in_slots().deferring_reposts(),
+        Side::new(2000).batching().in_slots().deferring_reposts(),
+    );
+    eager_and_rendezvous(Side::new(1000).batching(), Side::new(2000).batching().holding_reads());
+}
+
+#[test]
+fn short_messages_queued_together_share_one_send_and_one_credit() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000).batching(), Side::new(2000).batching());
+    // The first call may leave at once; the one made behind it before anything was posted
+    // goes with it, in its Send, as far as a slot holds (here 56 bytes: two empty requests).
+    let before = a.s.credits().available();
+    let calls: Vec<u32> = (0..6).map(|_| a.call(0, None, None, now)).collect();
+    pump(&mut a, &mut b);
+    assert_eq!(b.inbox.len(), 3, "six empty requests in three Sends");
+    assert_eq!(
+        before - a.s.credits().available(),
+        3,
+        "a credit per Send, not per request"
+    );
+    for _ in 0..3 {
+        deliver(&mut b, now).expect("the server takes the batch");
+    }
+    b.drain_events();
+    assert_eq!(b.requests.len(), 6, "every request of the batches arrives, in order");
+    assert!(b.requests.windows(2).all(|w| w[0].0 < w[1].0));
+    // The answers, made together, go back together.
+    serve(&mut b, |n| n);
+    pump(&mut b, &mut a);
+    assert_eq!(a.inbox.len(), 3, "six empty responses in three Sends");
+    settle(&mut a, &mut b, now, |n| n);
+    for id in &calls {
+        let got = a.done.remove(id).expect("done").expect("ok");
+        assert_eq!(reply_bytes(&a, &got), expected_response(0, 0));
+    }
+    assert_eq!((a.rnr, b.rnr), (0, 0));
+}
+
+#[test]
+fn a_session_batches_only_towards_a_peer_that_takes_batches() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    for i in 0..4 {
+        a.call(8 + i, None, None, now);
+    }
+    pump(&mut a, &mut b);
+    assert_eq!(b.inbox.len(), 4, "one Send each without the peer's word");
+}
+
+#[test]
+fn long_and_lent_messages_are_never_batched() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000).batching(), Side::new(2000).batching());
+    // A request in pieces (over 24 bytes of body), then short ones: the pieces go alone.
+    a.call(60, None, None, now);
+    a.call(4, None, None, now);
+    a.call(4, None, None, now);
+    pump(&mut a, &mut b);
+    for w in &b.inbox {
+        let Wire::Send(m) = w else { continue };
+        let h = Header::decode(&m[..HEADER_LEN + u32::from_le_bytes(m[16..20].try_into().expect("len")) as usize])
+            .map(|(h, _)| h);
+        if let Ok(h) = h {
+            assert!(
+                h.flags & FLAG_FRAGMENT == 0 || h.flags & FLAG_MORE == 0,
+                "a piece in a batch"
+            );
+        }
+    }
+    settle(&mut a, &mut b, now, |n| n);
+    assert_eq!(a.done.len(), 3);
+    assert!(a.done.values().all(Result::is_ok));
+}
+
+#[test]
+fn hostile_batches_end_the_session_with_an_error() {
+    let now = Instant::now();
+    let msg = |kind: Kind, body: &[u8], flags: u16| {
+        let mut h = Header::credit(0);
+        h.kind = kind;
+        h.flags = flags;
+        h.body_len = body.len() as u32;
+        let mut v = h.to_bytes().to_vec();
+        v.extend_from_slice(body);
+        v
+    };
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("a flag says more, nothing follows", msg(Kind::Credit, b"", FLAG_MORE)),
+        ("trailing bytes", {
+            let mut v = msg(Kind::Credit, b"", FLAG_MORE);
+            v.extend(msg(Kind::Credit, b"", 0));
+            v.push(7);
+            v
+        }),
+        ("a piece inside", {
+            let mut v = msg(Kind::Credit, b"", FLAG_MORE);
+            v.extend(msg(Kind::Request, &[0; 12], FLAG_FRAGMENT));
+            v
+        }),
+        ("an unknown kind inside", {
+            let mut v = msg(Kind::Credit, b"", FLAG_MORE);
+            let mut bad = msg(Kind::Credit, b"", 0);
+            bad[1] = 99;
+            v.extend(bad);
+            v
+        }),
+    ];
+    for (what, bytes) in cases {
+        let mut s = Session::new(cfg());
+        assert!(s.handle_message(&bytes, now).is_err(), "{what}: accepted");
+    }
+    // A good batch of credits is taken, for one slot.
+    let mut s = Session::new(cfg());
+    let mut v = msg(Kind::Credit, b"", FLAG_MORE);
+    v.extend(msg(Kind::Credit, b"", 0));
+    s.handle_message(&v, now).expect("a good batch");
+    assert!(Session::needs_now(&v), "a batch may hold a budgeted request further in");
 }
 
 #[test]

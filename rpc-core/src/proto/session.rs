@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use rdma_rpc_transport::RemoteRegion;
 
+use super::batch;
 use super::credits::Credits;
 use super::header::{
     decode_desc, encode_desc, Header, Kind, DESC_LEN, FLAG_FRAGMENT, FLAG_LANDING, FLAG_RENDEZVOUS, FRAG_PREFIX,
@@ -220,6 +221,8 @@ pub struct Message {
     head: [u8; HEADER_LEN],
     frag: Option<[u8; FRAG_PREFIX]>,
     body: Bytes,
+    /// The messages batched after this one in the same Send ([`batch`]), each header and body.
+    more: Vec<([u8; HEADER_LEN], Vec<u8>)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -244,7 +247,17 @@ impl Message {
 
     /// Bytes on the wire.
     pub fn len(&self) -> usize {
-        HEADER_LEN + self.prefix().len() + self.body.as_slice().len()
+        HEADER_LEN + self.prefix().len() + self.body.as_slice().len() + self.more_len()
+    }
+
+    /// Bytes of the messages batched after this one.
+    fn more_len(&self) -> usize {
+        self.more.iter().map(|(_, b)| HEADER_LEN + b.len()).sum()
+    }
+
+    /// Messages in this Send: this one and those batched after it.
+    pub fn parts(&self) -> usize {
+        1 + self.more.len()
     }
 
     /// Never empty (a header at least); for clippy's sake.
@@ -259,9 +272,17 @@ impl Message {
         };
         let (head, rest) = out.split_at_mut(HEADER_LEN);
         head.copy_from_slice(&self.head);
-        let (pre, body) = rest.split_at_mut(self.prefix().len());
+        let (pre, rest) = rest.split_at_mut(self.prefix().len());
         pre.copy_from_slice(self.prefix());
+        let (body, mut rest) = rest.split_at_mut(self.body.as_slice().len());
         body.copy_from_slice(self.body.as_slice());
+        for (h, b) in &self.more {
+            let (head, tail) = rest.split_at_mut(HEADER_LEN);
+            head.copy_from_slice(h);
+            let (body, tail) = tail.split_at_mut(b.len());
+            body.copy_from_slice(b);
+            rest = tail;
+        }
         true
     }
 
@@ -271,6 +292,10 @@ impl Message {
         v.extend_from_slice(&self.head);
         v.extend_from_slice(self.prefix());
         v.extend_from_slice(self.body.as_slice());
+        for (h, b) in &self.more {
+            v.extend_from_slice(h);
+            v.extend_from_slice(b);
+        }
         v
     }
 }
@@ -420,6 +445,8 @@ pub struct Session {
     /// The peer takes whole requests and responses between the pieces of a longer message
     /// ([`Session::interleave`]).
     interleave: bool,
+    /// Short messages queued together go out in one Send ([`Session::batch`]).
+    batch: bool,
     /// The last message sent went between the pieces of the message at the queue's front: the
     /// next turn is that message's.
     overtook: bool,
@@ -503,6 +530,7 @@ impl Session {
             events: VecDeque::new(),
             joining: None,
             interleave: false,
+            batch: false,
             overtook: false,
             lost: None,
             in_slot_methods: HashSet::default(),
@@ -579,6 +607,13 @@ impl Session {
     /// ([`Session::limit_call_bytes`]).
     fn call_bytes_fit(&self, n: u64) -> bool {
         n == 0 || self.call_bytes == 0 || self.call_bytes.saturating_add(n) <= self.call_bytes_limit
+    }
+
+    /// Whether short messages queued at the same time go out together, in one Send ([`batch`]):
+    /// only towards a peer that takes batches (it says so in its
+    /// [`Hello`](crate::proto::Hello); every session takes them). Off by default.
+    pub fn batch(&mut self, yes: bool) {
+        self.batch = yes;
     }
 
     /// Whether the peer takes whole requests and responses between the pieces of a longer
@@ -1367,8 +1402,9 @@ impl Session {
     /// one) with a time budget does, to place its deadline. For any other message a driver
     /// whose clock is costly to read may pass any instant.
     pub fn needs_now(msg: &[u8]) -> bool {
-        // A peek at two fields, not a second decode: this runs on every message.
-        Header::is_budgeted_request(msg).unwrap_or(true)
+        // A peek at two fields, not a second decode: this runs on every message. A batch may
+        // hold a request with a budget after its first message.
+        batch::has_more(msg) || Header::is_budgeted_request(msg).unwrap_or(true)
     }
 
     /// A message arrived in a receive slot. The driver reposts the slot when it likes (after
@@ -1409,6 +1445,11 @@ impl Session {
         slot: Option<u64>,
         now: Instant,
     ) -> Result<bool, ProtoError> {
+        let first = if head.len() >= HEADER_LEN { head } else { msg };
+        if batch::has_more(first) {
+            // Copied out of its slot, part by part: the slot goes back at once.
+            return self.handle_batch(head, msg, now).map(|()| false);
+        }
         self.offer = slot;
         let r = self.handle_decoded(head, msg, now);
         let offered = std::mem::take(&mut self.offer).is_some();
@@ -1418,10 +1459,26 @@ impl Session {
     fn handle_decoded(&mut self, head: &[u8], msg: &[u8], now: Instant) -> Result<(), ProtoError> {
         self.credits.received().map_err(|()| ProtoError::NoCredit)?;
         let (h, body) = Header::decode_with_head(head, msg)?;
+        self.handle_part(&h, body, now)
+    }
+
+    /// A batch ([`batch`]): its messages one after another, for one slot's credit.
+    fn handle_batch(&mut self, head: &[u8], msg: &[u8], now: Instant) -> Result<(), ProtoError> {
+        self.credits.received().map_err(|()| ProtoError::NoCredit)?;
+        for part in batch::Parts::new(head, msg) {
+            let (head, bytes) = part?;
+            let (h, body) = Header::decode_with_head(head, bytes)?;
+            self.handle_part(&h, body, now)?;
+        }
+        Ok(())
+    }
+
+    /// One message, decoded, its slot's credit counted.
+    fn handle_part(&mut self, h: &Header, body: &[u8], now: Instant) -> Result<(), ProtoError> {
         self.credits.returned(h.credits).map_err(|()| ProtoError::Overrun)?;
         if h.flags & FLAG_FRAGMENT != 0 {
             // Joined into a vector of its own (`Cow::Owned`): never kept in a slot.
-            return match self.join(&h, body)? {
+            return match self.join(h, body)? {
                 Some((h, whole)) => self.dispatch(&h, Cow::Owned(whole), now),
                 None => Ok(()),
             };
@@ -1435,7 +1492,7 @@ impl Session {
                 return Err(ProtoError::BadFragment("a message between the pieces of another"));
             }
         }
-        self.dispatch(&h, Cow::Borrowed(body), now)
+        self.dispatch(h, Cow::Borrowed(body), now)
     }
 
     /// Adds a piece to the message being joined; the header and whole body once complete.
@@ -1853,9 +1910,16 @@ impl Session {
 
     /// The next piece of work to post, if credits allow.
     pub fn poll_transmit(&mut self) -> Option<Transmit> {
-        // Made before anything now in `actions` or the queue (see `push_out`).
+        // Made before anything now in `actions` or the queue (see `push_out`); with the short
+        // messages queued behind it since, as one batch.
         if let Some(t) = self.ready.take() {
-            return Some(t);
+            return Some(match t {
+                Transmit::Send(mut m) if self.batch && !self.queue.is_empty() => {
+                    self.batch_behind(&mut m);
+                    Transmit::Send(m)
+                }
+                t => t,
+            });
         }
         if let Some(a) = self.actions.pop_front() {
             return Some(a);
@@ -1927,7 +1991,11 @@ impl Session {
             Out::Msg { header, body } => {
                 let credits = self.credits.spend()?;
                 self.left(&header);
-                Some(Transmit::Send(encode(header, credits, body)))
+                let mut m = encode(header, credits, body);
+                if self.batch {
+                    self.batch_behind(&mut m);
+                }
+                Some(Transmit::Send(m))
             }
             Out::Pieces { .. } => None,
             Out::WriteImm { buf, len, remote, imm } => {
@@ -1953,6 +2021,44 @@ impl Session {
         }
     }
 
+    /// Adds to `m` (short, just taken from the queue with its credit spent) the short whole
+    /// messages queued right behind it, as one batch ([`batch`]) that fits a receive slot.
+    fn batch_behind(&mut self, m: &mut Message) {
+        if m.len() > batch::PART_MAX {
+            return;
+        }
+        let room = self.cfg.slot_size();
+        let mut len = m.len();
+        while m.parts() < batch::PARTS_MAX {
+            let Some(Out::Msg { body, .. }) = self.queue.front() else {
+                break;
+            };
+            let part = HEADER_LEN + body.len();
+            if part > batch::PART_MAX || len + part > room {
+                break;
+            }
+            let Some(Out::Msg { mut header, body }) = self.queue.pop_front() else {
+                break;
+            };
+            self.left(&header);
+            // The first message returns the credits of the whole Send.
+            header.credits = 0;
+            header.body_len = body.len() as u32;
+            match m.more.last_mut() {
+                Some((h, _)) => batch::mark_more(h),
+                None => batch::mark_more(&mut m.head),
+            }
+            m.more.push((header.to_bytes(), body));
+            len += part;
+        }
+    }
+
+    /// Whether [`Session::poll_event`] has an event to give: a driver that answers requests
+    /// as it takes them may hold the answers back until the last one, and send them together.
+    pub fn has_event(&self) -> bool {
+        !self.events.is_empty()
+    }
+
     /// The next event for the application.
     pub fn poll_event(&mut self) -> Option<Event> {
         self.events.pop_front()
@@ -1966,6 +2072,7 @@ fn encode(mut h: Header, credits: u16, body: Vec<u8>) -> Message {
         head: h.to_bytes(),
         frag: None,
         body: Bytes::Own(body),
+        more: Vec::new(),
     }
 }
 
@@ -1981,5 +2088,6 @@ fn encode_piece(mut h: Header, credits: u16, body: &Arc<Vec<u8>>, off: usize, n:
         head: h.to_bytes(),
         frag: Some(frag),
         body: Bytes::Piece(body.clone(), off..off + n),
+        more: Vec::new(),
     }
 }
