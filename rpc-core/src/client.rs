@@ -773,6 +773,8 @@ struct Call<'a, T> {
     budget: driver::Budget,
     sleeping: bool,
     done: bool,
+    /// A spinner giving way to the calls it woke ([`tokio::task::yield_now`]), until it resumes.
+    yielding: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
 }
 
 /// Turns a finished call's response and the caller's buffer back into what the public method
@@ -791,6 +793,7 @@ impl<'a, T> Call<'a, T> {
             budget: driver::Budget::default(),
             sleeping: false,
             done: false,
+            yielding: None,
         }
     }
 }
@@ -830,6 +833,12 @@ impl<T> Future for Call<'_, T> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
+        if let Some(y) = this.yielding.as_mut() {
+            if y.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            this.yielding = None;
+        }
         if let Some(start) = &this.start {
             this.span = spans::call(start.method, start.payload.len());
         }
@@ -970,9 +979,22 @@ impl<T> Call<'_, T> {
             // runs from here.
             self.budget.idle_round(shared.mode);
             let yield_cpu = st.conn.yield_cpu;
+            let others = st.woken > 0;
             drop(st);
             if yield_cpu {
                 std::thread::yield_now();
+            }
+            if others {
+                // The calls this poll woke go first, and the rest of the runtime's queues:
+                // tokio's `yield_now` runs this task again only after the worker has run
+                // them (and polled its IO driver). Waking itself kept the worker's local queue
+                // from ever emptying, and with more runnable tasks than it holds (256) the
+                // others waited in the global queue, which a worker looks at once in 61 turns.
+                let mut y: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(tokio::task::yield_now());
+                if y.as_mut().poll(cx).is_pending() {
+                    self.yielding = Some(y);
+                    return Poll::Pending;
+                }
             }
             cx.waker().wake_by_ref();
             return Poll::Pending;
