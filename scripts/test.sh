@@ -114,6 +114,24 @@ for p in shm tcp; do
         echo "provider $p: $rows rows, host line, summary, JSON and SVG written"
     fi
 done
+step "throughput harness smoke run: calls/s by calls in flight and by connections on shm and tcp, two completion modes, idle and beside a busy process, with the TCP echo, tarpc and the raw Send rate (checks it runs, measures nothing)"
+for p in shm tcp; do
+    if [[ -z $bench_bin ]]; then break; fi
+    "$bench_bin" --provider "$p" --sweep throughput --sizes 32,4096 --in-flight 1,16 --conns 4 \
+        --completion adaptive,event --busy 0,1 --seconds 8 \
+        --json "$LOG/tput-$p.json" --plot "$LOG/tput-$p.svg" > "$LOG/tput-$p.txt" 2>&1
+    rc=$?
+    # Idle and busy: (rpc in two modes, tcp, tarpc) x (2 sizes x 2 depths + 4 connections),
+    # and the raw Send at 2 sizes x 2 depths: 48 rows, each with calls and no error.
+    rows=$(grep -c '"system"' "$LOG/tput-$p.json" 2>/dev/null)
+    if ((rc != 0)) || [[ $rows != 48 ]] || grep -q '"calls": 0,' "$LOG/tput-$p.json" ||
+        grep -q '"error": "' "$LOG/tput-$p.json" || ! grep -q '^summary' "$LOG/tput-$p.txt" ||
+        [[ ! -s $LOG/tput-$p.svg ]]; then
+        echo "the throughput smoke run on $p failed (exit $rc, $rows rows):"; tail -30 "$LOG/tput-$p.txt"; fail=1
+    else
+        echo "provider $p: $rows rows with calls, summary, JSON and SVG written"
+    fi
+done
 # The buffer-cache bench: one short row per bound on shm (a run, not a measurement), each
 # with its figures.
 cache=$(cargo bench --quiet --bench buffer_cache -- --provider shm --sizes 65536 --caps 1048576,0 --rounds 1 2>&1)

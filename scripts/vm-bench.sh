@@ -31,3 +31,13 @@ for t in send write read; do
     grep -E '^ *[0-9]+ +[0-9]+ ' /tmp/pt/$t.txt
 done
 "./$bin" --rows /tmp/ours.json --perftest send=/tmp/pt/send.txt,write=/tmp/pt/write.txt,read=/tmp/pt/read.txt
+# Calls/s under load on verbs at small scale (a run, not a measurement: the NIC is emulated),
+# beside perftest's ib_send_bw at 32 B in the same boot.
+echo "=== perftest ib_send_bw, 32 B"
+ib_send_bw -d rxe0 -x 1 -F -s 32 -n "$iters" >/dev/null 2>&1 &
+srv=$!
+sleep 1
+ib_send_bw -d rxe0 -x 1 -F -s 32 -n "$iters" 10.10.0.1 2>&1 | grep -E '#bytes|^ *32 '
+wait $srv
+"./$bin" --provider verbs --ip 10.10.0.1 --sweep throughput --systems rpc --sizes 32 --in-flight 1,16 \
+    --conns 4 --completion "${completion:-spin}" --seconds 6 || exit 1

@@ -106,7 +106,13 @@ fn pair(dev: &Device, ip: IpAddr, depth: u32) -> Result<(crate::raw::Side, crate
 
 /// Keeps receives posted on `s` until `stop`, reposting each one that completes; the count of
 /// receives that completed, or the first failed completion.
-fn receiver(s: &crate::raw::Side, size: usize, ring: u32, stop: &AtomicBool) -> Result<u64, String> {
+fn receiver(
+    s: &crate::raw::Side,
+    size: usize,
+    ring: u32,
+    stop: &AtomicBool,
+    sent: &std::sync::atomic::AtomicU64,
+) -> Result<u64, String> {
     let access = AccessFlags::LOCAL_WRITE;
     let recvs: Vec<RecvWr> = (0..ring)
         .map(|i| Ok(RecvWr::new(u64::from(i), s.pd.register(size.max(1), access)?)))
@@ -116,7 +122,17 @@ fn receiver(s: &crate::raw::Side, size: usize, ring: u32, stop: &AtomicBool) -> 
         .map_err(|e| format!("posting receives: {}", e.error))?;
     let (mut out, mut again, mut got) = (Vec::new(), Vec::new(), 0u64);
     let mut idle = 0u32;
-    while !stop.load(Ordering::Acquire) {
+    // After `stop`, until the receives match the Sends the sender saw complete (`sent`): on
+    // `shm` a Send completes once it is staged, before the receiver has taken it.
+    let mut drain_until = None;
+    loop {
+        if stop.load(Ordering::Acquire) {
+            let want = sent.load(Ordering::Acquire);
+            let deadline = *drain_until.get_or_insert_with(|| std::time::Instant::now() + Duration::from_secs(10));
+            if got >= want || std::time::Instant::now() > deadline {
+                break;
+            }
+        }
         out.clear();
         if s.cq.poll(&mut out, 64).map_err(|e| format!("polling: {e}"))? == 0 {
             idle += 1;
@@ -160,16 +176,20 @@ pub fn measure(
             .map_err(|e| format!("target: {e}"))?;
     let remote = target.remote().at(0);
     let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let s = Arc::new(s);
     let echo = (op == Op::Send).then(|| {
-        let (s, stop) = (s.clone(), stop.clone());
-        std::thread::spawn(move || receiver(&s, size, recv_ring(depth), &stop))
+        let (s, stop, count) = (s.clone(), stop.clone(), count.clone());
+        std::thread::spawn(move || receiver(&s, size, recv_ring(depth), &stop, &count))
     });
     if op == Op::Send {
         // The receives are posted before the first Send goes.
         std::thread::sleep(Duration::from_millis(20));
     }
     let sent = sender(&c, op, remote, size, depth, post_list, time);
+    if let Ok((n, _)) = &sent {
+        count.store(*n, Ordering::Release);
+    }
     stop.store(true, Ordering::Release);
     if let Some(t) = echo {
         let got = t.join().map_err(|_| "the receiving thread panicked".to_owned())??;

@@ -173,7 +173,9 @@ pub fn start(
     tasks
 }
 
-/// One TCP connection: `in_flight` frames written ahead, each answer read in order.
+/// One TCP connection: `in_flight` frames written ahead, each answer read in order. The
+/// writer and the reader run apart (both halves in this task), so a writer held up by a full
+/// socket never keeps the answers from being read.
 async fn tcp_loop(
     s: TcpStream,
     in_flight: usize,
@@ -185,21 +187,27 @@ async fn tcp_loop(
     let mut r = BufReader::with_capacity(64 * 1024, r);
     let mut frame = (size as u32).to_le_bytes().to_vec();
     frame.extend(std::iter::repeat_n(0xa5u8, size));
-    let mut back = vec![0u8; 4 + size];
-    let mut sent: std::collections::VecDeque<Instant> = std::collections::VecDeque::new();
-    while !gate.stop.load(Ordering::Relaxed) {
-        while sent.len() < in_flight {
+    let slots = tokio::sync::Semaphore::new(in_flight);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Instant>();
+    let writer = async {
+        while !gate.stop.load(Ordering::Relaxed) {
+            let Ok(permit) = slots.acquire().await else { break };
+            permit.forget();
+            let _ = tx.send(Instant::now());
             w.write_all(&frame).await?;
-            sent.push_back(Instant::now());
         }
-        r.read_exact(&mut back).await?;
-        if let Some(t) = sent.pop_front() {
+        drop(tx);
+        std::io::Result::Ok(())
+    };
+    let reader = async {
+        let mut back = vec![0u8; 4 + size];
+        while let Some(t) = rx.recv().await {
+            r.read_exact(&mut back).await?;
             gate.record(h, t);
+            slots.add_permits(1);
         }
-    }
-    // The answers still on their way, so the server's side ends cleanly.
-    while sent.pop_front().is_some() {
-        r.read_exact(&mut back).await?;
-    }
-    Ok(())
+        std::io::Result::Ok(())
+    };
+    let (a, b) = tokio::join!(writer, reader);
+    a.and(b)
 }
