@@ -1005,13 +1005,15 @@ impl<T> Call<'_, T> {
             st.sleeping += 1;
         }
         // The driver must look again when it is not watching the CQ, or when a deadline
-        // earlier than the one it sleeps until has come (this call's).
+        // earlier than the one it sleeps until has come (this call's). Not while another call
+        // spins: that one polls, posts and fires deadlines for all, and kicks the driver
+        // when it stops.
         let earlier = st
             .conn
             .session
             .poll_timeout()
             .is_some_and(|d| st.driver_until.is_none_or(|u| d < u));
-        let kick = !st.driver_on_cq || earlier || st.conn.more_to_post();
+        let kick = st.spinner.is_none() && (!st.driver_on_cq || earlier || st.conn.more_to_post());
         drop(st);
         if kick {
             shared.kick.notify_one();
