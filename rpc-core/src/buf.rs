@@ -11,8 +11,8 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 use rdma_rpc_transport::{BufMut, BufRef, MemoryRegion};
 
+use crate::free::Free;
 use crate::proto::Inline;
-use crate::stash::Free;
 
 /// A buffer registered with one connection's protection domain, owned by the application.
 /// Dropping it gives it back to its connection for reuse (or deregisters it once the

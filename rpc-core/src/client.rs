@@ -14,14 +14,15 @@ use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
 use parking_lot::Mutex;
-use rdma_rpc_transport::{Device, QpCaps, QpOptions};
+use rdma_rpc_transport::{Device, QpOptions};
 use tokio::sync::Notify;
 
 use crate::buf::Body;
 use crate::colocate::Link;
 use crate::config::{CallOptions, CompletionMode, Config, Hello};
 use crate::driver::{self, Conn};
-use crate::proto::{CallMap, Event, Payload, Reply, Route, Session, SessionConfig, FRAGMENT, LANDING_PREFIX};
+use crate::handshake;
+use crate::proto::{CallMap, Event, Payload, Reply, Route, LANDING_PREFIX};
 use crate::spans::{self, How};
 use crate::{RpcError, TransportError};
 
@@ -138,9 +139,9 @@ impl Client {
             .create_cq(config.ring * 4 + 64)
             .map_err(|e| RpcError::Transport(TransportError::with("creating a completion queue", e)))?;
         let mine = Hello::from_config(&config);
-        let slot = slot_size(&config);
+        let slot = handshake::slot_size(&config);
         let recvs = Conn::ring(&pd, config.ring, slot)?;
-        let opts = QpOptions::new(&pd, &cq).caps(qp_caps(device, &config));
+        let opts = QpOptions::new(&pd, &cq).caps(handshake::qp_caps(device, &config));
         let timeout = config.connect_timeout;
         // The hello, then this side offered to a server in this process (see `colocate`).
         let mut link = Link::default();
@@ -160,15 +161,13 @@ impl Client {
             e => RpcError::Transport(TransportError::with(format!("connecting to {addr}"), e)),
         })?;
         let theirs = Hello::decode(&reply).ok_or_else(|| RpcError::Protocol("not an rdma-rpc server".into()))?;
-        let mut session = Session::new(agree(&mine, &theirs));
+        let mut session = handshake::session(&config, &mine, &theirs);
         if theirs.max_requests > 0 {
             session.limit_calls(theirs.max_requests as usize);
         }
         if theirs.max_request_bytes > 0 {
             session.limit_call_bytes(theirs.max_request_bytes);
         }
-        session.interleave(config.interleave && theirs.flags & Hello::TAKES_INTERLEAVED != 0);
-        session.batch(theirs.flags & Hello::TAKES_BATCHES != 0);
         let mut conn = Conn::configured(session, &pd, qp, cq, slot, &config)?;
         link.pair(reply.get(Hello::LEN..));
         link.withdraw();
@@ -1130,62 +1129,9 @@ impl Drop for OnDriverGone {
     }
 }
 
-pub(crate) fn slot_size(c: &Config) -> usize {
-    SessionConfig {
-        ring: c.ring,
-        eager_max: c.eager(),
-        fragment: FRAGMENT,
-        max_payload: c.max_payload,
-    }
-    .slot_size()
-}
-
-pub(crate) fn qp_caps(device: &Device, c: &Config) -> QpCaps {
-    QpCaps {
-        max_send_wr: (c.ring * 2 + 64).min(device.caps().max_qp_wr),
-        max_recv_wr: c.ring.min(device.caps().max_qp_wr),
-        max_inline_data: device.caps().max_inline_data.min(256),
-    }
-}
-
-/// Both sides use the smaller threshold, limit and ring. The smaller ring, not the peer's:
-/// a side returns credits in a Credit message once half its ring is owed, so with rings of
-/// different depths a side whose window is the other's (shallower) ring would wait for a
-/// Credit message the other owes only at half of the deeper one (a 2-slot client of a 64-slot
-/// server stalled on its second call). A deeper side just keeps some slots posted unused.
-/// The eager threshold is at most the largest payload: a message joined from pieces is never
-/// longer than what either side accepts.
-pub(crate) fn agree(mine: &Hello, theirs: &Hello) -> SessionConfig {
-    let max_payload = mine.max_payload.min(theirs.max_payload);
-    let eager = u64::from(mine.eager_threshold.min(theirs.eager_threshold)).min(max_payload);
-    SessionConfig {
-        ring: mine.ring.min(theirs.ring),
-        eager_max: usize::try_from(eager).unwrap_or(usize::MAX),
-        fragment: FRAGMENT,
-        max_payload,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_agreed_threshold_is_within_the_largest_payload() {
-        let big = Hello::from_config(&Config {
-            eager_threshold: Some(128 << 20),
-            ..Config::default()
-        });
-        let small = Hello::from_config(&Config {
-            max_payload: 4096,
-            ..Config::default()
-        });
-        for (a, b) in [(&big, &small), (&small, &big)] {
-            let s = agree(a, b);
-            assert_eq!((s.eager_max, s.max_payload), (4096, 4096));
-        }
-        assert_eq!(agree(&big, &big).eager_max, 128 << 20);
-    }
 
     /// Whether this client's server was last driven by the thread asking (`colocate`), after
     /// one call.

@@ -344,49 +344,9 @@ pub struct CallOptions {
     pub response_hint: Option<usize>,
 }
 
-/// The handshake: what each side tells the other in the connection's private data
-/// (`"RRPC" | version | ring: u32 | eager threshold: u32 | max payload: u64 | max concurrent
-/// requests: u32 | flags: u32 | max request bytes: u64`, little endian; the last three came
-/// later, and a peer that leaves them out says 0 for each).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Hello {
-    /// Receive ring depth of the sender (2..=4096).
-    pub ring: u32,
-    /// Largest eager message of the sender.
-    pub eager_threshold: u32,
-    /// Largest payload the sender accepts.
-    pub max_payload: u64,
-    /// Requests of the connection the sender serves at once
-    /// ([`Config::max_concurrent_requests`]); 0 when it did not say (no limit).
-    pub max_requests: u32,
-    /// What the sender's protocol takes beyond version 3's first form
-    /// ([`Hello::TAKES_INTERLEAVED`], [`Hello::TAKES_BATCHES`]); 0 from a peer built before
-    /// the field.
-    pub flags: u32,
-    /// Bytes of request bodies the sender serves at once
-    /// ([`Config::max_request_bytes_in_flight`]); 0 when it did not say (no limit).
-    pub max_request_bytes: u64,
-}
-
-const MAGIC: &[u8; 4] = b"RRPC";
+pub use crate::proto::Hello;
 
 impl Hello {
-    /// In [`Hello::flags`]: the sender takes whole requests and responses between the pieces
-    /// of a longer message and wants them so
-    /// ([`Session::interleave`](crate::proto::Session::interleave)); without it (an earlier
-    /// peer, or [`Config::interleave`] off) its peer sends pieces back to back.
-    pub const TAKES_INTERLEAVED: u32 = 1;
-
-    /// [`Hello::flags`] bit: the sender takes several short messages in one Send
-    /// ([`FLAG_MORE`](crate::proto::FLAG_MORE)), and its peer sends short messages queued at
-    /// the same time so ([`Session::batch`](crate::proto::Session::batch)). Every build that
-    /// knows the bit sets it.
-    pub const TAKES_BATCHES: u32 = 2;
-
-    /// Bytes of an encoded hello ([`Hello::encode`]); a peer's private data may go on after
-    /// them.
-    pub const LEN: usize = 37;
-
     /// What a side with `c` says.
     pub fn from_config(c: &Config) -> Self {
         Self {
@@ -397,60 +357,5 @@ impl Hello {
             flags: Self::TAKES_BATCHES | if c.interleave { Self::TAKES_INTERLEAVED } else { 0 },
             max_request_bytes: c.max_request_bytes_in_flight,
         }
-    }
-
-    /// The private-data bytes.
-    pub fn encode(&self) -> Vec<u8> {
-        let mut v = MAGIC.to_vec();
-        v.push(crate::proto::VERSION);
-        v.extend_from_slice(&self.ring.to_le_bytes());
-        v.extend_from_slice(&self.eager_threshold.to_le_bytes());
-        v.extend_from_slice(&self.max_payload.to_le_bytes());
-        v.extend_from_slice(&self.max_requests.to_le_bytes());
-        v.extend_from_slice(&self.flags.to_le_bytes());
-        v.extend_from_slice(&self.max_request_bytes.to_le_bytes());
-        v
-    }
-
-    /// Parses a peer's private data: `None` for anything that is not a handshake of this
-    /// version with a ring of 2..=4096. The fields after the largest payload may be missing,
-    /// each as a whole (a peer built before them): 0 then, which says no limit and no flags.
-    /// Extra bytes after the 37 are ignored.
-    ///
-    /// # Examples
-    /// ```
-    /// use rdma_rpc_core::{proto::Hello, Config};
-    /// let hello = Hello::from_config(&Config { max_concurrent_requests: 8, ..Config::default() });
-    /// let bytes = hello.encode();
-    /// assert_eq!(Hello::decode(&bytes), Some(hello));
-    /// assert_eq!(bytes.len(), Hello::LEN);
-    /// assert_eq!(hello.flags & Hello::TAKES_INTERLEAVED, Hello::TAKES_INTERLEAVED);
-    /// let in_order = Hello::from_config(&Config { interleave: false, ..Config::default() });
-    /// assert_eq!(in_order.flags & Hello::TAKES_INTERLEAVED, 0);
-    /// // A peer of an earlier build: a request limit, then nothing.
-    /// let old = Hello::decode(&bytes[..25]).expect("an earlier hello");
-    /// assert_eq!((old.max_requests, old.flags, old.max_request_bytes), (8, 0, 0));
-    /// assert_eq!(Hello::decode(&bytes[..21]).map(|h| h.max_requests), Some(0));
-    /// assert_eq!(Hello::decode(&bytes[..20]), None);
-    /// ```
-    pub fn decode(b: &[u8]) -> Option<Self> {
-        if b.len() < 21 || &b[..4] != MAGIC || b[4] != crate::proto::VERSION {
-            return None;
-        }
-        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let mut mp = [0u8; 8];
-        mp.copy_from_slice(&b[13..21]);
-        let h = Self {
-            ring: u32_at(5),
-            eager_threshold: u32_at(9),
-            max_payload: u64::from_le_bytes(mp),
-            max_requests: if b.len() >= 25 { u32_at(21) } else { 0 },
-            flags: if b.len() >= 29 { u32_at(25) } else { 0 },
-            max_request_bytes: b
-                .get(29..37)
-                .and_then(|w| <[u8; 8]>::try_from(w).ok())
-                .map_or(0, u64::from_le_bytes),
-        };
-        (h.ring >= 2 && h.ring <= 4096).then_some(h)
     }
 }

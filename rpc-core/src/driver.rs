@@ -780,7 +780,7 @@ impl Conn {
 
 /// Pieces of Reads and Writes a send queue of `depth` takes at once beside its Sends: a Send
 /// holds a send buffer (`ring + 8` of them) or a credit (`ring`), so at most about `2 * ring`
-/// are outstanding, and [`qp_caps`](crate::client::qp_caps) makes the queue 64 deeper than
+/// are outstanding, and [`qp_caps`](crate::handshake::qp_caps) makes the queue 64 deeper than
 /// that. Transfers beyond wait, in order, for earlier ones to complete: posted, they would
 /// overflow the queue and lose the connection.
 fn rdma_room(depth: u32, ring: usize) -> usize {
@@ -965,7 +965,7 @@ mod tests {
     /// returned: `(conn's pd, conn's qp, conn's cq, peer's qp, peer's pd, peer's cq)`. The
     /// connection's send queue is as deep as a client's or a server's ([`qp_caps`]).
     ///
-    /// [`qp_caps`]: crate::client::qp_caps
+    /// [`qp_caps`]: crate::handshake::qp_caps
     fn raw_pair(
         cfg: &SessionConfig,
     ) -> (
@@ -989,7 +989,7 @@ mod tests {
             req.accept_with_recvs(&popts, b"", peer_recvs).expect("the peer's qp")
         });
         let recvs = Conn::ring(&pd, cfg.ring, slot).expect("our ring");
-        let caps = crate::client::qp_caps(
+        let caps = crate::handshake::qp_caps(
             &dev,
             &crate::Config {
                 ring: cfg.ring,

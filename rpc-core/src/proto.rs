@@ -23,10 +23,10 @@ mod batch;
 mod calls;
 mod credits;
 mod header;
+mod hello;
 mod inline;
 mod session;
 
-pub use crate::config::Hello;
 pub use batch::FLAG_MORE;
 pub(crate) use calls::CallMap;
 pub use credits::Credits;
@@ -34,6 +34,7 @@ pub use header::{
     decode_desc, encode_desc, Header, Kind, DESC_LEN, FLAG_FRAGMENT, FLAG_LANDING, FLAG_RENDEZVOUS, FRAG_PREFIX,
     HEADER_LEN, VERSION,
 };
+pub use hello::Hello;
 pub use inline::Inline;
 pub use session::{
     BufId, Event, Message, Payload, Reply, RequestBody, Route, Session, SessionConfig, Token, Transmit, FRAGMENT,

@@ -11,13 +11,13 @@ use rdma_rpc_transport::{Device, Listener, QpOptions};
 use tracing::Instrument;
 
 use crate::buf::Body;
-use crate::client::{agree, qp_caps, slot_size};
 use crate::colocate::Link;
 use crate::config::{Config, Hello};
 use crate::context;
 use crate::driver::{self, Conn, Role, RoleInput};
 use crate::handler::{or_panic, CatchUnwind, Handler, Response};
-use crate::proto::{Event, Payload, RequestBody, Session};
+use crate::handshake::{self, qp_caps, slot_size};
+use crate::proto::{Event, Payload, RequestBody};
 use crate::spans::{self, How};
 use crate::stash::Buffers;
 use crate::tasks::Tasks;
@@ -352,10 +352,8 @@ async fn serve_connection(
         .await
         .map_err(|e| RpcError::Transport(TransportError::new(format!("the accept task failed: {e}"))))?
         .map_err(tr("accepting a connection"))?;
-    let mut session = Session::new(agree(&mine, &theirs));
+    let mut session = handshake::session(&config, &mine, &theirs);
     session.serve_in_slot(in_slot.iter().copied());
-    session.interleave(config.interleave && theirs.flags & Hello::TAKES_INTERLEAVED != 0);
-    session.batch(theirs.flags & Hello::TAKES_BATCHES != 0);
     session.limit_serving(
         config.max_concurrent_requests as usize,
         config.max_request_bytes_in_flight,

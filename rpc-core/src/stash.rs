@@ -8,6 +8,8 @@ use parking_lot::Mutex;
 use rdma_rpc_transport::{AccessFlags, MemoryRegion, ProtectionDomain, RemoteRegion};
 
 use crate::buf::{Body, RegisteredBuf};
+pub(crate) use crate::free::Role;
+use crate::free::{class, Free};
 use crate::proto::{BufId, CallMap, Route, LANDING_PREFIX};
 use crate::{Isolation, RpcError, TransportError};
 
@@ -49,117 +51,6 @@ impl Entry {
     fn held(&self) -> bool {
         self.mr.is_some() && !self.released
     }
-}
-
-/// What a buffer of the free lists is registered for: exactly the access its use needs, so
-/// that a peer that kept a key of it can do nothing else with it (write a buffer it was only
-/// lent to read, say, once that buffer holds another request's body).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Role {
-    /// Lent for the peer to read; the application's buffers (which it may lend) too.
-    Lend,
-    /// A landing buffer the peer writes a response into.
-    Land,
-    /// Read into by this side: never named to the peer.
-    Private,
-}
-
-impl Role {
-    const ALL: [Role; 3] = [Role::Lend, Role::Land, Role::Private];
-
-    fn access(self) -> AccessFlags {
-        match self {
-            Role::Lend => AccessFlags::LOCAL_WRITE.union(AccessFlags::REMOTE_READ),
-            Role::Land => AccessFlags::LOCAL_WRITE.union(AccessFlags::REMOTE_WRITE),
-            Role::Private => AccessFlags::LOCAL_WRITE,
-        }
-    }
-
-    /// The role a registration with `access` serves, if any.
-    fn of(access: AccessFlags) -> Option<Role> {
-        Role::ALL.into_iter().find(|r| r.access() == access)
-    }
-}
-
-/// Free buffers by role and size class: `lists[role][i]` holds buffers of
-/// `(MIN_CLASS << i) + SLACK` bytes; and the protection domain new ones are registered with
-/// (here, so that [`Buffers`] is one `Arc`).
-pub(crate) struct Free {
-    lists: [Vec<Vec<MemoryRegion>>; 3],
-    /// Bytes of the buffers in `lists`.
-    kept: usize,
-    /// The most `kept` may reach ([`Config::max_cached_buffer_bytes`](crate::Config)).
-    cap: usize,
-    isolation: Isolation,
-    pd: ProtectionDomain,
-}
-
-impl Free {
-    fn new(pd: &ProtectionDomain, isolation: Isolation, cap: usize) -> Self {
-        Self {
-            lists: Default::default(),
-            kept: 0,
-            cap,
-            isolation,
-            pd: pd.clone(),
-        }
-    }
-
-    fn pop(&mut self, class: usize, role: Role) -> Option<MemoryRegion> {
-        let mr = self.lists[role as usize]
-            .get_mut(class_index(class)?)
-            .and_then(Vec::pop)?;
-        self.kept -= mr.len();
-        Some(mr)
-    }
-
-    /// A buffer no peer can reach through the session any more: kept for reuse, or (with
-    /// [`Isolation::Transfer`], beyond [`KEEP`] of its class or the byte cap, or of no class's
-    /// size) deregistered, so that its rkey dies and its memory goes back.
-    pub(crate) fn put(&mut self, mr: MemoryRegion) {
-        // Only what `fresh` registers, back to the list of its role: a buffer with other
-        // access flags would fail whoever takes it next, or give its peer more than it needs.
-        let Some(role) = Role::of(mr.access()) else { return };
-        if self.isolation != Isolation::Connection {
-            return;
-        }
-        let Some(i) = class_index(mr.len()) else { return };
-        if self.kept.saturating_add(mr.len()) > self.cap {
-            return;
-        }
-        let lists = &mut self.lists[role as usize];
-        if lists.len() <= i {
-            lists.resize_with(i + 1, Vec::new);
-        }
-        if lists[i].len() < KEEP {
-            self.kept += mr.len();
-            lists[i].push(mr);
-        }
-    }
-}
-
-/// The free list of buffers of `len` bytes, when that is a class's size.
-fn class_index(len: usize) -> Option<usize> {
-    let p = len.checked_sub(SLACK)?;
-    (p >= MIN_CLASS && p.is_power_of_two()).then(|| (p / MIN_CLASS).trailing_zeros() as usize)
-}
-
-const MIN_CLASS: usize = 4096;
-/// Bytes a class holds past its power of two: a lent or landed payload of a power-of-two
-/// length has its length prefix in front, and with this it takes the class of its own
-/// length, not one twice as large (1 MiB and 24 bytes, not 2 MiB). Buffers read into (no
-/// prefix) share the class.
-const SLACK: usize = LANDING_PREFIX;
-/// Free buffers kept per size class; more are deregistered.
-const KEEP: usize = 8;
-
-/// The size class of a buffer of `len` bytes: the least power of two (at least [`MIN_CLASS`])
-/// that holds `len` with [`SLACK`] to spare, plus [`SLACK`]; `None` beyond the largest.
-fn class(len: usize) -> Option<usize> {
-    len.saturating_sub(SLACK)
-        .max(MIN_CLASS)
-        .checked_next_power_of_two()?
-        .checked_add(SLACK)
 }
 
 impl Stash {
@@ -552,6 +443,7 @@ impl std::fmt::Debug for Buffers {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::free::{class_index, KEEP, MIN_CLASS, SLACK};
 
     fn stash() -> Stash {
         let dev = rdma_rpc_transport::Device::open("tcp").expect("the tcp provider");

@@ -3,8 +3,8 @@
 //! A message whose header carries [`FLAG_MORE`] is followed, in the same Send, by another
 //! message (its header and body), right after its body; the last one has the flag clear. Each
 //! is handled as if it had come alone, in order; only the first may return credits. A side
-//! sends batches only to a peer whose [`Hello`](crate::config::Hello) says it takes them
-//! ([`Hello::TAKES_BATCHES`](crate::config::Hello::TAKES_BATCHES)), and only of messages
+//! sends batches only to a peer whose [`Hello`](super::Hello) says it takes them
+//! ([`Hello::TAKES_BATCHES`](super::Hello::TAKES_BATCHES)), and only of messages
 //! queued at the same time: a batch never waits for a message to come. With many calls in
 //! flight, the Sends, receive completions and credits per call fall with the batch's size:
 //! what a NIC spends per message (and on `shm` the cache lines each Send moves between cores)
@@ -21,9 +21,9 @@ use super::ProtoError;
 /// Header flag: another message follows this one in the same Send.
 pub const FLAG_MORE: u16 = 8;
 
-/// The longest message (header included) that goes into a batch; as
-/// [`IN_SLOT_MIN`](crate::driver::IN_SLOT_MIN), below which a receiver copies a message out of
-/// its slot anyway.
+/// The longest message (header included) that goes into a batch: as long as the shortest
+/// message the driver keeps in its receive slot for the application (`IN_SLOT_MIN`); shorter
+/// ones it copies out anyway.
 pub const PART_MAX: usize = 512;
 
 /// Most messages in one batch: the first one's receiver sees the others within the same
