@@ -1,0 +1,75 @@
+//! The connection's driver task: polls for sleeping calls, keeps the connection going when no call does, and closes it after the last handle.
+
+use super::*;
+
+/// The connection's driver task: polls for sleeping calls, keeps the connection going when no
+/// call does, and closes it (dropping the QP and buffers) after the last handle.
+pub(super) async fn drive(gone: OnDriverGone) {
+    // The guard is the future's from its making: dropped with it even if it never ran.
+    let shared = &gone.0;
+    let cq = shared.state.lock().conn.cq().clone();
+    loop {
+        let next = {
+            let mut st = shared.state.lock();
+            st.conn.link.driven_here();
+            st.progress();
+            let lost = st.conn.lost().is_some();
+            if st.closed && (lost || !st.conn.has_work()) {
+                return;
+            }
+            // What the flush left (a long message's further pieces) goes before any sleep,
+            // unless a spinning call posts it.
+            if st.driver_must_post() {
+                None
+            } else {
+                let watch = st.needs_watch();
+                let deadline = if lost { None } else { st.conn.session.poll_timeout() };
+                st.driver_on_cq = watch;
+                st.driver_until = deadline;
+                Some((watch, deadline))
+            }
+        };
+        let Some((watch, deadline)) = next else {
+            crate::driver::reschedule().await;
+            continue;
+        };
+        let sleep = async move {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = cq.ready(), if watch => {
+                if let Err(e) = r {
+                    tracing::debug!(%e, "waiting on the CQ");
+                    // The next progress polls the CQ and sees the error as the connection's loss.
+                    tokio::task::yield_now().await;
+                }
+            }
+            () = shared.kick.notified() => {}
+            () = sleep => {}
+        }
+    }
+}
+
+/// Dropped with the driver task. Unless the client was closed, that is its runtime shutting
+/// down (a client connected on one runtime, such as a test's, and used on another): then
+/// nothing would ever wake a call that sleeps, so the connection fails at once, and its
+/// calls, pending and later, with it.
+pub(super) struct OnDriverGone(pub(super) Arc<Shared>);
+
+impl Drop for OnDriverGone {
+    fn drop(&mut self) {
+        let mut st = self.0.state.lock();
+        if st.closed || st.conn.lost().is_some() {
+            return;
+        }
+        st.conn.lose(
+            "the connection's driver task ended with the tokio runtime the client was connected on: \
+             use a Client on that runtime while it runs, or connect again on this one"
+                .into(),
+        );
+        st.settle();
+    }
+}
