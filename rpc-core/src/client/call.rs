@@ -1,4 +1,5 @@
-//! A call's future: started on its first poll, spinning or sleeping by the completion mode until its result, cancelled when dropped before it.
+//! A call's future: started on its first poll, spinning or sleeping by the completion mode until
+//! its result, cancelled when dropped before it.
 
 use super::state::wait_sent;
 use super::*;

@@ -1,4 +1,5 @@
-//! The connection's driver task: polls for sleeping calls, keeps the connection going when no call does, and closes it after the last handle.
+//! The connection's driver task: polls for sleeping calls, keeps the connection going when no call
+//! does, and closes it after the last handle.
 
 use super::*;
 

@@ -1,4 +1,5 @@
-//! Posting what the session sends: Sends from the send pool or from a placed buffer, Reads and Writes-with-immediate started, buffers released.
+//! Posting what the session sends: Sends from the send pool or from a placed buffer, Reads and
+//! Writes-with-immediate started, buffers released.
 
 use super::*;
 

@@ -1,4 +1,5 @@
-//! RDMA Reads and Writes of a connection: cut into pieces of the device's largest message, posted as the send queue has room, joined when every piece is done.
+//! RDMA Reads and Writes of a connection: cut into pieces of the device's largest message, posted
+//! as the send queue has room, joined when every piece is done.
 
 use super::*;
 

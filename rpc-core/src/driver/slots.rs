@@ -1,4 +1,5 @@
-//! A connection's receive slots: those a message stays in for the application, and posting consumed ones again.
+//! A connection's receive slots: those a message stays in for the application, and posting consumed
+//! ones again.
 
 use super::*;
 

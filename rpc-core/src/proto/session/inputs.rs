@@ -1,4 +1,5 @@
-//! What a driver hands a session: messages (alone or in batches), Writes-with-immediate, the ends of Reads and Writes.
+//! What a driver hands a session: messages (alone or in batches), Writes-with-immediate, the ends
+//! of Reads and Writes.
 
 use super::*;
 
