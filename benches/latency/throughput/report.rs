@@ -1,7 +1,5 @@
 //! The throughput sweep's summary (the ratios its targets are stated in) and its SVG.
 
-use plotters::prelude::*;
-
 use super::Row;
 
 /// calls/s of the row that matches, if it ran without error.
@@ -132,45 +130,16 @@ pub fn draw(path: &str, rows: &[Row], title: &str) -> Result<(), Box<dyn std::er
     let mut lines: Vec<(String, bool, usize)> = pts.iter().map(|r| (super::label(r), r.busy, r.bytes)).collect();
     lines.sort();
     lines.dedup();
-    let xmax = pts.iter().map(|r| r.in_flight).max().unwrap_or(1) as f64;
-    let (ymin, ymax) = pts.iter().fold((f64::MAX, 1.0f64), |(a, b), r| {
-        (a.min(r.calls_per_s), b.max(r.calls_per_s))
-    });
-    let root = SVGBackend::new(path, (1100, 700)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 22))
-        .margin(15)
-        .x_label_area_size(45)
-        .y_label_area_size(80)
-        .build_cartesian_2d(
-            (1.0..xmax * 1.5).log_scale(),
-            (ymin.max(1.0) * 0.7..ymax * 1.5).log_scale(),
-        )?;
-    chart
-        .configure_mesh()
-        .x_desc("calls in flight (one connection)")
-        .y_desc("calls/s")
-        .draw()?;
-    for (i, (name, busy, bytes)) in lines.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
-        let series: Vec<(f64, f64)> = pts
-            .iter()
-            .filter(|r| &super::label(r) == name && r.busy == *busy && r.bytes == *bytes)
-            .map(|r| (r.in_flight as f64, r.calls_per_s))
-            .collect();
-        let tag = format!("{name} {bytes} B{}", if *busy { " busy" } else { "" });
-        chart
-            .draw_series(LineSeries::new(series.clone(), color.stroke_width(2)))?
-            .label(tag)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
-        chart.draw_series(series.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
-    root.present()?;
-    Ok(())
+    let series = lines
+        .into_iter()
+        .map(|(name, busy, bytes)| {
+            let points = pts
+                .iter()
+                .filter(|r| super::label(r) == name && r.busy == busy && r.bytes == bytes)
+                .map(|r| (r.in_flight as f64, r.calls_per_s))
+                .collect();
+            (format!("{name} {bytes} B{}", if busy { " busy" } else { "" }), points)
+        })
+        .collect();
+    crate::plot::lines(path, title, ("calls in flight (one connection)", "calls/s"), series)
 }
