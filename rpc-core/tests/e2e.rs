@@ -370,6 +370,58 @@ async fn concurrent_callers_in_every_completion_mode() {
     }
 }
 
+/// A task making calls in a loop gives its worker to the other tasks now and then (tokio's
+/// cooperative budget), even when every call finishes within its first poll, as one call alone
+/// on a fast connection does: a second task on a one-thread runtime runs while the first is
+/// still calling, and its own calls then overlap the first's. The server runs on a runtime of
+/// its own.
+#[test]
+fn a_task_calling_in_a_loop_leaves_the_other_tasks_of_its_thread_their_turn() {
+    let server_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("the server's runtime");
+    let dev = device();
+    let server = Server::builder(config())
+        .handler(ECHO, |req| async move { Ok(req) })
+        .bind(&dev, SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    server_rt.spawn(server.serve());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("the callers' runtime");
+    rt.block_on(async {
+        let client = bounded(Client::connect(&dev, addr, config())).await.expect("connect");
+        let other_ran = Arc::new(AtomicUsize::new(0));
+        let (c, seen) = (client.clone(), other_ran.clone());
+        let looping = tokio::spawn(async move {
+            // Calls made before the other task ever ran.
+            let mut alone = 0;
+            for i in 0..2000u32 {
+                let got = c.call(ECHO, i.to_le_bytes().to_vec()).await.expect("call");
+                assert_eq!(got, i.to_le_bytes());
+                if seen.load(Ordering::SeqCst) == 0 {
+                    alone += 1;
+                }
+            }
+            alone
+        });
+        let other = tokio::spawn(async move {
+            other_ran.fetch_add(1, Ordering::SeqCst);
+            client.call(ECHO, vec![7; 16]).await.expect("the other task's call")
+        });
+        let alone = bounded(looping).await.expect("the looping task");
+        assert_eq!(bounded(other).await.expect("the other task"), vec![7; 16]);
+        assert!(
+            alone < 2000,
+            "the other task ran only after all 2000 calls of the looping one: it kept the thread"
+        );
+    });
+}
+
 /// Callers and server on one core (every thread of the runtime, and the provider's, pinned to
 /// the first) in the default adaptive mode. A poller spinning there keeps its peer from running
 /// until its budget ends; on shm the two ends learn that they share the core and sleep instead.

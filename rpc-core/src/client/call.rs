@@ -95,6 +95,11 @@ impl<T> Future for Call<'_, T> {
     type Output = Result<T, RpcError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // tokio's cooperative budget: a call that finishes within its first poll (one call
+        // alone on a fast connection spins inside it) does not return to the runtime, so a
+        // task making calls in a loop gives way once its budget is spent, not never: other
+        // tasks of its worker, other callers of this connection among them, get their turn.
+        let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
         let this = self.get_mut();
         if let Some(y) = this.yielding.as_mut() {
             if y.as_mut().poll(cx).is_pending() {
@@ -108,8 +113,13 @@ impl<T> Future for Call<'_, T> {
         // Without a subscriber there is no span: nothing to clone, enter or drop.
         let span = this.span.clone();
         let _entered = span.as_ref().map(tracing::Span::enter);
-        this.poll_call(cx)
-            .map(|r| r.and_then(|(body, buf)| (this.finish)(body, buf)))
+        let out = this
+            .poll_call(cx)
+            .map(|r| r.and_then(|(body, buf)| (this.finish)(body, buf)));
+        if out.is_ready() {
+            coop.made_progress();
+        }
+        out
     }
 }
 
