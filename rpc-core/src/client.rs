@@ -22,9 +22,10 @@ use tokio::sync::Notify;
 
 use crate::buf::Body;
 use crate::colocate::Link;
-use crate::config::{CallOptions, CompletionMode, Config, Hello};
+use crate::config::{CallOptions, CompletionMode, Config};
 use crate::driver::{self, Conn};
 use crate::handshake;
+use crate::proto::Hello;
 use crate::proto::{CallMap, Event, Payload, Reply, Route, LANDING_PREFIX};
 use crate::spans::{self, How};
 use crate::{RpcError, TransportError};
@@ -107,7 +108,7 @@ impl Client {
         let cq = device
             .create_cq(config.ring * 4 + 64)
             .map_err(|e| RpcError::Transport(TransportError::with("creating a completion queue", e)))?;
-        let mine = Hello::from_config(&config);
+        let mine = Hello::from(&config);
         let slot = handshake::slot_size(&config);
         let recvs = Conn::ring(&pd, config.ring, slot)?;
         let opts = QpOptions::new(&pd, &cq).caps(handshake::qp_caps(device, &config));

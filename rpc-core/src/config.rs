@@ -344,11 +344,20 @@ pub struct CallOptions {
     pub response_hint: Option<usize>,
 }
 
-pub use crate::proto::Hello;
+use crate::proto::Hello;
 
-impl Hello {
-    /// What a side with `c` says.
-    pub fn from_config(c: &Config) -> Self {
+/// What a side with this configuration says when it connects.
+///
+/// ```
+/// use rdma_rpc_core::{proto::Hello, Config};
+/// let hello = Hello::from(&Config { max_concurrent_requests: 8, ..Config::default() });
+/// assert_eq!(hello.max_requests, 8);
+/// assert_eq!(hello.flags & Hello::TAKES_INTERLEAVED, Hello::TAKES_INTERLEAVED);
+/// let in_order = Hello::from(&Config { interleave: false, ..Config::default() });
+/// assert_eq!(in_order.flags & Hello::TAKES_INTERLEAVED, 0);
+/// ```
+impl From<&Config> for Hello {
+    fn from(c: &Config) -> Self {
         Self {
             ring: c.ring,
             eager_threshold: c.eager().min(u32::MAX as usize) as u32,

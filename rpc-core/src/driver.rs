@@ -22,7 +22,7 @@ use rdma_rpc_transport::{
 use crate::buf::{RegisteredBuf, SlotsBack};
 use crate::colocate::Link;
 use crate::config::CompletionMode;
-use crate::proto::{BufId, Event, Session, Token, Transmit, HEADER_LEN, LANDING_PREFIX};
+use crate::proto::{BufId, CallError, Event, LocalError, Session, Token, Transmit, HEADER_LEN, LANDING_PREFIX};
 use crate::stash::Stash;
 use crate::{RpcError, TransportError};
 
@@ -638,7 +638,7 @@ mod tests {
                 rdma_rpc_transport::AccessFlags::LOCAL_WRITE | rdma_rpc_transport::AccessFlags::REMOTE_READ,
             )
             .expect("the bodies' registration");
-        let whole = lent.remote();
+        let whole = crate::region::desc(lent.remote());
         for i in 0..n {
             let desc = nth(&whole, len, i);
             caller
@@ -680,8 +680,8 @@ mod tests {
     }
 
     /// The `i`-th `each` bytes of `whole`.
-    fn nth(whole: &rdma_rpc_transport::RemoteRegion, each: usize, i: usize) -> rdma_rpc_transport::RemoteRegion {
-        rdma_rpc_transport::RemoteRegion {
+    fn nth(whole: &crate::proto::RemoteRegion, each: usize, i: usize) -> crate::proto::RemoteRegion {
+        crate::proto::RemoteRegion {
             addr: whole.addr + (i * each) as u64,
             len: each as u64,
             rkey: whole.rkey,
@@ -735,7 +735,7 @@ mod tests {
                 rdma_rpc_transport::AccessFlags::LOCAL_WRITE | rdma_rpc_transport::AccessFlags::REMOTE_WRITE,
             )
             .expect("the landing buffers' registration");
-        let whole = landing.remote();
+        let whole = crate::region::desc(landing.remote());
         for i in 0..n {
             let desc = nth(&whole, each, i);
             caller

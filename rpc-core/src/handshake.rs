@@ -3,7 +3,8 @@
 
 use rdma_rpc_transport::{Device, QpCaps};
 
-use crate::config::{Config, Hello};
+use crate::config::Config;
+use crate::proto::Hello;
 use crate::proto::{Session, SessionConfig, FRAGMENT};
 
 pub(crate) fn slot_size(c: &Config) -> usize {
@@ -58,11 +59,11 @@ mod tests {
 
     #[test]
     fn the_agreed_threshold_is_within_the_largest_payload() {
-        let big = Hello::from_config(&Config {
+        let big = Hello::from(&Config {
             eager_threshold: Some(128 << 20),
             ..Config::default()
         });
-        let small = Hello::from_config(&Config {
+        let small = Hello::from(&Config {
             max_payload: 4096,
             ..Config::default()
         });

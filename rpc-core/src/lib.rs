@@ -10,22 +10,25 @@ mod colocate;
 mod config;
 pub mod context;
 mod driver;
+mod error;
 mod free;
 mod handler;
 mod handshake;
-pub mod proto;
+mod region;
 mod register;
 mod server;
 mod spans;
 mod stash;
-mod status;
 mod tasks;
 
 pub use buf::{Body, BodyRef, RegisteredBuf};
 pub use client::Client;
 pub use config::{CallOptions, CompletionMode, Config, Isolation, DEFAULT_EAGER_THRESHOLD};
 pub use driver::IN_SLOT_MIN;
+pub use error::{RpcError, TransportError};
+/// The protocol core: the sans-IO session, framing and credits ([`rdma_rpc_proto`]).
+pub use rdma_rpc_proto as proto;
+pub use rdma_rpc_proto::Status;
 pub use rdma_rpc_transport as transport;
 pub use server::{Server, ServerBuilder};
 pub use stash::Buffers;
-pub use status::{RpcError, Status, TransportError};

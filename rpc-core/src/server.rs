@@ -12,11 +12,12 @@ use tracing::Instrument;
 
 use crate::buf::Body;
 use crate::colocate::Link;
-use crate::config::{Config, Hello};
+use crate::config::Config;
 use crate::context;
 use crate::driver::{self, Conn, Role, RoleInput};
 use crate::handler::{or_panic, CatchUnwind, Handler, Response};
 use crate::handshake::{self, qp_caps, slot_size};
+use crate::proto::Hello;
 use crate::proto::{Event, Payload, RequestBody};
 use crate::spans::{self, How};
 use crate::stash::Buffers;
@@ -310,7 +311,7 @@ async fn serve_connection(
     shutdown: Option<Arc<Shutdown>>,
 ) -> Result<(), RpcError> {
     let config = config.on(&device);
-    let mine = Hello::from_config(&config);
+    let mine = Hello::from(&config);
     let Some(theirs) = Hello::decode(req.private_data()) else {
         req.reject();
         return Err(RpcError::Protocol("connect request without an rdma-rpc hello".into()));
@@ -473,7 +474,7 @@ fn answer(conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
         Ok(bytes) => Ok(Payload::Eager(bytes)),
         Err(e) => Err(e),
     };
-    conn.session.respond(call, result);
+    conn.session.respond(call, result.map_err(|e| e.to_wire()));
 }
 
 impl Role for ServerRole {
@@ -507,7 +508,7 @@ impl Role for ServerRole {
                         Some(r) => Body::Registered(r),
                         None => {
                             let e = RpcError::Internal("the request's receive slot went missing".into());
-                            conn.session.respond(call, Err(e));
+                            conn.session.respond(call, Err(e.to_wire()));
                             return;
                         }
                     },
@@ -515,7 +516,7 @@ impl Role for ServerRole {
                         Some(b) => b,
                         None => {
                             let e = RpcError::Internal("the request's buffer went missing".into());
-                            conn.session.respond(call, Err(e));
+                            conn.session.respond(call, Err(e.to_wire()));
                             return;
                         }
                     },
@@ -523,7 +524,8 @@ impl Role for ServerRole {
                 let span = crate::spans::serve(method, call, body.len(), budget);
                 // Called through the shared table: no reference count touched per request.
                 let Some(h) = self.handlers.get(&method) else {
-                    conn.session.respond(call, Err(RpcError::UnknownMethod(method)));
+                    conn.session
+                        .respond(call, Err(RpcError::UnknownMethod(method).to_wire()));
                     return;
                 };
                 // The deadline the session placed, only for a request that carries a budget.

@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use rdma_rpc_transport::{AccessFlags, MemoryRegion, ProtectionDomain, RemoteRegion};
+use rdma_rpc_transport::{AccessFlags, MemoryRegion, ProtectionDomain};
+
+use crate::proto::RemoteRegion;
 
 use crate::buf::{Body, RegisteredBuf};
 pub(crate) use crate::free::Role;
@@ -95,7 +97,7 @@ impl Stash {
         let len = buf.len();
         let mut mr = buf.into_region();
         write_prefix(&mut mr.bytes_mut(), len);
-        let whole = mr.remote();
+        let whole = crate::region::desc(mr.remote());
         let desc = RemoteRegion {
             addr: whole.addr + LANDING_PREFIX as u64,
             len: len as u64,
@@ -273,7 +275,7 @@ impl Stash {
         let mr = self.pd.register_vec(data, AccessFlags::REMOTE_READ);
         let mr =
             mr.map_err(|e| RpcError::Transport(TransportError::with(format!("registering a {len}-byte vector"), e)))?;
-        let desc = mr.remote();
+        let desc = crate::region::desc(mr.remote());
         Ok((desc, self.hold_as(mr, false, true)))
     }
 
@@ -297,7 +299,7 @@ impl Stash {
             write_prefix(&mut b, data.len());
             b[LANDING_PREFIX..LANDING_PREFIX + data.len()].copy_from_slice(data);
         }
-        let whole = mr.remote();
+        let whole = crate::region::desc(mr.remote());
         let desc = RemoteRegion {
             addr: whole.addr + LANDING_PREFIX as u64,
             len: data.len() as u64,

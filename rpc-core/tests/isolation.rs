@@ -83,7 +83,7 @@ impl Raw {
             max_payload,
             ..Config::default()
         };
-        let mine = Hello::from_config(&config);
+        let mine = Hello::from(&config);
         let slot = SessionConfig {
             ring: config.ring,
             eager_max: eager,
@@ -132,7 +132,14 @@ impl Raw {
                         .map_err(|e| e.error)
                         .expect("post send");
                 }
-                Transmit::Read { token, remote } => self.reads.push((token, remote)),
+                Transmit::Read { token, remote } => self.reads.push((
+                    token,
+                    RemoteRegion {
+                        addr: remote.addr,
+                        len: remote.len,
+                        rkey: remote.rkey,
+                    },
+                )),
                 // A buffer this peer lent (by hand, in a test) is its own again.
                 Transmit::Release(_) => {}
                 other => panic!("unexpected transmit {other:?}"),
@@ -158,7 +165,7 @@ impl Raw {
             }
             // One completion batch may bring several results: those taken before waiting again.
             if let Some(Event::CallDone { result, .. }) = self.session.poll_event() {
-                return Some(result);
+                return Some(result.map_err(RpcError::from));
             }
             for c in self.completions().await {
                 assert_eq!(c.status, WcStatus::Success, "{c:?}");
@@ -176,7 +183,7 @@ impl Raw {
                 }
             }
             if let Some(Event::CallDone { result, .. }) = self.session.poll_event() {
-                return Some(result);
+                return Some(result.map_err(RpcError::from));
             }
         }
     }
@@ -378,7 +385,7 @@ async fn a_body_larger_than_memory_fails_its_call_not_the_server() {
     tokio::spawn(server.serve());
     let mut raw = Raw::connect_with(&device(), addr, u64::MAX).await;
     // 32 TiB: no allocator gives that on these machines.
-    let huge = RemoteRegion {
+    let huge = rdma_rpc_core::proto::RemoteRegion {
         addr: 0x1000,
         len: 1 << 45,
         rkey: 7,

@@ -8,10 +8,10 @@
 use std::time::{Duration, Instant};
 
 use rdma_rpc::__private::{decode_args, decode_args_bulk, decode_ret};
+use rdma_rpc_core::proto::RemoteRegion;
 use rdma_rpc_core::proto::{
     decode_desc, encode_desc, Event, Header, Hello, Payload, RequestBody, Session, SessionConfig, Token, Transmit,
 };
-use rdma_rpc_core::transport::RemoteRegion;
 use serde::Deserialize;
 
 /// The frame decoder: a header, then a rendezvous descriptor in its body; what decodes

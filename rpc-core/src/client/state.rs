@@ -91,7 +91,7 @@ impl State {
             .response_hint
             .map(|h| h.min(max))
             .filter(|&h| conn.session.is_rendezvous(h));
-        let result = (|| {
+        let result = (|| -> Result<u32, RpcError> {
             let p = match payload {
                 Outgoing::Vec(v) if conn.session.is_rendezvous(v.len()) => {
                     // The vector itself where registering is cheap, else a copy.
@@ -141,14 +141,14 @@ impl State {
                 Some(h) => {
                     let want = h.saturating_add(LANDING_PREFIX);
                     let (buf, mr) = conn.stash.take(want, crate::stash::Role::Land)?;
-                    let mut desc = mr.remote();
+                    let mut desc = crate::region::desc(mr.remote());
                     desc.len = want as u64;
                     staged[1] = Some(buf);
                     Some((desc, buf))
                 }
                 None => None,
             };
-            conn.session.start_call(method, p, landing, opts.deadline, now)
+            Ok(conn.session.start_call(method, p, landing, opts.deadline, now)?)
         })();
         match result {
             Ok(call) => {
@@ -211,7 +211,7 @@ impl State {
     pub(super) fn settle(&mut self) {
         while let Some(ev) = self.conn.session.poll_event() {
             if let Event::CallDone { call, result } = ev {
-                let result = result.and_then(|r| match r {
+                let result = result.map_err(RpcError::from).and_then(|r| match r {
                     Reply::Bytes(b) => Ok(Body::Bytes(b)),
                     Reply::Inline(b) => Ok(Body::Inline(b)),
                     Reply::Landed { buf } => self.conn.stash.landed(buf).map(Body::Bytes),

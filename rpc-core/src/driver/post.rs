@@ -141,7 +141,8 @@ impl Conn {
                 let local = match target {
                     Ok(x) => x,
                     Err(e) => {
-                        self.session.handle_read_done(token, Err(e), Instant::now());
+                        self.session
+                            .handle_read_done(token, Err(CallError::Local(LocalError::new(e))), Instant::now());
                         return Ok(());
                     }
                 };
@@ -154,7 +155,7 @@ impl Conn {
                     (
                         READ | k,
                         SendOp::Read {
-                            remote: remote.at(off as u64),
+                            remote: crate::region::at(&remote, off as u64),
                         },
                     )
                 });
@@ -170,7 +171,7 @@ impl Conn {
                 };
                 let (wrs, job) = self.pieces(mr, LANDING_PREFIX + len, buf, None, |off, last| {
                     let op = SendOp::Write {
-                        remote: remote.at(off as u64),
+                        remote: crate::region::at(&remote, off as u64),
                         imm: last.then_some(imm),
                     };
                     (WRITE | buf, op)

@@ -42,17 +42,12 @@ impl Session {
             bytes: 0,
             counts: true,
             lent_at: None,
+            arrived: now,
         };
         if h.flags & FLAG_RENDEZVOUS != 0 {
             let (desc, _) = decode_desc(rest)?;
             if desc.len > self.cfg.max_payload {
-                self.reply_error(
-                    call,
-                    &RpcError::PayloadTooLarge {
-                        len: desc.len,
-                        max: self.cfg.max_payload,
-                    },
-                );
+                self.reply_error(call, ErrorReply::too_large(desc.len, self.cfg.max_payload));
                 return Ok(());
             }
             self.active += 1;
@@ -235,7 +230,7 @@ impl Session {
     /// caller's landing buffer when it advertised one big enough, and lent for the caller to
     /// read otherwise. A response to a call that was cancelled or timed out is dropped (a lent
     /// buffer is released at once).
-    pub fn respond(&mut self, call: u32, result: Result<Payload, RpcError>) {
+    pub fn respond(&mut self, call: u32, result: Result<Payload, ErrorReply>) {
         let running = matches!(self.served.get(call).map(|s| &s.state), Some(Serving::Running));
         if !running {
             if let Ok(Payload::Lent { buf, .. } | Payload::Placed { buf, .. }) = result {
@@ -260,7 +255,7 @@ impl Session {
                 }
                 Err(e) => {
                     self.actions.push_back(Transmit::Release(buf));
-                    self.reply_error(call, &RpcError::Internal(e.to_string()));
+                    self.reply_error(call, ErrorReply::internal(e.to_string()));
                 }
             },
             Ok(Payload::Eager(bytes)) if bytes.len() <= self.cfg.eager_max => {
@@ -269,19 +264,13 @@ impl Session {
             Ok(Payload::Eager(bytes)) => {
                 self.reply_error(
                     call,
-                    &RpcError::Internal(format!("eager response of {} bytes above eager_max", bytes.len())),
+                    ErrorReply::internal(format!("eager response of {} bytes above eager_max", bytes.len())),
                 );
             }
             Ok(Payload::Lent { desc, buf }) => {
                 if desc.len > self.cfg.max_payload {
                     self.actions.push_back(Transmit::Release(buf));
-                    self.reply_error(
-                        call,
-                        &RpcError::PayloadTooLarge {
-                            len: desc.len,
-                            max: self.cfg.max_payload,
-                        },
-                    );
+                    self.reply_error(call, ErrorReply::too_large(desc.len, self.cfg.max_payload));
                     return;
                 }
                 let landing = self.served.get(call).and_then(|s| s.landing);
@@ -313,12 +302,12 @@ impl Session {
                     }
                 }
             }
-            Err(e) => self.reply_error(call, &e),
+            Err(e) => self.reply_error(call, e),
         }
     }
 
-    pub(super) fn reply_error(&mut self, call: u32, e: &RpcError) {
-        let (status, msg) = e.to_wire();
+    pub(super) fn reply_error(&mut self, call: u32, e: ErrorReply) {
+        let ErrorReply { status, message: msg } = e;
         // A message longer than an eager payload is cut, at a character's boundary.
         let mut end = msg.len().min(self.cfg.eager_max.max(64));
         while !msg.is_char_boundary(end) {
@@ -342,9 +331,9 @@ impl Session {
         match self.served.get_mut(call).map(|s| &mut s.state) {
             Some(Serving::Running) => {
                 self.events.push_back(Event::Abort { call });
-                self.reply_error(call, &RpcError::Cancelled);
+                self.reply_error(call, ErrorReply::cancelled());
             }
-            Some(Serving::Queued(_)) => self.reply_error(call, &RpcError::Cancelled),
+            Some(Serving::Queued(_)) => self.reply_error(call, ErrorReply::cancelled()),
             Some(Serving::Reading) => {
                 if let Some(s) = self.served.get_mut(call) {
                     s.cancelled = true;

@@ -16,7 +16,7 @@ use foldhash::HashSet;
 use super::calls::CallMap;
 use std::time::{Duration, Instant};
 
-use rdma_rpc_transport::RemoteRegion;
+use crate::RemoteRegion;
 
 use super::batch;
 use super::credits::Credits;
@@ -26,7 +26,7 @@ use super::header::{
 };
 use super::inline::Inline;
 use super::ProtoError;
-use crate::{RpcError, Status};
+use crate::{CallError, ErrorReply, Status};
 
 mod calls;
 mod fragments;
@@ -321,7 +321,7 @@ pub enum Event {
         /// The call.
         call: u32,
         /// Its result.
-        result: Result<Reply, RpcError>,
+        result: Result<Reply, CallError>,
     },
     /// A request arrived: run the handler for `method`, then [`Session::respond`].
     Request {
@@ -385,6 +385,9 @@ struct ServerCall {
     /// When its answer was lent, as [`Session::handle_timeout`] first saw it
     /// ([`Session::limit_lent`]).
     lent_at: Option<Instant>,
+    /// The `now` its request came with: no later than any time the driver reads afterwards,
+    /// so an answer lent and not stamped yet is due at it ([`Session::poll_timeout`]).
+    arrived: Instant,
 }
 
 enum Out {
@@ -623,15 +626,15 @@ impl Session {
     }
 
     /// Whether short messages queued at the same time go out together, in one Send
-    /// ([`FLAG_MORE`](crate::proto::FLAG_MORE)): only towards a peer that takes batches (it
-    /// says so in its [`Hello`](crate::proto::Hello); every session takes them). Off by
+    /// ([`FLAG_MORE`](crate::FLAG_MORE)): only towards a peer that takes batches (it
+    /// says so in its [`Hello`](crate::Hello); every session takes them). Off by
     /// default.
     pub fn batch(&mut self, yes: bool) {
         self.batch = yes;
     }
 
     /// Whether the peer takes whole requests and responses between the pieces of a longer
-    /// message (it says so in its [`Hello`](crate::proto::Hello); every session takes them).
+    /// message (it says so in its [`Hello`](crate::Hello); every session takes them).
     /// When it does, a message that goes out in pieces no longer holds up the calls queued
     /// behind it: each piece may be followed by one such message, so short calls get through
     /// while a long one is on its way, and the long one still gets every other turn.
@@ -736,7 +739,7 @@ impl Session {
             consider(s.deadline, matches!(s.state, Serving::Running | Serving::Queued(_)));
             if let (Some(t), Serving::Lent(_)) = (self.lent_timeout, &s.state) {
                 // Not seen by `handle_timeout` yet: due at once, to be stamped.
-                consider(Some(s.lent_at.map_or_else(Instant::now, |at| at + t)), true);
+                consider(Some(s.lent_at.map_or(s.arrived, |at| at + t)), true);
             }
         }
         if !any {

@@ -1,6 +1,6 @@
 //! The fixed little-endian message header, and rendezvous descriptors.
 
-use rdma_rpc_transport::RemoteRegion;
+use crate::RemoteRegion;
 
 use super::ProtoError;
 

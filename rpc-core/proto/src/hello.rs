@@ -15,14 +15,14 @@ pub struct Hello {
     /// Largest payload the sender accepts.
     pub max_payload: u64,
     /// Requests of the connection the sender serves at once
-    /// ([`Config::max_concurrent_requests`](crate::Config::max_concurrent_requests)); 0 when it did not say (no limit).
+    /// (rdma-rpc-core's `Config::max_concurrent_requests`); 0 when it did not say (no limit).
     pub max_requests: u32,
     /// What the sender's protocol takes beyond version 3's first form
     /// ([`Hello::TAKES_INTERLEAVED`], [`Hello::TAKES_BATCHES`]); 0 from a peer built before
     /// the field.
     pub flags: u32,
     /// Bytes of request bodies the sender serves at once
-    /// ([`Config::max_request_bytes_in_flight`](crate::Config::max_request_bytes_in_flight)); 0 when it did not say (no limit).
+    /// (rdma-rpc-core's `Config::max_request_bytes_in_flight`); 0 when it did not say (no limit).
     pub max_request_bytes: u64,
 }
 
@@ -32,7 +32,7 @@ impl Hello {
     /// In [`Hello::flags`]: the sender takes whole requests and responses between the pieces
     /// of a longer message and wants them so
     /// ([`Session::interleave`](super::Session::interleave)); without it (an earlier
-    /// peer, or [`Config::interleave`](crate::Config::interleave) off) its peer sends pieces back to back.
+    /// peer, or rdma-rpc-core's `Config::interleave` off) its peer sends pieces back to back.
     pub const TAKES_INTERLEAVED: u32 = 1;
 
     /// [`Hello::flags`] bit: the sender takes several short messages in one Send
@@ -65,14 +65,18 @@ impl Hello {
     ///
     /// # Examples
     /// ```
-    /// use rdma_rpc_core::{proto::Hello, Config};
-    /// let hello = Hello::from_config(&Config { max_concurrent_requests: 8, ..Config::default() });
+    /// use rdma_rpc_proto::Hello;
+    /// let hello = Hello {
+    ///     ring: 64,
+    ///     eager_threshold: 16 << 10,
+    ///     max_payload: 256 << 20,
+    ///     max_requests: 8,
+    ///     flags: Hello::TAKES_INTERLEAVED | Hello::TAKES_BATCHES,
+    ///     max_request_bytes: 1 << 30,
+    /// };
     /// let bytes = hello.encode();
     /// assert_eq!(Hello::decode(&bytes), Some(hello));
     /// assert_eq!(bytes.len(), Hello::LEN);
-    /// assert_eq!(hello.flags & Hello::TAKES_INTERLEAVED, Hello::TAKES_INTERLEAVED);
-    /// let in_order = Hello::from_config(&Config { interleave: false, ..Config::default() });
-    /// assert_eq!(in_order.flags & Hello::TAKES_INTERLEAVED, 0);
     /// // A peer of an earlier build: a request limit, then nothing.
     /// let old = Hello::decode(&bytes[..25]).expect("an earlier hello");
     /// assert_eq!((old.max_requests, old.flags, old.max_request_bytes), (8, 0, 0));

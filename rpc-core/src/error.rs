@@ -1,51 +1,6 @@
-//! Status codes of responses, and the caller-facing error type.
+//! The caller-facing error type, and the transport failures under it.
 
-/// The status carried by a response header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u16)]
-#[non_exhaustive]
-pub enum Status {
-    /// The handler returned a value.
-    Ok = 0,
-    /// No handler is registered for the method id.
-    UnknownMethod = 1,
-    /// The server could not decode the request.
-    BadRequest = 2,
-    /// The handler panicked; the server lives on.
-    HandlerPanic = 3,
-    /// The request or response is above the configured maximum payload.
-    PayloadTooLarge = 4,
-    /// The call's deadline passed at the server.
-    DeadlineExceeded = 5,
-    /// The caller cancelled the call.
-    Cancelled = 6,
-    /// The handler returned an application error.
-    Application = 7,
-    /// The server failed for a reason of its own (e.g. it could not fetch the request).
-    Internal = 8,
-    /// The server was serving as many requests of the connection as it allows at once
-    /// ([`Config::max_concurrent_requests`](crate::Config::max_concurrent_requests)): the
-    /// request was not run.
-    Overloaded = 9,
-}
-
-impl Status {
-    /// From the wire; unknown codes become [`Status::Internal`].
-    pub fn from_u16(v: u16) -> Self {
-        match v {
-            0 => Status::Ok,
-            1 => Status::UnknownMethod,
-            2 => Status::BadRequest,
-            3 => Status::HandlerPanic,
-            4 => Status::PayloadTooLarge,
-            5 => Status::DeadlineExceeded,
-            6 => Status::Cancelled,
-            7 => Status::Application,
-            9 => Status::Overloaded,
-            _ => Status::Internal,
-        }
-    }
-}
+use rdma_rpc_proto::{CallError, ErrorReply, Status};
 
 /// Why a call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -238,7 +193,7 @@ impl RpcError {
     /// The status and message a server sends for this error returned by a handler. Errors that
     /// promise the call did not run ([`RpcError::Overloaded`], [`RpcError::ShuttingDown`]) go
     /// as [`Status::Internal`]: the handler ran. The session sends those statuses itself.
-    pub fn to_wire(&self) -> (Status, String) {
+    pub fn to_wire(&self) -> ErrorReply {
         let status = match self {
             RpcError::UnknownMethod(_) => Status::UnknownMethod,
             RpcError::BadRequest(_) => Status::BadRequest,
@@ -258,7 +213,7 @@ impl RpcError {
             RpcError::PayloadTooLarge { len, max } => format!("{len}/{max}"),
             other => other.to_string(),
         };
-        (status, msg)
+        ErrorReply::new(status, msg)
     }
 
     /// The error a caller sees for a response with `status` and body `msg`.
@@ -283,6 +238,32 @@ impl RpcError {
             Status::Overloaded => RpcError::Overloaded {
                 limit: text.parse().unwrap_or(0),
             },
+            _ => RpcError::Internal(text),
+        }
+    }
+}
+
+/// The session's reasons, as a caller sees them.
+impl From<CallError> for RpcError {
+    fn from(e: CallError) -> Self {
+        match e {
+            CallError::Remote {
+                status,
+                method,
+                message,
+            } => RpcError::from_wire(status, method, message.as_bytes()),
+            CallError::PayloadTooLarge { len, max } => RpcError::PayloadTooLarge { len, max },
+            CallError::DeadlineExceeded => RpcError::DeadlineExceeded,
+            CallError::Cancelled => RpcError::Cancelled,
+            CallError::ConnectionLost(why) => RpcError::ConnectionLost(why),
+            CallError::Protocol(why) => RpcError::Protocol(why),
+            CallError::ShuttingDown => RpcError::ShuttingDown,
+            // The driver's own error, passed through the session.
+            CallError::Local(e) => e
+                .downcast_ref::<RpcError>()
+                .cloned()
+                .unwrap_or_else(|| RpcError::Internal(e.to_string())),
+            other => RpcError::Protocol(other.to_string()),
         }
     }
 }

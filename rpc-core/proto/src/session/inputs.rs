@@ -114,7 +114,7 @@ impl Session {
             Kind::GoAway => {
                 self.theirs = self.theirs.max(Shutdown::GoingAway);
                 // Never sent, so never run: safe to retry elsewhere.
-                self.fail_held_back(&RpcError::ShuttingDown);
+                self.fail_held_back(&CallError::ShuttingDown);
                 Ok(())
             }
             Kind::Close => {
@@ -149,7 +149,7 @@ impl Session {
     }
 
     /// A [`Transmit::Read`] finished with these bytes (or failed).
-    pub fn handle_read_done(&mut self, token: Token, result: Result<Vec<u8>, RpcError>, now: Instant) {
+    pub fn handle_read_done(&mut self, token: Token, result: Result<Vec<u8>, CallError>, now: Instant) {
         match token {
             Token::Response(call) => {
                 if !self.calls.contains_key(call) {
@@ -166,7 +166,7 @@ impl Session {
     /// request in held buffer `buf` (read into from its start, `len` bytes) to hand it to the
     /// application without a copy. When no handler will run (cancelled, or the call is gone),
     /// the buffer comes back as a [`Transmit::Release`].
-    pub fn handle_request_read(&mut self, call: u32, result: Result<(BufId, usize), RpcError>, now: Instant) {
+    pub fn handle_request_read(&mut self, call: u32, result: Result<(BufId, usize), CallError>, now: Instant) {
         let buf = result.as_ref().ok().map(|&(b, _)| b);
         let runs = self.served.get(call).is_some_and(|s| !s.cancelled);
         if !runs || result.is_err() {
@@ -177,7 +177,7 @@ impl Session {
         self.request_fetched(call, result.map(|(buf, len)| RequestBody::Held { buf, len }), now);
     }
 
-    pub(super) fn request_fetched(&mut self, call: u32, result: Result<RequestBody, RpcError>, now: Instant) {
+    pub(super) fn request_fetched(&mut self, call: u32, result: Result<RequestBody, CallError>, now: Instant) {
         let Some(sc) = self.served.get_mut(call) else { return };
         let (cancelled, method) = (sc.cancelled, sc.method);
         let was_read = std::mem::replace(&mut sc.state, Serving::Running);
@@ -186,8 +186,8 @@ impl Session {
             self.read_ended(bytes);
         }
         match result {
-            _ if cancelled => self.reply_error(call, &RpcError::Cancelled),
-            Err(e) => self.reply_error(call, &RpcError::Internal(format!("fetching the request: {e}"))),
+            _ if cancelled => self.reply_error(call, ErrorReply::cancelled()),
+            Err(e) => self.reply_error(call, ErrorReply::internal(format!("fetching the request: {e}"))),
             Ok(payload) => {
                 let budget = self
                     .served

@@ -12,7 +12,7 @@ use foldhash::HashMap;
 use std::hash::Hash;
 
 /// An id: a call's (`u32`) or a buffer's (`u64`), whose low bits index the array.
-pub(crate) trait Key: Copy + Eq + Hash {
+pub trait Key: Copy + Eq + Hash {
     /// The id's low bits (as many as fit a `usize`).
     fn low(self) -> usize;
 }
@@ -37,8 +37,10 @@ const INITIAL: usize = 16;
 /// cannot make it large.
 const MAX_DIRECT: usize = 1 << 14;
 
-/// Calls by id. See the [module docs](self).
-pub(crate) struct CallMap<K, V> {
+/// Calls (or buffers) by id, indexed by the id's low bits: ids handed out in sequence find
+/// their entry with one comparison and no hash; an id whose index another live entry holds goes
+/// to an overflow hash map, so any ids work.
+pub struct CallMap<K, V> {
     /// `slots.len()` is a power of two; an entry sits at `id & (len - 1)` or in `overflow`.
     slots: Vec<Option<(K, V)>>,
     overflow: HashMap<K, V>,
@@ -63,19 +65,24 @@ impl<K: Key, V> CallMap<K, V> {
     }
 
     /// Number of calls.
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.direct + self.overflow.len()
+    }
+
+    /// Whether there are no calls.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// Whether `id` is in the table.
     #[inline]
-    pub(crate) fn contains_key(&self, id: K) -> bool {
+    pub fn contains_key(&self, id: K) -> bool {
         self.get(id).is_some()
     }
 
     /// The call `id`.
     #[inline]
-    pub(crate) fn get(&self, id: K) -> Option<&V> {
+    pub fn get(&self, id: K) -> Option<&V> {
         match &self.slots[self.index(id)] {
             Some((k, v)) if *k == id => Some(v),
             _ if self.overflow.is_empty() => None,
@@ -85,7 +92,7 @@ impl<K: Key, V> CallMap<K, V> {
 
     /// The call `id`, to change.
     #[inline]
-    pub(crate) fn get_mut(&mut self, id: K) -> Option<&mut V> {
+    pub fn get_mut(&mut self, id: K) -> Option<&mut V> {
         let i = self.index(id);
         let here = matches!(&self.slots[i], Some((k, _)) if *k == id);
         if here {
@@ -99,7 +106,7 @@ impl<K: Key, V> CallMap<K, V> {
 
     /// Adds `v` as call `id`; gives back the value it replaces.
     #[inline]
-    pub(crate) fn insert(&mut self, id: K, v: V) -> Option<V> {
+    pub fn insert(&mut self, id: K, v: V) -> Option<V> {
         if let Some(old) = self.get_mut(id) {
             return Some(std::mem::replace(old, v));
         }
@@ -137,7 +144,7 @@ impl<K: Key, V> CallMap<K, V> {
 
     /// Takes call `id` out.
     #[inline]
-    pub(crate) fn remove(&mut self, id: K) -> Option<V> {
+    pub fn remove(&mut self, id: K) -> Option<V> {
         let i = self.index(id);
         if matches!(&self.slots[i], Some((k, _)) if *k == id) {
             self.direct -= 1;
@@ -150,18 +157,18 @@ impl<K: Key, V> CallMap<K, V> {
     }
 
     /// Every call, in no particular order.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (K, &V)> {
+    pub fn iter(&self) -> impl Iterator<Item = (K, &V)> {
         let direct = self.slots.iter().flatten().map(|(k, v)| (*k, v));
         direct.chain(self.overflow.iter().map(|(k, v)| (*k, v)))
     }
 
     /// Every call's value, in no particular order.
-    pub(crate) fn values(&self) -> impl Iterator<Item = &V> {
+    pub fn values(&self) -> impl Iterator<Item = &V> {
         self.iter().map(|(_, v)| v)
     }
 
     /// Takes every call out.
-    pub(crate) fn drain(&mut self) -> Vec<(K, V)> {
+    pub fn drain(&mut self) -> Vec<(K, V)> {
         self.direct = 0;
         let mut all: Vec<(K, V)> = self.slots.iter_mut().filter_map(Option::take).collect();
         all.extend(self.overflow.drain());

@@ -7,9 +7,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
-use rdma_rpc_core::proto::*;
-use rdma_rpc_core::transport::RemoteRegion;
-use rdma_rpc_core::RpcError;
+use rdma_rpc_proto::*;
 
 const RING: u32 = 8;
 
@@ -39,7 +37,7 @@ struct Side {
     inbox: VecDeque<Wire>,
     /// Reads and writes this side's NIC has yet to run against the peer.
     rdma: VecDeque<Transmit>,
-    done: HashMap<u32, Result<Reply, RpcError>>,
+    done: HashMap<u32, Result<Reply, CallError>>,
     /// Requests for the handler: call, bytes, and the receive slot it holds (in-slot mode).
     requests: Vec<(u32, Vec<u8>, Option<u64>)>,
     aborted: HashSet<u32>,
@@ -192,7 +190,7 @@ impl Side {
         landing: Option<usize>,
         budget: Option<Duration>,
         now: Instant,
-    ) -> Result<u32, RpcError> {
+    ) -> Result<u32, CallError> {
         let p = self.payload(pattern(len, len as u8), landing.is_some());
         let staged = match &p {
             Payload::Lent { buf, .. } | Payload::Placed { buf, .. } => Some(*buf),
@@ -563,14 +561,14 @@ fn placed_payloads_are_checked_and_given_back_when_unsent() {
     let mut s = Session::new(cfg());
     assert!(s.fits_placed(piece) && !s.fits_placed(piece + 1));
     let too_long = s.start_call(1, Payload::Placed { buf: 1, len: piece + 1 }, None, None, now);
-    assert!(matches!(too_long, Err(RpcError::Protocol(_))), "{too_long:?}");
+    assert!(matches!(too_long, Err(CallError::Protocol(_))), "{too_long:?}");
     let landing = RemoteRegion {
         addr: 9,
         len: 100,
         rkey: 1,
     };
     let with_landing = s.start_call(1, Payload::Placed { buf: 2, len: 4 }, Some((landing, 9)), None, now);
-    assert!(matches!(with_landing, Err(RpcError::Protocol(_))), "{with_landing:?}");
+    assert!(matches!(with_landing, Err(CallError::Protocol(_))), "{with_landing:?}");
     assert!(s.poll_transmit().is_none(), "a refused call sends nothing");
     // Queued, then the connection dies before it leaves: the buffer comes back.
     for _ in 0..RING {
@@ -834,7 +832,7 @@ fn deadline_fails_the_call_and_aborts_the_handler() {
     b.s.handle_timeout(later);
     a.drain_events();
     b.drain_events();
-    assert_eq!(a.done.get(&id), Some(&Err(RpcError::DeadlineExceeded)));
+    assert_eq!(a.done.get(&id), Some(&Err(CallError::DeadlineExceeded)));
     assert!(
         b.aborted.contains(&b.requests[0].0),
         "the server aborts the late handler"
@@ -891,12 +889,12 @@ fn peer_crash_fails_every_pending_call_at_once() {
     a.drain_events();
     pump(&mut a, &mut b);
     for id in ids {
-        assert!(matches!(a.done.get(&id), Some(Err(RpcError::ConnectionLost(_)))));
+        assert!(matches!(a.done.get(&id), Some(Err(CallError::ConnectionLost(_)))));
     }
     assert!(a.lent.is_empty(), "all buffers back: no peer can reach them");
     assert!(matches!(
         a.s.start_call(1, Payload::Eager(vec![]), None, None, now),
-        Err(RpcError::ConnectionLost(_))
+        Err(CallError::ConnectionLost(_))
     ));
     drop(b);
 }
@@ -1025,7 +1023,7 @@ fn only_offered_slots_of_methods_and_calls_that_ask_are_kept() {
     }
     while let Some(Event::Request { call, .. }) = b.poll_event() {
         let r = if call == ids[2] {
-            Err(RpcError::Internal("no".into()))
+            Err(ErrorReply::new(Status::Internal, "no"))
         } else {
             Ok(Payload::Eager(pattern(16, 1)))
         };
@@ -1326,9 +1324,9 @@ proptest! {
         for (id, (req, resp)) in &started {
             match a.done.get(id) {
                 Some(Ok(r)) => prop_assert_eq!(reply_bytes(&a, r), expected_response(*req, *resp)),
-                Some(Err(RpcError::DeadlineExceeded | RpcError::Cancelled)) => {}
-                Some(Err(RpcError::Overloaded { limit })) if limited == 2 => {
-                    prop_assert_eq!(*limit, max_requests as u64);
+                Some(Err(CallError::DeadlineExceeded | CallError::Cancelled)) => {}
+                Some(Err(CallError::Remote { status: Status::Overloaded, message, .. })) if limited == 2 => {
+                    prop_assert_eq!(message.parse::<u64>().ok(), Some(max_requests as u64));
                     prop_assert!(!b.ran.contains(id), "call {} was refused as overloaded, yet ran", id);
                 }
                 Some(Err(e)) => prop_assert!(false, "call {} failed: {}", id, e),
@@ -1494,7 +1492,7 @@ fn go_away_serves_what_was_sent_refuses_new_calls_and_closes_when_drained() {
     assert!(!b.s.is_closed(), "no Close while two requests are being served");
     assert_eq!(
         a.s.start_call(1, Payload::Eager(vec![1]), None, None, now),
-        Err(RpcError::ShuttingDown),
+        Err(CallError::ShuttingDown),
         "no new call starts after GoAway"
     );
     // The handler answers both: the responses come, then Close.
@@ -1508,7 +1506,7 @@ fn go_away_serves_what_was_sent_refuses_new_calls_and_closes_when_drained() {
     assert!(a.s.is_lost(), "the client's session ends with the server's Close");
     assert_eq!(
         a.s.start_call(1, Payload::Eager(vec![1]), None, None, now),
-        Err(RpcError::ShuttingDown),
+        Err(CallError::ShuttingDown),
         "after Close a call still fails as not run, not as a lost connection"
     );
     assert!(
@@ -1537,7 +1535,7 @@ fn a_request_that_crosses_close_is_not_run_and_fails_as_not_run() {
     );
     assert!(b.rdma.is_empty(), "nor is a lent request read");
     for id in [late, rendezvous] {
-        assert_eq!(a.done.remove(&id), Some(Err(RpcError::ShuttingDown)), "call {id}");
+        assert_eq!(a.done.remove(&id), Some(Err(CallError::ShuttingDown)), "call {id}");
     }
     assert!(a.lent.is_empty(), "the lent request's buffer is the client's again");
     assert!(a.s.is_lost());
@@ -1596,7 +1594,7 @@ proptest! {
                     match a.try_call(x, landing, budget, now) {
                         Ok(id) => { started.insert(id, (x, resp_for(x))); }
                         Err(e) => {
-                            prop_assert_eq!(e, RpcError::ShuttingDown);
+                            prop_assert_eq!(e, CallError::ShuttingDown);
                             prop_assert!(i > stop_at, "a call refused before the shutdown");
                         }
                     }
@@ -1625,10 +1623,10 @@ proptest! {
                     prop_assert!(b.ran.contains(id), "call {} answered without running", id);
                     prop_assert_eq!(reply_bytes(&a, r), expected_response(*req, *resp));
                 }
-                Some(Err(RpcError::ShuttingDown)) => {
+                Some(Err(CallError::ShuttingDown)) => {
                     prop_assert!(!b.ran.contains(id), "call {} ran but failed as not run", id);
                 }
-                Some(Err(RpcError::DeadlineExceeded)) => {}
+                Some(Err(CallError::DeadlineExceeded)) => {}
                 Some(Err(e)) => prop_assert!(false, "call {} failed: {}", id, e),
                 // Cancelled by the caller (its future dropped): no result to give.
                 None => {}
@@ -1658,7 +1656,14 @@ fn a_server_refuses_requests_beyond_its_limit_unrun() {
     exchange(&mut a, &mut b, now);
     assert_eq!(b.requests.len(), 2, "two requests at the handler");
     assert_eq!(b.s.unanswered(), 2);
-    assert_eq!(a.done.get(&ids[2]), Some(&Err(RpcError::Overloaded { limit: 2 })));
+    assert!(
+        matches!(
+            a.done.get(&ids[2]),
+            Some(Err(CallError::Remote { status: Status::Overloaded, message, .. })) if message == "2"
+        ),
+        "{:?}",
+        a.done.get(&ids[2])
+    );
     // Once one is answered, the next call is served.
     serve(&mut b, |n| n);
     let again = a.call(20, None, None, now);
@@ -1686,7 +1691,7 @@ fn a_client_holds_calls_beyond_the_servers_limit_back_until_earlier_ones_finish(
     a.s.cancel(ids[3]);
     a.s.handle_timeout(now + Duration::from_millis(2));
     a.drain_events();
-    assert_eq!(a.done.get(&late), Some(&Err(RpcError::DeadlineExceeded)));
+    assert_eq!(a.done.get(&late), Some(&Err(CallError::DeadlineExceeded)));
     assert_eq!(a.s.held_back_calls(), 3);
     settle(&mut a, &mut b, now, |n| n + 1);
     for (i, id) in ids.iter().enumerate() {
@@ -1715,7 +1720,7 @@ fn calls_held_back_when_the_server_goes_away_fail_as_not_run() {
     b.s.go_away();
     exchange(&mut a, &mut b, now);
     for id in waiting {
-        assert_eq!(a.done.remove(&id), Some(Err(RpcError::ShuttingDown)), "call {id}");
+        assert_eq!(a.done.remove(&id), Some(Err(CallError::ShuttingDown)), "call {id}");
     }
     settle(&mut a, &mut b, now, |n| n);
     assert!(a.done.remove(&sent).expect("answered").is_ok());
@@ -1778,7 +1783,7 @@ fn a_request_waiting_for_bytes_can_be_cancelled_or_time_out() {
     b.drain_events();
     assert!(b.aborted.is_empty(), "no handler ran for it, none to abort");
     exchange(&mut a, &mut b, later);
-    assert_eq!(a.done.remove(&timed), Some(Err(RpcError::DeadlineExceeded)));
+    assert_eq!(a.done.remove(&timed), Some(Err(CallError::DeadlineExceeded)));
     settle(&mut a, &mut b, later, |n| n);
     assert!(a.done.remove(&first).expect("answered").is_ok());
     assert!(!b.ran.contains(&cancelled) && !b.ran.contains(&timed));
@@ -1799,12 +1804,12 @@ fn calls_held_back_when_the_connection_is_lost_say_they_never_ran() {
     pump(&mut a, &mut b);
     assert_eq!(
         a.done.remove(&sent),
-        Some(Err(RpcError::ConnectionLost("peer died".into()))),
+        Some(Err(CallError::ConnectionLost("peer died".into()))),
         "a call that was sent may have run: no more is known"
     );
     for id in waiting {
         match a.done.remove(&id) {
-            Some(Err(RpcError::ConnectionLost(m))) => assert!(m.contains("never sent"), "{m}"),
+            Some(Err(CallError::ConnectionLost(m))) => assert!(m.contains("never sent"), "{m}"),
             other => panic!("call {id}: {other:?}"),
         }
     }
@@ -2100,7 +2105,7 @@ fn answers_count_until_they_leave_so_a_peer_taking_none_holds_the_server_to_its_
         while let Some(t) = s.poll_transmit() {
             if let Transmit::Send(m) = t {
                 let (h, _) = Header::decode(&m.to_vec()).expect("a header");
-                if h.status == rdma_rpc_core::Status::Overloaded as u16 {
+                if h.status == rdma_rpc_proto::Status::Overloaded as u16 {
                     refused += 1;
                 } else {
                     went += 1;
@@ -2153,7 +2158,7 @@ fn a_lent_answer_nobody_reads_ends_the_connection_after_its_time() {
     let refusal = sent(&mut s);
     assert_eq!(
         Header::decode(&refusal).expect("a header").0.status,
-        rdma_rpc_core::Status::Overloaded as u16
+        rdma_rpc_proto::Status::Overloaded as u16
     );
     // The session wants the clock once, to note when the answer was lent.
     assert!(s.poll_timeout().is_some_and(|d| d <= Instant::now()));
@@ -2248,7 +2253,7 @@ fn a_server_that_gives_nothing_back_holds_the_client_to_its_credits_and_its_call
         );
         assert_eq!(a.done.len(), 200, "every call ended");
         assert!(
-            a.done.values().all(|r| matches!(r, Err(RpcError::DeadlineExceeded))),
+            a.done.values().all(|r| matches!(r, Err(CallError::DeadlineExceeded))),
             "every call ended by its deadline"
         );
     }

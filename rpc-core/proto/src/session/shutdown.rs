@@ -18,7 +18,7 @@ impl Session {
             }
             self.events.push_back(Event::CallDone {
                 call,
-                result: Err(RpcError::DeadlineExceeded),
+                result: Err(CallError::DeadlineExceeded),
             });
             if !self.withdraw(call) {
                 self.queue_small(Kind::Cancel, call, 0, Vec::new());
@@ -35,7 +35,7 @@ impl Session {
             if running {
                 self.events.push_back(Event::Abort { call });
             }
-            self.reply_error(call, &RpcError::DeadlineExceeded);
+            self.reply_error(call, ErrorReply::deadline());
         }
         if let Some(t) = self.lent_timeout {
             let lent: Vec<(u32, Option<Instant>)> = self
@@ -69,7 +69,7 @@ impl Session {
     /// peer that its calls still pending were not run. After Close the session serves and sends
     /// nothing more: the driver closes the connection once Close's Send is complete
     /// ([`Session::is_closed`]). Calls of this side's own fail with
-    /// [`RpcError::ShuttingDown`] from now on.
+    /// [`CallError::ShuttingDown`] from now on.
     pub fn go_away(&mut self) {
         if self.ours != Shutdown::None || self.lost.is_some() {
             return;
@@ -93,7 +93,7 @@ impl Session {
     pub(super) fn close_due(&self) -> bool {
         self.ours == Shutdown::GoingAway
             && self.lost.is_none()
-            && self.served.len() == 0
+            && self.served.is_empty()
             && self.queue.is_empty()
             && self.ready.is_none()
             && self.credits.available() >= 1
@@ -113,13 +113,13 @@ impl Session {
     }
 
     /// The peer's Close: the calls still pending were never run there. They fail with
-    /// [`RpcError::ShuttingDown`]; then the connection is over.
+    /// [`CallError::ShuttingDown`]; then the connection is over.
     #[cold]
     pub(super) fn handle_close(&mut self) {
         self.theirs = Shutdown::Closed;
         let calls: Vec<u32> = self.calls.iter().map(|(id, _)| id).collect();
         for call in calls {
-            self.finish_call(call, Err(RpcError::ShuttingDown));
+            self.finish_call(call, Err(CallError::ShuttingDown));
         }
         self.handle_connection_lost("the peer shut the connection down (Close)");
     }
@@ -147,13 +147,13 @@ impl Session {
         }
         if !self.held_back.is_empty() {
             // Known not to have run: said so, for callers that retry only such calls.
-            let e = RpcError::ConnectionLost(format!("{why} (this call was never sent, so it did not run)"));
+            let e = CallError::ConnectionLost(format!("{why} (this call was never sent, so it did not run)"));
             self.fail_held_back(&e);
         }
         self.joining = None;
         let calls: Vec<u32> = self.calls.iter().map(|(id, _)| id).collect();
         for call in calls {
-            self.finish_call(call, Err(RpcError::ConnectionLost(why.to_owned())));
+            self.finish_call(call, Err(CallError::ConnectionLost(why.to_owned())));
         }
         for (call, s) in self.served.drain() {
             match s.state {

@@ -112,7 +112,7 @@ impl<'m> Iterator for Parts<'m> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::{Header, Kind};
+    use crate::{Header, Kind};
 
     fn msg(kind: Kind, body: &[u8], more: bool) -> Vec<u8> {
         let mut h = Header::control(kind);

@@ -8,7 +8,7 @@ impl Session {
     /// deadline: without a budget any instant will do).
     ///
     /// # Errors
-    /// [`RpcError::PayloadTooLarge`]; [`RpcError::ConnectionLost`] after the connection died.
+    /// [`CallError::PayloadTooLarge`]; [`CallError::ConnectionLost`] after the connection died.
     /// On error the caller still owns the buffers it passed.
     pub fn start_call(
         &mut self,
@@ -17,14 +17,14 @@ impl Session {
         landing: Option<(RemoteRegion, BufId)>,
         budget: Option<Duration>,
         now: Instant,
-    ) -> Result<u32, RpcError> {
+    ) -> Result<u32, CallError> {
         // Before the loss: after the peer's Close the connection is lost too, and the caller
         // must learn that this call was not run (and may be retried elsewhere).
         if self.is_going_away() {
-            return Err(RpcError::ShuttingDown);
+            return Err(CallError::ShuttingDown);
         }
         if let Some(why) = &self.lost {
-            return Err(RpcError::ConnectionLost(why.clone()));
+            return Err(CallError::ConnectionLost(why.clone()));
         }
         let (len, eager) = match &payload {
             Payload::Eager(b) => (b.len() as u64, b.len() as u64),
@@ -32,14 +32,14 @@ impl Session {
             Payload::Placed { len, .. } => (*len as u64, *len as u64),
         };
         if len > self.cfg.max_payload {
-            return Err(RpcError::PayloadTooLarge {
+            return Err(CallError::PayloadTooLarge {
                 len,
                 max: self.cfg.max_payload,
             });
         }
         if let Payload::Eager(b) = &payload {
             if b.len() > self.cfg.eager_max {
-                return Err(RpcError::Protocol(format!(
+                return Err(CallError::Protocol(format!(
                     "eager payload of {} bytes above eager_max {}",
                     b.len(),
                     self.cfg.eager_max
@@ -49,7 +49,7 @@ impl Session {
         if let Payload::Placed { len, .. } = payload {
             self.check_placed(len)?;
             if landing.is_some() {
-                return Err(RpcError::Protocol(
+                return Err(CallError::Protocol(
                     "a payload sent from its buffer cannot carry a landing descriptor".into(),
                 ));
             }
@@ -144,11 +144,11 @@ impl Session {
         }
     }
 
-    pub(super) fn check_placed(&self, len: usize) -> Result<(), RpcError> {
+    pub(super) fn check_placed(&self, len: usize) -> Result<(), CallError> {
         if self.fits_placed(len) {
             return Ok(());
         }
-        Err(RpcError::Protocol(format!(
+        Err(CallError::Protocol(format!(
             "a payload of {len} bytes cannot be sent from its buffer in one message (eager_max {}, piece {})",
             self.cfg.eager_max,
             self.cfg.piece()
@@ -190,13 +190,13 @@ impl Session {
         if let Some(Out::Placed { buf, .. }) = self.held_back.remove(i) {
             self.actions.push_back(Transmit::Release(buf));
         }
-        self.finish_call(call, Err(RpcError::Cancelled));
+        self.finish_call(call, Err(CallError::Cancelled));
         true
     }
 
     /// The calls waiting to be sent fail with `e` (the peer's GoAway: they were never sent).
     #[cold]
-    pub(super) fn fail_held_back(&mut self, e: &RpcError) {
+    pub(super) fn fail_held_back(&mut self, e: &CallError) {
         while let Some(out) = self.held_back.pop_front() {
             if let Out::Placed { buf, .. } = out {
                 self.actions.push_back(Transmit::Release(buf));
@@ -207,7 +207,7 @@ impl Session {
         }
     }
 
-    pub(super) fn finish_call(&mut self, call: u32, result: Result<Reply, RpcError>) {
+    pub(super) fn finish_call(&mut self, call: u32, result: Result<Reply, CallError>) {
         let Some(c) = self.calls.remove(call) else { return };
         if c.counted {
             self.call_bytes -= c.bytes;
@@ -277,7 +277,7 @@ impl Session {
                 });
             } else {
                 self.queue_small(Kind::ReadDone, call, 0, Vec::new());
-                self.finish_call(call, Err(RpcError::Cancelled));
+                self.finish_call(call, Err(CallError::Cancelled));
             }
             return Ok(());
         }
@@ -293,7 +293,7 @@ impl Session {
                     None => Reply::Bytes(body.into_owned()),
                 },
             }),
-            s => Err(RpcError::from_wire(s, c.method, &body)),
+            s => Err(CallError::from_wire(s, c.method, &body)),
         };
         self.finish_call(call, result);
         Ok(())

@@ -1,15 +1,15 @@
 //! Short bodies held by value: a request or response of a few dozen bytes reaches a handler that
-//! takes a [`Body`](crate::Body), or a caller of [`Client::call_body`](crate::Client::call_body),
+//! takes a `Body` (rdma-rpc-core), or a caller of `Client::call_body` (rdma-rpc-core),
 //! without a heap allocation (and without a free where it is dropped).
 
 use std::fmt;
 use std::ops::Deref;
 
-/// A body of at most [`Inline::MAX`] bytes, held by value. It makes a [`Body`](crate::Body) no
+/// A body of at most [`Inline::MAX`] bytes, held by value. It makes a `Body` (rdma-rpc-core) no
 /// larger than a registered buffer does, so moving one costs what moving any body costs.
 ///
 /// ```
-/// use rdma_rpc_core::proto::Inline;
+/// use rdma_rpc_proto::Inline;
 /// let b = Inline::new(b"abc").expect("short enough");
 /// assert_eq!(&b[..], b"abc");
 /// assert!(Inline::new(&[0; Inline::MAX + 1]).is_none());

@@ -22,24 +22,30 @@
 mod batch;
 mod calls;
 mod credits;
+mod error;
 mod header;
 mod hello;
 mod inline;
+mod region;
 mod session;
+mod status;
 
 pub use batch::FLAG_MORE;
-pub(crate) use calls::CallMap;
+pub use calls::{CallMap, Key};
 pub use credits::Credits;
+pub use error::{CallError, ErrorReply, LocalError};
 pub use header::{
     decode_desc, encode_desc, Header, Kind, DESC_LEN, FLAG_FRAGMENT, FLAG_LANDING, FLAG_RENDEZVOUS, FRAG_PREFIX,
     HEADER_LEN, VERSION,
 };
 pub use hello::Hello;
 pub use inline::Inline;
+pub use region::RemoteRegion;
 pub use session::{
     BufId, Event, Message, Payload, Reply, RequestBody, Route, Session, SessionConfig, Token, Transmit, FRAGMENT,
     LANDING_PREFIX,
 };
+pub use status::Status;
 
 /// Bytes that are not a valid message, or a message that breaks the protocol.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
