@@ -23,9 +23,16 @@ pub enum RpcError {
         /// The limit.
         max: u64,
     },
-    /// The deadline passed before the response arrived.
+    /// The deadline passed before the response arrived. The server may have run the call
+    /// (or be running it still): see [`RpcError::Expired`] for calls known not to have run.
     #[error("deadline exceeded")]
     DeadlineExceeded,
+    /// The call's deadline passed before it was run: before its request left this side (a
+    /// deadline under a microsecond, the unit the wire carries, or a call that waited for the
+    /// server's limit of requests past its deadline), or before the server started its
+    /// handler. It was not run: retry it with a longer deadline.
+    #[error("the deadline passed before the call was run, so it was not run: give it a longer deadline")]
+    Expired,
     /// The call was cancelled.
     #[error("call cancelled")]
     Cancelled,
@@ -166,7 +173,7 @@ impl Eq for TransportError {}
 impl RpcError {
     /// True when the call certainly did not run on the server, so that retrying it (on this
     /// connection later, or elsewhere) cannot run it twice: [`RpcError::ShuttingDown`],
-    /// [`RpcError::Overloaded`], [`RpcError::ConnectionRefused`], and errors raised before
+    /// [`RpcError::Expired`], [`RpcError::Overloaded`], [`RpcError::ConnectionRefused`], and errors raised before
     /// anything was sent ([`RpcError::Encode`], [`RpcError::Config`]). False for every other
     /// error, including those after which the call may or may not have run
     /// ([`RpcError::ConnectionLost`], [`RpcError::DeadlineExceeded`], [`RpcError::Cancelled`]),
@@ -176,6 +183,7 @@ impl RpcError {
     /// use rdma_rpc_core::RpcError;
     /// assert!(RpcError::ShuttingDown.did_not_run());
     /// assert!(RpcError::Overloaded { limit: 8 }.did_not_run());
+    /// assert!(RpcError::Expired.did_not_run());
     /// assert!(!RpcError::DeadlineExceeded.did_not_run());
     /// assert!(!RpcError::ConnectionLost("reset".into()).did_not_run());
     /// ```
@@ -183,6 +191,7 @@ impl RpcError {
         matches!(
             self,
             RpcError::ShuttingDown
+                | RpcError::Expired
                 | RpcError::Overloaded { .. }
                 | RpcError::ConnectionRefused
                 | RpcError::Encode(_)
@@ -233,6 +242,7 @@ impl RpcError {
             }
             Status::DeadlineExceeded => RpcError::DeadlineExceeded,
             Status::Cancelled => RpcError::Cancelled,
+            Status::Expired => RpcError::Expired,
             Status::Application => RpcError::Application(text),
             Status::Internal => RpcError::Internal(text),
             Status::Overloaded => RpcError::Overloaded {
@@ -254,6 +264,7 @@ impl From<CallError> for RpcError {
             } => RpcError::from_wire(status, method, message.as_bytes()),
             CallError::PayloadTooLarge { len, max } => RpcError::PayloadTooLarge { len, max },
             CallError::DeadlineExceeded => RpcError::DeadlineExceeded,
+            CallError::Expired => RpcError::Expired,
             CallError::Cancelled => RpcError::Cancelled,
             CallError::ConnectionLost(why) => RpcError::ConnectionLost(why),
             CallError::Protocol(why) => RpcError::Protocol(why),

@@ -18,7 +18,7 @@ use crate::driver::{self, Conn, Role, RoleInput};
 use crate::handler::{or_panic, CatchUnwind, Handler, Response};
 use crate::handshake::{self, qp_caps, slot_size};
 use crate::proto::Hello;
-use crate::proto::{Event, Payload, RequestBody};
+use crate::proto::{ErrorReply, Event, Payload, RequestBody, Status};
 use crate::spans::{self, How};
 use crate::stash::Buffers;
 use crate::tasks::Tasks;
@@ -521,6 +521,11 @@ impl Role for ServerRole {
                         }
                     },
                 };
+                // Cancelled (or answered) in the messages that came with it: nobody waits for
+                // its answer, so its handler does not start.
+                if !conn.session.awaits_answer(call) {
+                    return;
+                }
                 let span = crate::spans::serve(method, call, body.len(), budget);
                 // Called through the shared table: no reference count touched per request.
                 let Some(h) = self.handlers.get(&method) else {
@@ -530,6 +535,13 @@ impl Role for ServerRole {
                 };
                 // The deadline the session placed, only for a request that carries a budget.
                 let deadline = budget.and_then(|_| conn.session.served_deadline(call));
+                // Past it before the handler starts (the request waited behind others, or
+                // its budget was shorter than getting here): not run, and the caller is told so.
+                if deadline.is_some_and(|d| d <= std::time::Instant::now()) {
+                    let why = "the deadline passed before the handler started: the call was not run";
+                    conn.session.respond(call, Err(ErrorReply::new(Status::Expired, why)));
+                    return;
+                }
                 let h = match h {
                     Handler::Async(h) => h,
                     Handler::Sync(h) => {

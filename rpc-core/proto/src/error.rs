@@ -27,9 +27,14 @@ pub enum CallError {
         /// The limit.
         max: u64,
     },
-    /// The call's deadline passed before its response arrived.
+    /// The call's deadline passed before its response arrived; the server may have run it.
     #[error("deadline exceeded")]
     DeadlineExceeded,
+    /// The call's deadline passed before the request left this side (a budget under the
+    /// wire's microsecond, or a call that waited its turn too long), or before the server
+    /// started its handler: it was not run.
+    #[error("the deadline passed before the call was run: it was not run")]
+    Expired,
     /// The caller cancelled the call.
     #[error("call cancelled")]
     Cancelled,
@@ -85,6 +90,7 @@ impl CallError {
         match status {
             Status::DeadlineExceeded => CallError::DeadlineExceeded,
             Status::Cancelled => CallError::Cancelled,
+            Status::Expired => CallError::Expired,
             Status::PayloadTooLarge => {
                 let mut it = message.split('/').map(|p| p.parse::<u64>().unwrap_or(0));
                 CallError::PayloadTooLarge {

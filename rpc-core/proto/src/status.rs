@@ -26,6 +26,8 @@ pub enum Status {
     /// The server was serving as many requests of the connection as it allows at once
     /// ([`Session::limit_serving`](crate::Session::limit_serving)): the request was not run.
     Overloaded = 9,
+    /// The call's deadline had passed before its handler started: the request was not run.
+    Expired = 10,
 }
 
 impl Status {
@@ -41,6 +43,7 @@ impl Status {
             6 => Status::Cancelled,
             7 => Status::Application,
             9 => Status::Overloaded,
+            10 => Status::Expired,
             _ => Status::Internal,
         }
     }

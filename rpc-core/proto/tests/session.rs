@@ -1325,6 +1325,9 @@ proptest! {
             match a.done.get(id) {
                 Some(Ok(r)) => prop_assert_eq!(reply_bytes(&a, r), expected_response(*req, *resp)),
                 Some(Err(CallError::DeadlineExceeded | CallError::Cancelled)) => {}
+                Some(Err(CallError::Expired)) => {
+                    prop_assert!(!b.ran.contains(id), "call {} expired unrun, yet ran", id);
+                }
                 Some(Err(CallError::Remote { status: Status::Overloaded, message, .. })) if limited == 2 => {
                     prop_assert_eq!(message.parse::<u64>().ok(), Some(max_requests as u64));
                     prop_assert!(!b.ran.contains(id), "call {} was refused as overloaded, yet ran", id);
@@ -1627,6 +1630,9 @@ proptest! {
                     prop_assert!(!b.ran.contains(id), "call {} ran but failed as not run", id);
                 }
                 Some(Err(CallError::DeadlineExceeded)) => {}
+                Some(Err(CallError::Expired)) => {
+                    prop_assert!(!b.ran.contains(id), "call {} expired unrun, yet ran", id);
+                }
                 Some(Err(e)) => prop_assert!(false, "call {} failed: {}", id, e),
                 // Cancelled by the caller (its future dropped): no result to give.
                 None => {}
@@ -1691,7 +1697,7 @@ fn a_client_holds_calls_beyond_the_servers_limit_back_until_earlier_ones_finish(
     a.s.cancel(ids[3]);
     a.s.handle_timeout(now + Duration::from_millis(2));
     a.drain_events();
-    assert_eq!(a.done.get(&late), Some(&Err(CallError::DeadlineExceeded)));
+    assert_eq!(a.done.get(&late), Some(&Err(CallError::Expired)), "it never left");
     assert_eq!(a.s.held_back_calls(), 3);
     settle(&mut a, &mut b, now, |n| n + 1);
     for (i, id) in ids.iter().enumerate() {
@@ -2253,8 +2259,51 @@ fn a_server_that_gives_nothing_back_holds_the_client_to_its_credits_and_its_call
         );
         assert_eq!(a.done.len(), 200, "every call ended");
         assert!(
-            a.done.values().all(|r| matches!(r, Err(CallError::DeadlineExceeded))),
+            a.done
+                .values()
+                .all(|r| matches!(r, Err(CallError::DeadlineExceeded | CallError::Expired))),
             "every call ended by its deadline"
         );
     }
+}
+
+#[test]
+fn a_budget_under_a_microsecond_expires_before_anything_is_sent() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    for budget in [Duration::ZERO, Duration::from_nanos(1), Duration::from_nanos(999)] {
+        assert_eq!(
+            a.try_call(300, Some(600), Some(budget), now),
+            Err(CallError::Expired),
+            "{budget:?}"
+        );
+    }
+    assert!(a.s.poll_transmit().is_none(), "nothing of them goes out");
+    assert!(a.lent.is_empty() && a.sending.is_empty(), "their buffers came back");
+    // A microsecond is carried, and the call goes.
+    let id = a.call(10, None, Some(Duration::from_micros(1)), now);
+    exchange(&mut a, &mut b, now);
+    assert_eq!(b.requests.len(), 1, "the request with a microsecond left went");
+    assert_eq!(a.s.pending_calls(), 1, "call {id} is on its way");
+}
+
+#[test]
+fn a_call_held_back_past_its_deadline_expires_unsent_and_one_sent_may_have_run() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    a.s.limit_calls(1);
+    let secs = Duration::from_secs;
+    let sent = a.call(10, None, Some(secs(5)), now);
+    let waiting = a.call(10, None, Some(secs(5)), now);
+    exchange(&mut a, &mut b, now);
+    assert_eq!(b.requests.len(), 1, "one request at the server, one held back");
+    a.s.handle_timeout(now + secs(6));
+    a.drain_events();
+    assert_eq!(a.done.remove(&waiting), Some(Err(CallError::Expired)), "never left");
+    assert_eq!(
+        a.done.remove(&sent),
+        Some(Err(CallError::DeadlineExceeded)),
+        "left: may have run"
+    );
+    assert_eq!(a.s.held_back_calls(), 0);
 }

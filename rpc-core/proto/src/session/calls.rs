@@ -8,8 +8,10 @@ impl Session {
     /// deadline: without a budget any instant will do).
     ///
     /// # Errors
-    /// [`CallError::PayloadTooLarge`]; [`CallError::ConnectionLost`] after the connection died.
-    /// On error the caller still owns the buffers it passed.
+    /// [`CallError::PayloadTooLarge`]; [`CallError::ConnectionLost`] after the connection died;
+    /// [`CallError::Expired`] for a budget below a microsecond (the wire's unit): the call has
+    /// no time left to be sent in, and is not. On error the caller still owns the buffers it
+    /// passed.
     pub fn start_call(
         &mut self,
         method: u32,
@@ -36,6 +38,9 @@ impl Session {
                 len,
                 max: self.cfg.max_payload,
             });
+        }
+        if budget.is_some_and(|b| b.as_micros() == 0) {
+            return Err(CallError::Expired);
         }
         if let Payload::Eager(b) = &payload {
             if b.len() > self.cfg.eager_max {

@@ -197,6 +197,14 @@ impl Session {
         }
     }
 
+    /// Whether served request `call` still waits for its handler's answer: false once it was
+    /// cancelled, timed out or answered, so that a driver starts no handler for it.
+    pub fn awaits_answer(&self, call: u32) -> bool {
+        self.served
+            .get(call)
+            .is_some_and(|c| matches!(c.state, Serving::Running) && !c.cancelled)
+    }
+
     /// The deadline of served request `call` on this side's clock (placed from its budget when
     /// it arrived), if its caller set one.
     pub fn served_deadline(&self, call: u32) -> Option<Instant> {

@@ -16,13 +16,17 @@ impl Session {
             if let Some(c) = self.calls.get_mut(call) {
                 c.live = false;
             }
-            self.events.push_back(Event::CallDone {
-                call,
-                result: Err(CallError::DeadlineExceeded),
-            });
-            if !self.withdraw(call) {
+            // A call still waiting its turn here never left: it was not run.
+            let unsent = self.withdraw(call);
+            if !unsent {
                 self.queue_small(Kind::Cancel, call, 0, Vec::new());
             }
+            let e = if unsent {
+                CallError::Expired
+            } else {
+                CallError::DeadlineExceeded
+            };
+            self.events.push_back(Event::CallDone { call, result: Err(e) });
         }
         let late: Vec<(u32, bool)> = self
             .served
