@@ -86,6 +86,22 @@ pub enum Error {
         /// The limit.
         max: usize,
     },
+    /// Nothing of this provider listens at the address: the connection was refused. The hint
+    /// names the likely cause (a server of another provider there, one not started); the
+    /// operating system's error is the [`source`](std::error::Error::source)
+    /// ([`Error::io_error`]: `ConnectionRefused`).
+    #[error("nothing listens at {addr} on provider {provider}: {hint}")]
+    Refused {
+        /// The address connected to.
+        addr: std::net::SocketAddr,
+        /// This side's provider.
+        provider: &'static str,
+        /// What to check.
+        hint: String,
+        /// The refusal.
+        #[source]
+        source: io::Error,
+    },
     /// The peer refused the connection.
     #[error("connection rejected by the peer")]
     Rejected,
@@ -122,12 +138,27 @@ impl Error {
         Error::Io { context, source }
     }
 
+    /// A connection to `addr` on `provider` that failed with `source`: [`Error::Refused`], with
+    /// its likely cause, when nothing listened; [`Error::Io`] otherwise.
+    pub(crate) fn connecting(addr: std::net::SocketAddr, provider: &'static str, source: io::Error) -> Self {
+        if source.kind() == io::ErrorKind::ConnectionRefused {
+            let hint = crate::listening::refused_hint(addr, provider);
+            return Error::Refused {
+                addr,
+                provider,
+                hint,
+                source,
+            };
+        }
+        Error::io("connecting", source)
+    }
+
     /// The operating system's error under this one (a socket's, or a verbs call's errno), if
     /// any: its [`kind`](io::Error::kind) tells e.g. a refused connection
     /// (`ConnectionRefused`) from a taken port (`AddrInUse`).
     pub fn io_error(&self) -> Option<&io::Error> {
         match self {
-            Error::Io { source, .. } | Error::Verbs { source, .. } => Some(source),
+            Error::Io { source, .. } | Error::Verbs { source, .. } | Error::Refused { source, .. } => Some(source),
             _ => None,
         }
     }

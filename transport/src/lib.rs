@@ -59,6 +59,7 @@ mod cq;
 mod device;
 mod error;
 mod head;
+mod listening;
 mod mr;
 mod nic;
 mod pd;

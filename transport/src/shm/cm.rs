@@ -1,6 +1,7 @@
 //! Connection set-up for the shm provider, shaped like the tcp provider's: a listener on an
 //! abstract Unix socket named after the `SocketAddr` it is given (`rdma-rpc-shm:<ip>:<port>`,
-//! so the same addresses work on every provider; port 0 picks a free one), a handshake carrying
+//! so the same addresses work on every provider, with TCP's rules: a wildcard takes connections
+//! to every local address of its port; port 0 picks a free one), a handshake carrying
 //! the private data and, as descriptors, each side's key table (read-only), inbox ring, receive
 //! queue and doorbell. Memory is granted later, key by key, on the same socket (`grant`).
 
@@ -20,6 +21,7 @@ use super::rq::{self, OwnRq, PeerRq};
 use super::sys::{self, Mapping};
 use super::Peer;
 use crate::cm::MAX_PRIVATE_DATA;
+use crate::listening;
 use crate::nic::backlog::{Acceptor, Backlog, Handshake};
 use crate::{Error, Result};
 
@@ -34,7 +36,34 @@ const MAGIC: &[u8; 8] = b"RDRPCSHM";
 const VERSION: u16 = 7;
 
 fn name(addr: SocketAddr) -> Result<UnixAddr> {
-    UnixAddr::from_abstract_name(format!("rdma-rpc-shm:{addr}")).map_err(|e| Error::io("naming the shm endpoint", e))
+    UnixAddr::from_abstract_name(listening::shm_name(addr)).map_err(|e| Error::io("naming the shm endpoint", e))
+}
+
+/// Connects to the endpoint that takes connections to `addr`: its own, else a wildcard's
+/// (`0.0.0.0:P` or `[::]:P`) when `addr` is an address of this host, as TCP does.
+fn reach(addr: SocketAddr) -> Result<UnixStream> {
+    let first = match UnixStream::connect_addr(&name(addr)?) {
+        Ok(s) => return Ok(s),
+        Err(e) => e,
+    };
+    if first.kind() != std::io::ErrorKind::ConnectionRefused {
+        return Err(Error::io("connecting (shm)", first));
+    }
+    for wild in listening::wildcards(addr) {
+        if let Ok(s) = UnixStream::connect_addr(&name(wild)?) {
+            return Ok(s);
+        }
+    }
+    Err(Error::connecting(addr, "shm", first))
+}
+
+/// Whether binding `addr` would take connections another endpoint takes already, as TCP
+/// refuses (`EADDRINUSE`): a wildcard and a specific address of one port exclude each other.
+fn clashes(addr: SocketAddr) -> bool {
+    let bound = listening::shm_endpoints();
+    bound
+        .iter()
+        .any(|b| b.port() == addr.port() && b != &addr && (b.ip().is_unspecified() || addr.ip().is_unspecified()))
 }
 
 /// What one side brings to a connection.
@@ -207,7 +236,12 @@ impl Listener {
             if addr.port() == 0 {
                 try_addr.set_port(20_000 + (crate::nic::random_u32() % 40_000) as u16);
             }
-            match UnixListener::bind_addr(&name(try_addr)?) {
+            let bound = if clashes(try_addr) {
+                Err(std::io::Error::from(std::io::ErrorKind::AddrInUse))
+            } else {
+                UnixListener::bind_addr(&name(try_addr)?)
+            };
+            match bound {
                 Ok(s) => break s,
                 Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && addr.port() == 0 && attempts < 64 => {
                     attempts += 1;
@@ -399,7 +433,7 @@ pub(crate) fn connect(
     timeout: Duration,
     any_user: bool,
 ) -> Result<(Joined, Vec<u8>)> {
-    let stream = UnixStream::connect_addr(&name(addr)?).map_err(|e| Error::io("connecting (shm)", e))?;
+    let stream = reach(addr)?;
     // Any user can bind an abstract name: a server of another user gets none of our memory.
     check_user(&stream, any_user)?;
     stream

@@ -257,7 +257,7 @@ pub(crate) fn connect(
         .ok_or_else(|| Error::InvalidArgument("address resolves to nothing".into()))?;
     // The connect and the whole reply within `timeout`.
     let deadline = Instant::now() + timeout;
-    let stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| Error::io("connecting", e))?;
+    let stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| Error::connecting(addr, "tcp", e))?;
     let mut hello = VERSION.to_le_bytes().to_vec();
     hello.extend_from_slice(private_data);
     write_msg(&mut &stream, &hello)?;
