@@ -170,11 +170,14 @@ fn a_failing_example_says_what_failed_in_words_and_exits_1() {
     drop(server);
     let (code, err) = fail("echo", &["--connect", &addr, "--sizes", "64", "--iters", "1"]);
     assert_eq!(code, Some(1), "{err}");
-    // The error's message (Display), naming the address and the refusal; not its Debug form.
+    // The error's message and its causes', naming the address and the refusal, each once;
+    // not its Debug form.
     let first = err.lines().next().unwrap_or_default();
-    assert!(
-        first.starts_with(&format!("error: transport error: connecting to {addr}: ")),
-        "{err}"
+    assert!(first.starts_with(&format!("error: connecting to {addr}: ")), "{err}");
+    assert_eq!(
+        first.matches(&addr).count(),
+        2,
+        "the address once per part that names it: {err}"
     );
     assert!(first.to_lowercase().contains("refused"), "{err}");
     assert!(!err.contains("TransportError {"), "{err}");
@@ -287,7 +290,7 @@ fn a_server_out_of_file_descriptors_tells_each_client_it_refuses_why() {
         };
         // Told why, in words (by the transport, by the server's set-up, or by the acceptor's
         // reserve descriptor), not left to see the connection close or time out.
-        let why = refused.to_string();
+        let why = refused.report().to_string();
         assert!(why.contains("connection rejected by the peer: "), "{why}");
         assert!(
             why.contains("Too many open files") || why.contains("out of file descriptors"),

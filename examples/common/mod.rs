@@ -26,7 +26,8 @@ pub fn exit_code(r: Result<()>) -> std::process::ExitCode {
     match r {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            // The error and its causes, each once (`a: b: c`).
+            eprintln!("error: {}", rdma_rpc::transport::Report(&*e));
             std::process::ExitCode::FAILURE
         }
     }

@@ -64,14 +64,14 @@ const FLUSH_BYTES: usize = crate::proto::FRAGMENT;
 /// Why the connection is lost when a work request of its QP failed with `status`. The first
 /// failure the driver sees ends the connection, so a flush seen first means nothing of this
 /// side's failed before it: the QP was moved to the error state from outside, by its peer.
-fn failed(status: WcStatus) -> String {
+fn failed(status: WcStatus, provider: &str) -> String {
     if status == WcStatus::WrFlushErr {
         return format!(
             "the peer closed the connection or went away (its process ended, or the link \
              dropped), and the work requests in flight were flushed ({status}): connect again"
         );
     }
-    let hint = status.hint().map(|h| format!(" ({h})")).unwrap_or_default();
+    let hint = status.hint_on(provider).map(|h| format!(" ({h})")).unwrap_or_default();
     format!("work request failed: {status}{hint}")
 }
 
@@ -340,7 +340,7 @@ impl Conn {
         let n = match self.cq.poll(&mut done, 64) {
             Ok(n) => n,
             Err(e) => {
-                self.lose(format!("polling the CQ: {e}"));
+                self.lose(format!("polling the CQ: {}", rdma_rpc_transport::Report(&e)));
                 0
             }
         };
@@ -365,7 +365,8 @@ impl Conn {
             self.rdma_posted = self.rdma_posted.saturating_sub(1);
         }
         if !c.status.is_success() {
-            self.lose(failed(c.status));
+            let provider = self.qp.pd().device().provider();
+            self.lose(failed(c.status, provider));
             return;
         }
         let id = c.wr_id & ID_MASK;

@@ -75,8 +75,8 @@ pub enum RpcError {
     /// and the transport's own error under it when there is one
     /// ([`TransportError::transport`], [`TransportError::io_kind`]: e.g.
     /// `ConnectionRefused` when nothing listens at the address).
-    #[error("transport error: {0}")]
-    Transport(#[source] TransportError),
+    #[error(transparent)]
+    Transport(TransportError),
     /// A [`Config`](crate::Config) value is outside what the protocol allows: nothing was
     /// connected or bound. The message names the field and its range.
     #[error("invalid configuration: {0}")]
@@ -97,7 +97,7 @@ pub enum RpcError {
 /// match Client::connect(&dev, "127.0.0.1:1".parse().expect("an address"), Config::default()).await {
 ///     Err(RpcError::Transport(e)) => {
 ///         assert_eq!(e.io_kind(), Some(std::io::ErrorKind::ConnectionRefused));
-///         assert!(e.to_string().starts_with("connecting to 127.0.0.1:1: "), "{e}");
+///         assert_eq!(e.to_string(), "connecting to 127.0.0.1:1");
 ///     }
 ///     other => panic!("{:?}", other.map(|_| ())),
 /// }
@@ -146,12 +146,11 @@ impl TransportError {
     }
 }
 
+/// What was being done; the transport's error is the [`source`](std::error::Error::source)
+/// ([`RpcError::report`] prints them all).
 impl std::fmt::Display for TransportError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.cause {
-            Some(c) => write!(f, "{}: {c}", self.what),
-            None => f.write_str(&self.what),
-        }
+        f.write_str(&self.what)
     }
 }
 
@@ -161,16 +160,38 @@ impl std::error::Error for TransportError {
     }
 }
 
-/// Equal when they say the same: what was being done, and the same message under it.
+/// Equal when they say the same: what was being done, and the same messages under it.
 impl PartialEq for TransportError {
     fn eq(&self, other: &Self) -> bool {
-        self.to_string() == other.to_string()
+        rdma_rpc_transport::Report(self).to_string() == rdma_rpc_transport::Report(other).to_string()
     }
 }
 
 impl Eq for TransportError {}
 
 impl RpcError {
+    /// The error and its causes on one line (`a: b: c`): `{}` on an `RpcError` shows only its
+    /// own part, and its [`source`](std::error::Error::source) the cause, as the Rust API
+    /// guidelines have it, so that error reporters print each part once.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// use rdma_rpc_core::{transport::Device, Client, Config};
+    /// let dev = Device::open("tcp").expect("the tcp provider");
+    /// let err = Client::connect(&dev, "127.0.0.1:1".parse().expect("an address"), Config::default())
+    ///     .await
+    ///     .err()
+    ///     .expect("nothing listens on port 1");
+    /// assert_eq!(err.to_string(), "connecting to 127.0.0.1:1");
+    /// let all = err.report().to_string();
+    /// assert!(all.starts_with("connecting to 127.0.0.1:1: nothing listens at 127.0.0.1:1 on provider tcp: "), "{all}");
+    /// # }
+    /// ```
+    pub fn report(&self) -> rdma_rpc_transport::Report<'_> {
+        rdma_rpc_transport::Report(self)
+    }
+
     /// True when the call certainly did not run on the server, so that retrying it (on this
     /// connection later, or elsewhere) cannot run it twice: [`RpcError::ShuttingDown`],
     /// [`RpcError::Expired`], [`RpcError::Overloaded`], [`RpcError::ConnectionRefused`], and errors raised before
@@ -220,7 +241,7 @@ impl RpcError {
                 m.clone()
             }
             RpcError::PayloadTooLarge { len, max } => format!("{len}/{max}"),
-            other => other.to_string(),
+            other => other.report().to_string(),
         };
         ErrorReply::new(status, msg)
     }
@@ -273,7 +294,7 @@ impl From<CallError> for RpcError {
             CallError::Local(e) => e
                 .downcast_ref::<RpcError>()
                 .cloned()
-                .unwrap_or_else(|| RpcError::Internal(e.to_string())),
+                .unwrap_or_else(|| RpcError::Internal(rdma_rpc_transport::Report(&e).to_string())),
             other => RpcError::Protocol(other.to_string()),
         }
     }

@@ -333,10 +333,7 @@ async fn serve_connection(
         Err(e) => {
             // Out of descriptors or memory, say: the client is told, not left to see the
             // connection close (the accept below refuses it so on the transport's failures).
-            let why = match &e {
-                RpcError::Transport(t) => t.to_string(),
-                e => e.to_string(),
-            };
+            let why = e.report();
             req.reject_with(&format!("its set-up failed: {why}"));
             return Err(e);
         }

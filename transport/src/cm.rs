@@ -217,7 +217,7 @@ impl ConnectRequest {
 
 /// The reason a peer is refused with when this side's set-up of its connection failed.
 pub(crate) fn set_up_failed(e: &Error) -> String {
-    format!("its set-up failed: {e}")
+    format!("its set-up failed: {}", crate::Report(e))
 }
 
 /// [`set_up_failed`]'s reason as the bytes a refusal carries ([`reject_reason`]).

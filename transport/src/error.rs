@@ -24,7 +24,7 @@ pub enum Error {
         detail: String,
     },
     /// A verbs call failed.
-    #[error("{call} failed: {source}")]
+    #[error("{call} failed")]
     Verbs {
         /// The libibverbs / librdmacm function.
         call: &'static str,
@@ -33,7 +33,7 @@ pub enum Error {
         source: io::Error,
     },
     /// A socket operation of a software provider or of connection setup failed.
-    #[error("{context}: {source}")]
+    #[error("{context}")]
     Io {
         /// What was being done.
         context: &'static str,
@@ -128,6 +128,36 @@ pub enum Error {
     /// Completion waiting needs a tokio runtime with IO enabled.
     #[error("no tokio runtime with IO enabled: call from within a tokio runtime built with enable_io()")]
     NoRuntime,
+}
+
+/// An error and its sources on one line, `a: b: c`, for people: each error of this crate (and
+/// of `rdma-rpc-core`) says only its own part and gives its cause as its
+/// [`source`](std::error::Error::source), so `{}` alone shows the outermost part.
+///
+/// ```
+/// use rdma_rpc_transport::{connect, Device, QpOptions, Report};
+/// let dev = Device::open("tcp")?;
+/// let (pd, cq) = (dev.alloc_pd()?, dev.create_cq(4)?);
+/// let err = connect("127.0.0.1:1", &QpOptions::new(&pd, &cq), b"", std::time::Duration::from_secs(5))
+///     .err()
+///     .expect("nothing listens on port 1");
+/// let line = Report(&err).to_string();
+/// assert!(line.starts_with("nothing listens at 127.0.0.1:1 on provider tcp: "), "{line}");
+/// assert!(line.ends_with("(os error 111)"), "the operating system's words last: {line}");
+/// # Ok::<(), rdma_rpc_transport::Error>(())
+/// ```
+pub struct Report<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Report<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut at = self.0.source();
+        while let Some(e) = at {
+            write!(f, ": {e}")?;
+            at = e.source();
+        }
+        Ok(())
+    }
 }
 
 /// Shorthand for results of this crate.

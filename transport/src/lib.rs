@@ -79,7 +79,7 @@ pub use access::AccessFlags;
 pub use cm::{connect, connect_with_recvs, ConnectRequest, Listener, MAX_PRIVATE_DATA, MAX_REJECT_REASON};
 pub use cq::{Completion, CompletionError, CompletionQueue};
 pub use device::{Device, DeviceCaps, ProviderSpec, PROVIDER_ENV};
-pub use error::{Error, Result};
+pub use error::{Error, Report, Result};
 pub use head::{Head, HEAD_MAX};
 pub use mr::{BufMut, BufRef, MemoryRegion, RemoteAddr, RemoteRegion};
 pub use pd::ProtectionDomain;

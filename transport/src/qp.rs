@@ -140,7 +140,7 @@ pub(crate) struct RecvDesc<'a> {
 /// A post that was refused at once (as `ibv_post_send` returning an errno): the work requests
 /// that were not posted come back, with their buffers.
 #[derive(Debug, thiserror::Error)]
-#[error("post refused: {error} ({} work request(s) not posted)", .unposted.len())]
+#[error("post refused ({} work request(s) not posted)", .unposted.len())]
 pub struct PostError<W> {
     /// Why.
     #[source]

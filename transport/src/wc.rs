@@ -131,6 +131,30 @@ impl WcStatus {
             WcStatus::RetryExcErr => {
                 Some("the peer stopped answering: process dead, link down, or on RoCE a lossy fabric (check PFC/ECN)")
             }
+            _ => self.hint_on("verbs"),
+        }
+    }
+
+    /// As [`WcStatus::hint`], worded for `provider` (`tcp`, `shm`, `verbs`): the software
+    /// providers have no fabric to tune, so a peer that stopped answering there is a process
+    /// or a connection that went away.
+    ///
+    /// ```
+    /// use rdma_rpc_transport::WcStatus;
+    /// assert!(WcStatus::RetryExcErr.hint_on("tcp").is_some_and(|h| !h.contains("PFC")));
+    /// assert!(WcStatus::RetryExcErr.hint_on("verbs").is_some_and(|h| h.contains("PFC")));
+    /// ```
+    pub fn hint_on(self, provider: &str) -> Option<&'static str> {
+        match self {
+            WcStatus::RetryExcErr if provider == "tcp" => Some(
+                "the peer stopped answering: its process died or stopped, its host went away, or the TCP connection broke",
+            ),
+            WcStatus::RetryExcErr if provider.starts_with("shm") => {
+                Some("the peer stopped answering: its process died or stopped")
+            }
+            WcStatus::RetryExcErr => {
+                Some("the peer stopped answering: process dead, link down, or on RoCE a lossy fabric (check PFC/ECN)")
+            }
             WcStatus::RnrRetryExcErr => {
                 Some("the receiver had no receive posted: post receives before the peer sends (credits)")
             }

@@ -81,6 +81,18 @@ impl PartialEq for LocalError {
 
 impl Eq for LocalError {}
 
+/// `e` and its sources on one line, `a: b: c`.
+pub(crate) fn report(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut at = e.source();
+    while let Some(x) = at {
+        s.push_str(": ");
+        s.push_str(&x.to_string());
+        at = x.source();
+    }
+    s
+}
+
 impl CallError {
     /// The error a caller sees for a response with `status` (not [`Status::Ok`]) and body
     /// `msg`: a deadline, a cancel or a payload limit as if this side had met it, the rest as

@@ -191,7 +191,7 @@ impl Conn {
                     self.placed_back(id & ID_MASK, mr);
                 }
             }
-            self.lose(format!("posting: {}", e.error));
+            self.lose(format!("posting: {}", rdma_rpc_transport::Report(&e.error)));
         }
         drop(sent);
         Ok(())

@@ -112,7 +112,7 @@ impl Link for ShmLink {
                 Ok(Some((bytes, fds))) => {
                     let taken = w.inbound.take(&bytes, fds, &self.sock, &self.server, &self.grants);
                     if let Err(e) = &taken {
-                        tracing::warn!("shm peer dropped: {e}");
+                        tracing::warn!("shm peer dropped: {}", crate::Report(e));
                     }
                     dead = taken.is_err();
                     !dead

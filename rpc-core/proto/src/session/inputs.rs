@@ -187,7 +187,10 @@ impl Session {
         }
         match result {
             _ if cancelled => self.reply_error(call, ErrorReply::cancelled()),
-            Err(e) => self.reply_error(call, ErrorReply::internal(format!("fetching the request: {e}"))),
+            Err(e) => {
+                let why = format!("fetching the request: {}", crate::error::report(&e));
+                self.reply_error(call, ErrorReply::internal(why));
+            }
             Ok(payload) => {
                 let budget = self
                     .served
