@@ -48,6 +48,71 @@ pub fn decode_args_bulk<T: DeserializeOwned>(mut request: Vec<u8>, method: &str)
     Ok((Bulk::from(request), args))
 }
 
+// One argument at a time, for generated code: postcard lays a tuple out as its fields one
+// after the other, so these make the same bytes as `encode_args` and read what `decode_args`
+// reads. The macro calls each at its argument's type, so that a type without serde's traits
+// is reported at the argument, not at the macro.
+
+/// Appends argument `arg` to the request being built.
+pub fn push_arg<T: Serialize>(out: Vec<u8>, arg: &T, method: &str) -> Result<Vec<u8>, RpcError> {
+    postcard::to_extend(arg, out).map_err(|e| RpcError::Encode(format!("arguments of {method}: {e}")))
+}
+
+/// A request with a bulk argument, started: its bytes, to which the other arguments are
+/// pushed, and its length for [`end_bulk`].
+pub fn start_bulk(bulk: Bulk) -> (Vec<u8>, u64) {
+    let out = bulk.into_vec();
+    let len = out.len() as u64;
+    (out, len)
+}
+
+/// Ends a request started with [`start_bulk`]: its trailer.
+pub fn end_bulk(mut out: Vec<u8>, bulk_len: u64) -> Vec<u8> {
+    out.extend_from_slice(&bulk_len.to_le_bytes());
+    out
+}
+
+/// Takes the next argument off `rest`.
+pub fn take_arg<T: DeserializeOwned>(rest: &mut &[u8], method: &str) -> Result<T, RpcError> {
+    let (v, left) =
+        postcard::take_from_bytes(rest).map_err(|e| RpcError::BadRequest(format!("arguments of {method}: {e}")))?;
+    *rest = left;
+    Ok(v)
+}
+
+/// Checks that every byte of the arguments was used.
+pub fn end_args(rest: &[u8], method: &str) -> Result<(), RpcError> {
+    if rest.is_empty() {
+        return Ok(());
+    }
+    Err(RpcError::BadRequest(format!(
+        "arguments of {method}: {} bytes after the last argument",
+        rest.len()
+    )))
+}
+
+/// Where the other arguments of a request with a bulk argument are: `bulk_len..end`.
+pub fn bulk_layout(request: &[u8], method: &str) -> Result<(usize, usize), RpcError> {
+    let bad = |what: &str| RpcError::BadRequest(format!("arguments of {method}: {what}"));
+    let end = request
+        .len()
+        .checked_sub(TRAILER)
+        .ok_or_else(|| bad("shorter than its trailer"))?;
+    let mut n = [0u8; TRAILER];
+    n.copy_from_slice(&request[end..]);
+    let bulk_len = usize::try_from(u64::from_le_bytes(n))
+        .ok()
+        .filter(|&l| l <= end)
+        .ok_or_else(|| bad("bulk length beyond the request"))?;
+    Ok((bulk_len, end))
+}
+
+/// The bulk argument: the request's first `bulk_len` bytes, in place.
+pub fn into_bulk(mut request: Vec<u8>, bulk_len: usize) -> Bulk {
+    request.truncate(bulk_len);
+    Bulk::from(request)
+}
+
 /// Encodes a handler's result (server side).
 pub fn encode_ret<T: Serialize>(ret: &T, method: &str) -> Result<Vec<u8>, RpcError> {
     postcard::to_allocvec(ret).map_err(|e| RpcError::Internal(format!("could not encode the result of {method}: {e}")))
@@ -96,5 +161,37 @@ mod tests {
             decode_args::<(String,)>(&[200], "S.m"),
             Err(RpcError::BadRequest(_))
         ));
+    }
+
+    #[test]
+    fn arguments_one_at_a_time_make_and_read_the_bytes_of_the_tuple() {
+        let whole = encode_args(&(&5u32, &"x".to_string(), &vec![1u16, 2]), "S.m").expect("encode");
+        let out = push_arg(Vec::new(), &5u32, "S.m").expect("a");
+        let out = push_arg(out, &"x".to_string(), "S.m").expect("b");
+        let out = push_arg(out, &vec![1u16, 2], "S.m").expect("c");
+        assert_eq!(out, whole);
+        let mut rest: &[u8] = &whole;
+        let a: u32 = take_arg(&mut rest, "S.m").expect("a");
+        let b: String = take_arg(&mut rest, "S.m").expect("b");
+        let c: Vec<u16> = take_arg(&mut rest, "S.m").expect("c");
+        end_args(rest, "S.m").expect("all used");
+        assert_eq!((a, b.as_str(), c), (5, "x", vec![1, 2]));
+        // With a bulk argument: the same layout as `encode_args_bulk`.
+        let whole = encode_args_bulk(Bulk::from(vec![7u8; 10]), &(&5u32,), "S.m").expect("encode");
+        let (out, len) = start_bulk(Bulk::from(vec![7u8; 10]));
+        let out = end_bulk(push_arg(out, &5u32, "S.m").expect("a"), len);
+        assert_eq!(out, whole);
+        let (bulk_len, end) = bulk_layout(&whole, "S.m").expect("layout");
+        let mut rest: &[u8] = &whole[bulk_len..end];
+        assert_eq!(take_arg::<u32>(&mut rest, "S.m"), Ok(5));
+        end_args(rest, "S.m").expect("all used");
+        assert_eq!(into_bulk(whole, bulk_len).len(), 10);
+        // Bytes left over, or too few, are the caller's fault.
+        assert!(matches!(end_args(&[0], "S.m"), Err(RpcError::BadRequest(_))));
+        assert!(matches!(
+            take_arg::<u64>(&mut &[0xff][..], "S.m"),
+            Err(RpcError::BadRequest(_))
+        ));
+        assert!(matches!(bulk_layout(&[1, 2], "S.m"), Err(RpcError::BadRequest(_))));
     }
 }

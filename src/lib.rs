@@ -49,5 +49,8 @@ pub use rdma_rpc_transport as transport;
 /// What generated code uses; not a public API.
 #[doc(hidden)]
 pub mod __private {
-    pub use crate::codec::{decode_args, decode_args_bulk, decode_ret, encode_args, encode_args_bulk, encode_ret};
+    pub use crate::codec::{
+        bulk_layout, decode_args, decode_args_bulk, decode_ret, encode_args, encode_args_bulk, encode_ret, end_args,
+        end_bulk, into_bulk, push_arg, start_bulk, take_arg,
+    };
 }

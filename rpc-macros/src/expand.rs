@@ -4,7 +4,8 @@
 //! argument names never clash with them.
 
 use proc_macro2::{Span, TokenStream};
-use quote::{format_ident, quote};
+use quote::{format_ident, quote, quote_spanned};
+use syn::spanned::Spanned;
 use syn::Ident;
 
 use crate::model::{Method, Service};
@@ -64,6 +65,7 @@ fn client(s: &Service) -> TokenStream {
     );
     let (inner, options) = (local("inner"), local("options"));
     let (payload, response) = (local("payload"), local("response"));
+    let (out, bulk_len) = (local("out"), local("bulk_len"));
     let ids = s.methods.iter().map(|m| {
         let (n, id) = (m.name.to_string(), m.id);
         quote!((#n, #id))
@@ -75,18 +77,31 @@ fn client(s: &Service) -> TokenStream {
             let (n, t) = (&a.name, &a.ty);
             quote!(#n: #t)
         });
-        let plain = m.args.iter().filter(|a| !a.bulk).map(|a| &a.name);
+        // Each argument pushed at its type's span: a type without serde's traits is reported
+        // at the argument (and a result's at the return type), not at the macro.
+        let pushes = m.args.iter().filter(|a| !a.bulk).map(|a| {
+            let (n, t) = (&a.name, &a.ty);
+            quote_spanned!(t.span()=> let #out = #krate::__private::push_arg::<#t>(#out, &#n, #q)?;)
+        });
         let encode = match m.args.iter().find(|a| a.bulk) {
             Some(b) => {
                 let b = &b.name;
-                quote!(#krate::__private::encode_args_bulk(#b, &(#(&#plain,)*), #q)?)
+                quote! {{
+                    let (#out, #bulk_len) = #krate::__private::start_bulk(#b);
+                    #(#pushes)*
+                    #krate::__private::end_bulk(#out, #bulk_len)
+                }}
             }
-            None => quote!(#krate::__private::encode_args(&(#(&#plain,)*), #q)?),
+            None => quote! {{
+                let #out = ::std::vec::Vec::new();
+                #(#pushes)*
+                #out
+            }},
         };
         let decode = if m.ret_bulk {
             quote!(::core::result::Result::Ok(::core::convert::From::from(#response)))
         } else {
-            quote!(#krate::__private::decode_ret::<#ret>(&#response, #q))
+            quote_spanned!(ret.span()=> #krate::__private::decode_ret::<#ret>(&#response, #q))
         };
         quote! {
             #(#attrs)*
@@ -160,40 +175,44 @@ fn server(s: &Service) -> TokenStream {
     );
     let (service, request, ret, builder) = (local("service"), local("request"), local("ret"), local("builder"));
     let (bulk_local, args_local) = (local("bulk"), local("args"));
+    let (bulk_len, end) = (local("bulk_len"), local("end"));
     let handlers = s.methods.iter().map(|m| {
         let (name, id) = (&m.name, m.id);
         let q = qualname(s, m);
-        let plain_types = m.args.iter().filter(|a| !a.bulk).map(|a| &a.ty);
-        // The handler's arguments in declaration order: the bulk value, or the next field of
-        // the decoded tuple (so the user's argument names never meet generated ones).
-        let mut field = 0;
+        // The handler's arguments in declaration order: the bulk value, or the next argument
+        // taken off the request, each at its type's span (generated names, so the user's
+        // argument names never meet them).
+        let names: Vec<Ident> = (0..m.args.len()).map(|i| local(&format!("arg{i}"))).collect();
         let call_args: Vec<TokenStream> = m
             .args
             .iter()
-            .map(|a| {
-                if a.bulk {
-                    quote!(#bulk_local)
-                } else {
-                    let f = syn::Index::from(field);
-                    field += 1;
-                    quote!(#args_local.#f)
-                }
-            })
+            .zip(&names)
+            .map(|(a, n)| if a.bulk { quote!(#bulk_local) } else { quote!(#n) })
             .collect();
+        let takes = m.args.iter().zip(&names).filter(|(a, _)| !a.bulk).map(|(a, n)| {
+            let t = &a.ty;
+            quote_spanned!(t.span()=> let #n = #krate::__private::take_arg::<#t>(&mut #args_local, #q)?;)
+        });
         let decode = if m.args.iter().any(|a| a.bulk) {
             quote! {
-                let (#bulk_local, #args_local): (_, (#(#plain_types,)*)) =
-                    #krate::__private::decode_args_bulk(#request, #q)?;
+                let (#bulk_len, #end) = #krate::__private::bulk_layout(&#request, #q)?;
+                let mut #args_local: &[u8] = &#request[#bulk_len..#end];
+                #(#takes)*
+                #krate::__private::end_args(#args_local, #q)?;
+                let #bulk_local = #krate::__private::into_bulk(#request, #bulk_len);
             }
         } else {
             quote! {
-                let #args_local: (#(#plain_types,)*) = #krate::__private::decode_args(&#request, #q)?;
+                let mut #args_local: &[u8] = &#request;
+                #(#takes)*
+                #krate::__private::end_args(#args_local, #q)?;
             }
         };
+        let ret_ty = &m.ret;
         let encode = if m.ret_bulk {
             quote!(::core::result::Result::Ok(::core::convert::From::from(#ret)))
         } else {
-            quote!(#krate::__private::encode_ret(&#ret, #q))
+            quote_spanned!(ret_ty.span()=> #krate::__private::encode_ret::<#ret_ty>(&#ret, #q))
         };
         quote! {
             let #builder = {
