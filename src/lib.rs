@@ -41,7 +41,8 @@ pub use bulk::Bulk;
 pub use rdma_rpc_core as core;
 pub use rdma_rpc_core::context;
 pub use rdma_rpc_core::{
-    CallOptions, Client, CompletionMode, Config, Isolation, RpcError, Server, ServerBuilder, Status, TransportError,
+    CallOptions, Channel, Client, CompletionMode, Config, Isolation, Reconnect, RpcError, Server, ServerBuilder,
+    Status, TransportError,
 };
 pub use rdma_rpc_macros::service;
 pub use rdma_rpc_transport as transport;
@@ -49,6 +50,31 @@ pub use rdma_rpc_transport as transport;
 /// What generated code uses; not a public API.
 #[doc(hidden)]
 pub mod __private {
+    /// What a generated client calls through: one connection, or a [`Channel`](crate::Channel)
+    /// that connects again.
+    #[derive(Clone)]
+    pub enum Caller {
+        /// One connection.
+        Client(crate::Client),
+        /// A connection made again when lost.
+        Channel(crate::Channel),
+    }
+
+    impl Caller {
+        /// Calls `method` with `payload` on whichever it is.
+        pub async fn call_with(
+            &self,
+            method: u32,
+            payload: Vec<u8>,
+            opts: crate::CallOptions,
+        ) -> Result<Vec<u8>, crate::RpcError> {
+            match self {
+                Caller::Client(c) => c.call_with(method, payload, opts).await,
+                Caller::Channel(c) => c.call_with(method, payload, opts).await,
+            }
+        }
+    }
+
     pub use crate::codec::{
         bulk_layout, decode_args, decode_args_bulk, decode_ret, encode_args, encode_args_bulk, encode_ret, end_args,
         end_bulk, into_bulk, push_arg, start_bulk, take_arg,

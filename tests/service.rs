@@ -310,7 +310,7 @@ async fn two_services_share_one_server_and_one_connection() {
 async fn malformed_and_mismatched_calls_are_typed_errors() {
     let (lab, _dev) = lab().await;
     let ids: BTreeMap<_, _> = LabClient::METHOD_IDS.iter().copied().collect();
-    let raw = lab.inner();
+    let raw = lab.inner().expect("a client over one connection");
     // Bytes that are not the arguments of `add`, and a bulk request whose trailer lies.
     for (method, bytes) in [
         ("add", vec![0xff; 3]),
@@ -336,4 +336,35 @@ async fn malformed_and_mismatched_calls_are_typed_errors() {
     }
     // The server is unharmed.
     lab.ping().await.expect("ping after bad requests");
+}
+
+/// A typed client over a `Channel` outlives its server: after a graceful restart on the same
+/// address, its calls reach the new server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_typed_client_over_a_channel_reaches_a_restarted_server() {
+    let dev = device();
+    let bind = |addr| {
+        LabServer::new(LabImpl::default())
+            .bind(&dev, addr, Config::default())
+            .expect("bind")
+    };
+    let server = bind(SocketAddr::new(test_ip(), 0));
+    let addr = server.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(server.serve_with_shutdown(async move {
+        let _ = stopped.await;
+    }));
+    let channel = rdma_rpc::Channel::connect(&dev, addr, Config::default(), rdma_rpc::Reconnect::default())
+        .await
+        .expect("connect");
+    let client = LabClient::from_channel(channel);
+    assert!(client.inner().is_none() && client.channel().is_some());
+    assert_eq!(client.add(1, 2, "x".into()).await.expect("add"), (3, "x!".to_string()));
+    stop.send(()).expect("the server runs");
+    serving.await.expect("task").expect("a clean shutdown");
+    let server = bind(addr);
+    tokio::spawn(server.serve());
+    // The new server has run nothing before (the old one ran `add`): the call went to it.
+    assert_eq!(client.calls().await.expect("calls"), 0);
+    assert_eq!(client.channel().map(|c| c.reconnects()), Some(1));
 }

@@ -202,6 +202,16 @@ impl Client {
         st.conn.session.is_going_away()
     }
 
+    /// Whether this connection still takes calls: false once it is lost (its peer died, the
+    /// link broke, its driver's runtime shut down) or its server is shutting down, when a call
+    /// would fail at once. Looks at what has arrived first (one poll of the connection).
+    /// A [`Channel`](crate::Channel) connects again when this turns false.
+    pub fn is_connected(&self) -> bool {
+        let mut st = self.handle.shared.state.lock();
+        st.progress();
+        st.conn.lost().is_none() && !st.conn.session.is_going_away() && !st.conn.session.is_lost()
+    }
+
     /// How many calls this connection has its server run at once: the server's
     /// [`Config::max_concurrent_requests`], stated when connecting (`None` from a server that
     /// stated none). Calls beyond wait in the client, unsent, until earlier ones are answered.

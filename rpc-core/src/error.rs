@@ -42,9 +42,15 @@ pub enum RpcError {
     /// The server failed for a reason of its own.
     #[error("server error: {0}")]
     Internal(String),
-    /// The connection is gone: every pending call fails with this at once.
+    /// The connection is gone: every pending call fails with this at once. Its request had
+    /// left, so the server may have run it (see [`RpcError::Unsent`] for those that had not).
     #[error("connection lost: {0}")]
     ConnectionLost(String),
+    /// The connection was lost before this call's request had left in full (it waited for the
+    /// server's limit of requests, or for credits): it did not run. Retry it on a new
+    /// connection.
+    #[error("connection lost before the call was sent, so it did not run: {0}")]
+    Unsent(String),
     /// The peer broke the protocol.
     #[error("protocol error: {0}")]
     Protocol(String),
@@ -194,7 +200,7 @@ impl RpcError {
 
     /// True when the call certainly did not run on the server, so that retrying it (on this
     /// connection later, or elsewhere) cannot run it twice: [`RpcError::ShuttingDown`],
-    /// [`RpcError::Expired`], [`RpcError::Overloaded`], [`RpcError::ConnectionRefused`], and errors raised before
+    /// [`RpcError::Expired`], [`RpcError::Unsent`], [`RpcError::Overloaded`], [`RpcError::ConnectionRefused`], and errors raised before
     /// anything was sent ([`RpcError::Encode`], [`RpcError::Config`]). False for every other
     /// error, including those after which the call may or may not have run
     /// ([`RpcError::ConnectionLost`], [`RpcError::DeadlineExceeded`], [`RpcError::Cancelled`]),
@@ -212,6 +218,7 @@ impl RpcError {
         matches!(
             self,
             RpcError::ShuttingDown
+                | RpcError::Unsent(_)
                 | RpcError::Expired
                 | RpcError::Overloaded { .. }
                 | RpcError::ConnectionRefused
@@ -288,6 +295,7 @@ impl From<CallError> for RpcError {
             CallError::Expired => RpcError::Expired,
             CallError::Cancelled => RpcError::Cancelled,
             CallError::ConnectionLost(why) => RpcError::ConnectionLost(why),
+            CallError::Unsent(why) => RpcError::Unsent(why),
             CallError::Protocol(why) => RpcError::Protocol(why),
             CallError::ShuttingDown => RpcError::ShuttingDown,
             // The driver's own error, passed through the session.

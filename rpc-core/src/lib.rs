@@ -5,6 +5,7 @@
 //! - [`Client`] and [`Server`]: thin tokio drivers that run a session over a transport QP.
 
 mod buf;
+mod channel;
 mod client;
 mod colocate;
 mod config;
@@ -22,6 +23,7 @@ mod stash;
 mod tasks;
 
 pub use buf::{Body, BodyRef, RegisteredBuf};
+pub use channel::{Channel, Reconnect};
 pub use client::Client;
 pub use config::{CallOptions, CompletionMode, Config, Isolation, DEFAULT_EAGER_THRESHOLD};
 pub use driver::IN_SLOT_MIN;

@@ -118,7 +118,7 @@ fn client(s: &Service) -> TokenStream {
         #[doc = #doc]
         #[derive(::core::clone::Clone)]
         #vis struct #client {
-            #inner: #krate::Client,
+            #inner: #krate::__private::Caller,
             #options: #krate::CallOptions,
         }
 
@@ -128,7 +128,13 @@ fn client(s: &Service) -> TokenStream {
 
             /// A typed client over an existing connection.
             pub fn new(inner: #krate::Client) -> Self {
-                Self { #inner: inner, #options: ::core::default::Default::default() }
+                Self { #inner: #krate::__private::Caller::Client(inner), #options: ::core::default::Default::default() }
+            }
+
+            /// A typed client over a `Channel`: it connects again when its connection is lost
+            /// or its server shuts down (see `Channel`).
+            pub fn from_channel(channel: #krate::Channel) -> Self {
+                Self { #inner: #krate::__private::Caller::Channel(channel), #options: ::core::default::Default::default() }
             }
 
             /// Connects to a server at `addr` on `device` (see `Client::connect`).
@@ -154,9 +160,21 @@ fn client(s: &Service) -> TokenStream {
                 &self.#options
             }
 
-            /// The byte-level client underneath.
-            pub fn inner(&self) -> &#krate::Client {
-                &self.#inner
+            /// The byte-level client underneath; `None` for one over a `Channel` (see
+            /// `channel`).
+            pub fn inner(&self) -> ::core::option::Option<&#krate::Client> {
+                match &self.#inner {
+                    #krate::__private::Caller::Client(c) => ::core::option::Option::Some(c),
+                    #krate::__private::Caller::Channel(_) => ::core::option::Option::None,
+                }
+            }
+
+            /// The `Channel` underneath, for one made with `from_channel`.
+            pub fn channel(&self) -> ::core::option::Option<&#krate::Channel> {
+                match &self.#inner {
+                    #krate::__private::Caller::Channel(c) => ::core::option::Option::Some(c),
+                    #krate::__private::Caller::Client(_) => ::core::option::Option::None,
+                }
             }
 
             #(#methods)*

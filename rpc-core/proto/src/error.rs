@@ -38,9 +38,14 @@ pub enum CallError {
     /// The caller cancelled the call.
     #[error("call cancelled")]
     Cancelled,
-    /// The connection is gone, for the reason given.
+    /// The connection is gone, for the reason given; the call's request had left, so the
+    /// peer may have run it.
     #[error("connection lost: {0}")]
     ConnectionLost(String),
+    /// The connection is gone, for the reason given, before the call's request had left in
+    /// full: it did not run.
+    #[error("connection lost before the call was sent, so it did not run: {0}")]
+    Unsent(String),
     /// The peer broke the protocol, or the call asked for something it forbids.
     #[error("protocol error: {0}")]
     Protocol(String),

@@ -432,6 +432,16 @@ impl Out {
     }
 
     /// The call a request waiting to be sent belongs to ([`Session::limit_calls`]).
+    /// Whether this is (a piece of) a request.
+    pub(super) fn is_request(&self) -> bool {
+        match self {
+            Out::Msg { header, .. } | Out::Placed { header, .. } | Out::Pieces { header, .. } => {
+                header.kind == Kind::Request
+            }
+            Out::WriteImm { .. } => false,
+        }
+    }
+
     pub(super) fn call(&self) -> Option<u32> {
         match self {
             Out::Msg { header, .. } | Out::Placed { header, .. } | Out::Pieces { header, .. } => Some(header.call_id),

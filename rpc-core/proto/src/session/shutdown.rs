@@ -140,7 +140,13 @@ impl Session {
             return;
         }
         self.lost = Some(why.to_owned());
+        // Requests still queued here never left in full (a request in pieces runs only once
+        // all its pieces are in): those calls did not run.
+        let mut unsent = Vec::new();
         for out in self.queue.drain(..) {
+            if out.is_request() {
+                unsent.extend(out.call());
+            }
             // Never sent: the driver has it back now.
             if let Out::Placed { buf, .. } = out {
                 self.actions.push_back(Transmit::Release(buf));
@@ -151,8 +157,10 @@ impl Session {
         }
         if !self.held_back.is_empty() {
             // Known not to have run: said so, for callers that retry only such calls.
-            let e = CallError::ConnectionLost(format!("{why} (this call was never sent, so it did not run)"));
-            self.fail_held_back(&e);
+            self.fail_held_back(&CallError::Unsent(why.to_owned()));
+        }
+        for call in unsent {
+            self.finish_call(call, Err(CallError::Unsent(why.to_owned())));
         }
         self.joining = None;
         let calls: Vec<u32> = self.calls.iter().map(|(id, _)| id).collect();
