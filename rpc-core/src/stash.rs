@@ -476,7 +476,7 @@ mod tests {
         assert_eq!(free_count(&s), 0);
         let back = s.reclaim(id, 100).expect("the application's buffer");
         assert_eq!(back.len(), 100);
-        assert!(s.entries.len() == 0);
+        assert!(s.entries.is_empty());
         drop(back);
         assert_eq!(free_count(&s), 1, "a dropped buffer goes back to the free lists");
     }
@@ -491,7 +491,7 @@ mod tests {
         assert!(!s.in_flight(id), "no longer the application's to wait for");
         s.put_back(id, mr);
         s.release(id);
-        assert!(s.entries.len() == 0);
+        assert!(s.entries.is_empty());
         assert_eq!(free_count(&s), 1);
     }
 
@@ -512,7 +512,7 @@ mod tests {
         s.release(id);
         let back = s.reclaim_released(id, 100).expect("released: the application's again");
         assert_eq!(back.len(), 100);
-        assert!(s.entries.len() == 0 && s.reclaim_released(id, 100).is_none());
+        assert!(s.entries.is_empty() && s.reclaim_released(id, 100).is_none());
         // A buffer the application gave up on (a cancelled call) never comes back early.
         let (_, id) = s.lend_user(back, true).expect("lendable");
         s.unkeep(id);
@@ -530,7 +530,7 @@ mod tests {
         assert_eq!(free_count(&s), 0);
         s.unkeep(id);
         assert_eq!(free_count(&s), 1);
-        assert!(s.entries.len() == 0 && s.reclaim(id, 10).is_none());
+        assert!(s.entries.is_empty() && s.reclaim(id, 10).is_none());
         // Unkept before release: released straight to the free lists.
         let buf = s.user_buffer(10).expect("a buffer");
         let (_, id) = s.lend_user(buf, true).expect("lendable");
@@ -541,7 +541,7 @@ mod tests {
             1,
             "the same class's buffer was reused, then freed again"
         );
-        assert!(s.entries.len() == 0);
+        assert!(s.entries.is_empty());
     }
 
     /// The sizes of the classes of 4 KiB and 16 KiB.
@@ -556,7 +556,7 @@ mod tests {
         let mr = s.take_out(id).expect("held");
         s.put_back(id, mr);
         s.release(id);
-        assert!(s.entries.len() == 0 && s.get(id).is_none());
+        assert!(s.entries.is_empty() && s.get(id).is_none());
         assert_eq!(free_count(&s), 1);
         let (id2, _) = s.take(6000, Role::Lend).expect("the same class");
         assert_ne!(id, id2);

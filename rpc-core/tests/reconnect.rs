@@ -66,12 +66,15 @@ async fn restart(
     }
 }
 
-/// Callers that keep calling through `channel` until told to stop; each call's id and result.
+/// Each call's id and result, as a caller saw them.
+type Results = Vec<(u64, Result<(), RpcError>)>;
+
+/// Callers that keep calling through `channel` until told to stop.
 fn callers(
     channel: &Channel,
     n: u64,
     stop: Arc<std::sync::atomic::AtomicBool>,
-) -> Vec<tokio::task::JoinHandle<Vec<(u64, Result<(), RpcError>)>>> {
+) -> Vec<tokio::task::JoinHandle<Results>> {
     (0..n)
         .map(|t| {
             let (channel, stop) = (channel.clone(), stop.clone());
