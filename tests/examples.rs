@@ -379,9 +379,28 @@ fn kv_one_sided_gets_never_return_torn_stale_or_reordered_values() {
     );
     let bench = run(
         "kv",
-        &["client", "--connect", &addr, "bench", "--keys", "200", "--gets", "300"],
+        &[
+            "client",
+            "--connect",
+            &addr,
+            "bench",
+            "--keys",
+            "200",
+            "--gets",
+            "300",
+            "--puts",
+            "300",
+        ],
     );
     line_with(&bench, "one-sided (2 RDMA Reads)");
+    // PUTs by Write-with-immediate: timed, with the server's CPU per PUT, and seen by a GET
+    // after (the bench fails otherwise).
+    let by_write = line_with(&bench, "RDMA Write with immediate");
+    assert_eq!(
+        by_write.split_whitespace().count(),
+        7,
+        "p50, p99 and CPU per PUT: {by_write}"
+    );
     let check = run(
         "kv",
         &[
@@ -397,6 +416,8 @@ fn kv_one_sided_gets_never_return_torn_stale_or_reordered_values() {
         ],
     );
     let line = line_with(&check, "check passed");
+    // One of the two writers PUTs by RDMA Write with immediate (`--put-by mixed`).
+    assert!(line.contains("(1 by RDMA Write with immediate)"), "{line}");
     let torn: u64 = line
         .split(" torn copies caught")
         .next()

@@ -258,3 +258,8 @@ pub fn pattern(seq: u64, len: usize) -> Vec<u8> {
         })
         .collect()
 }
+
+/// This process's CPU time so far, user and system.
+pub fn process_cpu_time() -> Duration {
+    cpu_time::ProcessTime::now().as_duration()
+}

@@ -1,5 +1,6 @@
 //! Writers and readers at once. Writer `w` owns the keys `k` with `k % writers == w` and puts
-//! `(k, n)` for n = 1, 2, ... (with a body derived from both); after each put returns it
+//! `(k, n)` for n = 1, 2, ... (with a body derived from both), by RPC or by RDMA Write with
+//! immediate (`--put-by`; by default the odd writers write); after each put returns it
 //! publishes `n` as key k's floor. A reader notes the floor, then GETs (one-sided, or by RPC
 //! every eighth time) and fails on: a body that does not match its `(k, n)` (torn), `n` below
 //! the floor or a missing key whose floor is set (stale), `n` below what this reader saw
@@ -14,7 +15,7 @@ use std::time::{Duration, Instant};
 use rdma_rpc::transport::Device;
 use rdma_rpc::Config;
 
-use crate::client::OneSided;
+use crate::client::{OneSided, Writer};
 use crate::common;
 use crate::service::KvClient;
 
@@ -42,6 +43,32 @@ pub struct Opts {
     /// The limit for `--min-torn`.
     #[arg(long, default_value_t = 60.0)]
     max_seconds: f64,
+    /// How writers PUT: `rpc`, `write-imm` (RDMA Write with immediate), or `mixed` (the odd
+    /// writers by Write-with-immediate).
+    #[arg(long, default_value = "mixed")]
+    put_by: PutBy,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PutBy {
+    Rpc,
+    WriteImm,
+    Mixed,
+}
+
+/// A writer's way of putting.
+enum Putter {
+    Rpc(KvClient),
+    Write(Writer),
+}
+
+impl Putter {
+    async fn put(&mut self, key: Vec<u8>, value: Vec<u8>) -> common::Result<()> {
+        match self {
+            Putter::Rpc(kv) => Ok(kv.put(key, value).await??),
+            Putter::Write(w) => w.put(&key, &value).await,
+        }
+    }
 }
 
 /// When writers and readers stop: after `until`, once enough torn copies were caught (or at
@@ -104,8 +131,16 @@ pub async fn run(device: &Device, rpc: SocketAddr, one_sided: SocketAddr, o: Opt
     }
 
     let mut tasks = Vec::new();
+    let mut by_write = 0;
     for w in 0..o.writers {
         let kv = KvClient::connect(device, rpc, Config::default()).await?;
+        let writes = o.put_by == PutBy::WriteImm || (o.put_by == PutBy::Mixed && w % 2 == 1);
+        let mut putter = if writes {
+            by_write += 1;
+            Putter::Write(Writer::connect(device, one_sided).await?)
+        } else {
+            Putter::Rpc(kv.clone())
+        };
         let (floors, deleting, deletes, keys, stop) =
             (floors.clone(), deleting.clone(), o.deletes, o.keys, stop.clone());
         tasks.push(tokio::spawn(async move {
@@ -118,7 +153,7 @@ pub async fn run(device: &Device, rpc: SocketAddr, one_sided: SocketAddr, o: Opt
                         deleting[k].fetch_add(1, Ordering::SeqCst);
                         kv.delete(key(k)).await?;
                     }
-                    kv.put(key(k), value(k, n[k])).await??;
+                    putter.put(key(k), value(k, n[k])).await?;
                     if deletes && n[k] % 16 == 0 {
                         deleting[k].fetch_add(1, Ordering::SeqCst);
                     }
@@ -180,8 +215,9 @@ pub async fn run(device: &Device, rpc: SocketAddr, one_sided: SocketAddr, o: Opt
         (puts, reads, by_rpc, torn) = (puts + p, reads + r, by_rpc + b, torn + tr);
     }
     println!(
-        "check passed: {puts} puts by {} writers, {reads} GETs by {} readers ({by_rpc} by RPC, {} one-sided), \
-         {torn} torn copies caught and read again, 0 torn, stale or out-of-order values returned",
+        "check passed: {puts} puts by {} writers ({by_write} by RDMA Write with immediate), {reads} GETs by {} \
+         readers ({by_rpc} by RPC, {} one-sided), {torn} torn copies caught and read again, 0 torn, stale or \
+         out-of-order values returned",
         o.writers,
         o.readers,
         reads - by_rpc

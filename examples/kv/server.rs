@@ -1,15 +1,17 @@
 //! The server: the table in registered memory (remote read only), the RPC service that
-//! changes it, and the endpoint where clients connect queue pairs to read it one-sided.
+//! changes it, and the endpoint where clients connect queue pairs to read it one-sided, or to
+//! PUT by RDMA Write with immediate (`writes.rs`).
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use rdma_rpc::transport::{AccessFlags, Device, Listener, MemoryRegion, ProtectionDomain};
+use rdma_rpc::transport::{AccessFlags, CompletionQueue, Device, Listener, MemoryRegion, ProtectionDomain, QpOptions};
 
 use crate::common;
 use crate::layout::{self, Entry, SlotRead, BUCKETS, ENTRY, INDEX_BYTES, MAX_KV, PROBE, SLOT, SLOTS, VALUES_BYTES};
 use crate::service::Kv;
+use crate::writes::{self, Writers};
 
 /// The table and its one-sided endpoint.
 pub struct Table {
@@ -82,8 +84,10 @@ impl Table {
         let listener = Listener::bind(device, SocketAddr::new(ip, 0))?;
         let port = listener.local_addr()?.port();
         let (pd, cq) = (pd.clone(), device.create_cq(64)?);
-        std::thread::spawn(move || common::keep_accepting(listener, pd, cq, private));
-        Ok(Arc::new(Self {
+        let writers = Writers::new(device)?;
+        let w = writers.clone();
+        std::thread::spawn(move || keep_accepting(listener, pd, cq, private, &w));
+        let table = Arc::new(Self {
             inner: Mutex::new(Inner {
                 index,
                 values,
@@ -92,7 +96,41 @@ impl Table {
             }),
             torn_window,
             port,
-        }))
+        });
+        tokio::spawn(writers.serve(table.clone()));
+        Ok(table)
+    }
+
+    /// Sets `key` to `value`, as the RPC `put` and a PUT by Write-with-immediate both do.
+    pub fn put_now(&self, key: &[u8], value: &[u8]) -> Result<(), String> {
+        if key.len() + value.len() > MAX_KV {
+            return Err(format!(
+                "key and value take {} bytes; a slot holds {MAX_KV}",
+                key.len() + value.len()
+            ));
+        }
+        let mut t = self.lock();
+        t.version += 1;
+        let version = t.version;
+        let (bucket, slot) = match t.find(key) {
+            Found::At { bucket, entry } => (bucket, entry.slot),
+            Found::Free { bucket } => (bucket, t.free.pop().ok_or("the table is full")?),
+            Found::Full => return Err(format!("all {PROBE} buckets of this key are taken")),
+        };
+        // In place and in steps, as a CPU writes: body, then header. A reader in between
+        // sees a sum that does not match.
+        let bytes = layout::encode_slot(version, key, value);
+        let at = slot as usize * SLOT;
+        t.values.write_at(at + 16, &bytes[16..]).map_err(|e| e.to_string())?;
+        self.pause();
+        t.values.write_at(at, &bytes[..16]).map_err(|e| e.to_string())?;
+        let entry = Entry {
+            hash: layout::key_hash(key),
+            slot,
+            live: true,
+            version,
+        };
+        t.write_entry(bucket, entry).map_err(|e| e.to_string())
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -123,34 +161,7 @@ impl Kv for Table {
     }
 
     async fn put(&self, key: Vec<u8>, value: Vec<u8>) -> Result<(), String> {
-        if key.len() + value.len() > MAX_KV {
-            return Err(format!(
-                "key and value take {} bytes; a slot holds {MAX_KV}",
-                key.len() + value.len()
-            ));
-        }
-        let mut t = self.lock();
-        t.version += 1;
-        let version = t.version;
-        let (bucket, slot) = match t.find(&key) {
-            Found::At { bucket, entry } => (bucket, entry.slot),
-            Found::Free { bucket } => (bucket, t.free.pop().ok_or("the table is full")?),
-            Found::Full => return Err(format!("all {PROBE} buckets of this key are taken")),
-        };
-        // In place and in steps, as a CPU writes: body, then header. A reader in between
-        // sees a sum that does not match.
-        let bytes = layout::encode_slot(version, &key, &value);
-        let at = slot as usize * SLOT;
-        t.values.write_at(at + 16, &bytes[16..]).map_err(|e| e.to_string())?;
-        self.pause();
-        t.values.write_at(at, &bytes[..16]).map_err(|e| e.to_string())?;
-        let entry = Entry {
-            hash: layout::key_hash(&key),
-            slot,
-            live: true,
-            version,
-        };
-        t.write_entry(bucket, entry).map_err(|e| e.to_string())
+        self.put_now(&key, &value)
     }
 
     async fn delete(&self, key: Vec<u8>) -> bool {
@@ -174,6 +185,35 @@ impl Kv for Table {
     async fn one_sided_port(&self) -> u16 {
         self.port
     }
+
+    async fn cpu_time_us(&self) -> u64 {
+        common::process_cpu_time().as_micros() as u64
+    }
 }
 
 const _: () = assert!(BUCKETS % PROBE == 0);
+
+/// Accepts connections forever on the one-sided endpoint: readers (their queue pairs kept
+/// open; the table's regions in the answer) and writers (`writes.rs`).
+fn keep_accepting(listener: Listener, pd: ProtectionDomain, cq: CompletionQueue, private: Vec<u8>, writers: &Writers) {
+    let mut readers = Vec::new();
+    loop {
+        let req = match listener.accept(None) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("the one-sided endpoint failed: {e}");
+                return;
+            }
+        };
+        let r = if req.private_data() == writes::HELLO {
+            writers.accept(req)
+        } else {
+            req.accept(&QpOptions::new(&pd, &cq), &private)
+                .map(|qp| readers.push(qp))
+                .map_err(Into::into)
+        };
+        if let Err(e) = r {
+            eprintln!("a peer failed to connect: {e}");
+        }
+    }
+}

@@ -14,4 +14,6 @@ pub trait Kv {
     /// The port of the server's one-sided endpoint (same IP): connect a queue pair there and
     /// the private data of the answer names the index and value regions.
     async fn one_sided_port(&self) -> u16;
+    /// The server process's CPU time (user and system) so far, in microseconds.
+    async fn cpu_time_us(&self) -> u64;
 }

@@ -988,6 +988,44 @@ async fn unaligned_atomic_is_an_error() {
     assert!(!c.qp.is_error(), "a refused post does not break the QP");
 }
 
+/// A CQ a waiter armed before a QP was attached to it wakes the waiter for that QP's
+/// completions, as `ibv_req_notify_cq` covers every QP of the CQ: a server that waits on one CQ
+/// for all its connections hears from the ones that come later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_begun_before_a_qp_joins_its_cq_wakes_for_that_qp() {
+    let dev = device();
+    let (spd, scq) = (dev.alloc_pd().expect("pd"), dev.create_cq(64).expect("cq"));
+    let (cpd, ccq) = (dev.alloc_pd().expect("pd"), dev.create_cq(64).expect("cq"));
+    let listener = Listener::bind(&dev, SocketAddr::new(test_ip(), 0)).expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    // The waiter first: the CQ is armed with no QP on it.
+    let waiting = scq.clone();
+    let waiter = tokio::spawn(async move {
+        let mut out = Vec::new();
+        tokio::time::timeout(Duration::from_secs(20), waiting.wait(&mut out, 1))
+            .await
+            .map(|r| r.map(|_| out))
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (sopts, copts) = (QpOptions::new(&spd, &scq), QpOptions::new(&cpd, &ccq));
+    let (sqp, cqp) = accept_and_connect(&listener, addr, &sopts, &copts);
+    sqp.post_recv(RecvWr::new(7, spd.register(16, AccessFlags::LOCAL_WRITE).expect("reg")))
+        .map_err(|e| e.error)
+        .expect("recv");
+    let mut b = cpd.register(16, AccessFlags::NONE).expect("reg");
+    b.write_at(0, &[5; 16]).expect("fill");
+    cqp.post_send(SendWr::send(1, b)).map_err(|e| e.error).expect("send");
+    let got = waiter
+        .await
+        .expect("the waiter")
+        .expect("the waiter woke for the QP that joined after it armed the CQ")
+        .expect("wait");
+    let c = got.first().expect("a completion");
+    ok(c);
+    assert_eq!((c.wr_id, c.qp_num), (7, sqp.qp_num()));
+    take(&ccq, 1).await.iter().for_each(ok);
+}
+
 #[tokio::test]
 async fn many_qps_share_one_cq() {
     let dev = device();

@@ -143,6 +143,14 @@ impl Cq {
     pub(crate) fn add_source(&self, source: Weak<dyn CqSource>, has_some: Box<dyn Fn() -> bool + Send + Sync>) {
         let mut s = self.sources.lock();
         s.retain(|w| w.source.strong_count() > 0);
+        // A waiter armed the CQ before this source came: it must be woken by this source's
+        // completions too, as a NIC's armed CQ is by any QP's (`ibv_req_notify_cq`). Under the
+        // sources' lock, against `arm`: it stores the flag, then arms what is listed.
+        if self.armed.load(Ordering::SeqCst) {
+            if let Some(src) = source.upgrade() {
+                src.arm();
+            }
+        }
         s.push(Source { source, has_some });
     }
 
