@@ -41,8 +41,8 @@ pub use bulk::Bulk;
 pub use rdma_rpc_core as core;
 pub use rdma_rpc_core::context;
 pub use rdma_rpc_core::{
-    CallOptions, Channel, Client, CompletionMode, Config, Isolation, Reconnect, RpcError, Server, ServerBuilder,
-    Status, TransportError,
+    Body, BodyRef, Buffers, CallOptions, Channel, Client, CompletionMode, Config, Isolation, Reconnect, RegisteredBuf,
+    RpcError, Server, ServerBuilder, Status, TransportError, DEFAULT_EAGER_THRESHOLD, IN_SLOT_MIN,
 };
 pub use rdma_rpc_macros::service;
 pub use rdma_rpc_transport as transport;

@@ -188,9 +188,9 @@ async fn every_method_shape_works_end_to_end() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bulk_arguments_and_results_cross_the_rendezvous_threshold_intact() {
     let (lab, dev) = lab().await;
-    let t = rdma_rpc::core::Config::default().eager_threshold_on(&dev);
+    let t = rdma_rpc::Config::default().eager_threshold_on(&dev);
     // Past the threshold, within the largest payload (shm's threshold is half of it).
-    let max = rdma_rpc::core::Config::default().max_payload as usize;
+    let max = rdma_rpc::Config::default().max_payload as usize;
     let sizes = [0, 1, t - 64, t, t + 1, 3 * t + 5, 4 << 20];
     for len in sizes.into_iter().filter(|&n| n <= max) {
         let data = pattern(len, len as u8);

@@ -29,8 +29,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use rdma_rpc::core::CompletionMode;
 use rdma_rpc::transport::Device;
+use rdma_rpc::CompletionMode;
 
 use sampler::Plan;
 use stats::{Convention, Row};

@@ -2,8 +2,8 @@
 
 use std::net::SocketAddr;
 
-use rdma_rpc::core::{Body, Buffers, Client, CompletionMode, Config, Server};
 use rdma_rpc::transport::Device;
+use rdma_rpc::{Body, Buffers, Client, CompletionMode, Config, Server};
 
 use crate::sampler::{self, Plan, Samples};
 

@@ -4,8 +4,8 @@
 
 use std::net::{IpAddr, SocketAddr};
 
-use rdma_rpc::core::Config;
 use rdma_rpc::transport::Device;
+use rdma_rpc::Config;
 use rdma_rpc::{service, Bulk};
 
 use crate::sampler::{self, Plan, Samples};

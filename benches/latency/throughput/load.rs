@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use rdma_rpc::core::{Client, Config};
 use rdma_rpc::transport::Device;
+use rdma_rpc::{Client, Config};
 use tarpc::tokio_serde::formats::Bincode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;

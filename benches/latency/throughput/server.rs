@@ -10,8 +10,8 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use futures::prelude::*;
-use rdma_rpc::core::{CompletionMode, Config, Server};
 use rdma_rpc::transport::Device;
+use rdma_rpc::{CompletionMode, Config, Server};
 use tarpc::server::{BaseChannel, Channel};
 use tarpc::tokio_serde::formats::Bincode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader as TokioBufReader};
