@@ -44,7 +44,7 @@ read -r tcpc_pass tcpc_fail < <(count "$LOG/tcp-conf.log")
 
 step "conformance, RPC end-to-end, registered buffers, shutdown, isolation, #[service] and examples suites on provider shm"
 RDMA_RPC_PROVIDER=shm cargo test -p rdma-rpc-transport -p rdma-rpc-core -p rdma-rpc \
-    --test conformance --test e2e --test deadlines --test reconnect --test registered --test shutdown --test isolation --test service --test examples 2>&1 | tee "$LOG/shm.log"
+    --test conformance --test e2e --test deadlines --test reconnect --test registered --test shutdown --test isolation --test service --test examples --test doctor 2>&1 | tee "$LOG/shm.log"
 [[ ${PIPESTATUS[0]} == 0 ]] || fail=1
 read -r shm_pass shm_fail < <(count "$LOG/shm.log")
 grep -A200 'Running tests/conformance.rs' "$LOG/shm.log" | grep -m1 '^test result:' > "$LOG/shm-conf.log"
@@ -63,8 +63,8 @@ step "conformance, RPC end-to-end, registered buffers, shutdown, isolation, #[se
 # binaries go to /examples, where tests/examples.rs looks for them (next to its own directory).
 # They are built with the `vm` profile (Cargo.toml: dev's checks, optimized): under emulation an
 # unoptimized build runs several times slower (docs/decisions.md).
-cargo build --quiet --profile vm --examples || fail=1
-vm_tests=(conformance e2e deadlines reconnect registered shutdown isolation service examples)
+cargo build --quiet --profile vm --examples --bins || fail=1
+vm_tests=(conformance e2e deadlines reconnect registered shutdown isolation service examples doctor)
 bins=$(cargo test --profile vm -p rdma-rpc-transport -p rdma-rpc-core -p rdma-rpc "${vm_tests[@]/#/--test=}" \
       --no-run --message-format=json 2>/dev/null |
       sed -n 's/.*"executable":"\([^"]*\/deps\/[a-z0-9_]*-[0-9a-f]*\)".*/\1/p' | sort -u)
@@ -75,6 +75,8 @@ for t in "${vm_tests[@]}"; do
     vm_files+=(-f "$b"); vm_names+=("$(basename "$b")")
 done
 for e in echo logsync kv lock; do vm_files+=(-f "target/vm/examples/$e:/examples/$e"); done
+# tests/doctor.rs looks for the doctor next to its own directory, as for the examples.
+vm_files+=(-f "target/vm/rdma-rpc-doctor:/rdma-rpc-doctor")
 if ((${#vm_names[@]} != ${#vm_tests[@]})); then
     verbs_pass=0; verbs_fail=1; vconf_pass=0
 else

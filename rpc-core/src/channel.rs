@@ -60,19 +60,18 @@ impl Default for Reconnect {
 /// let echo = || Server::builder(Config::default()).handler(1, |req: Vec<u8>| async move { Ok::<_, RpcError>(req) });
 /// let server = echo().bind(&dev, "127.0.0.1:0".parse()?)?;
 /// let addr = server.local_addr()?;
-/// let serving = tokio::spawn(server.serve_with_shutdown(std::future::pending()));
+/// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+/// let serving = tokio::spawn(server.serve_with_shutdown(async move {
+///     let _ = stopped.await;
+/// }));
 /// let channel = Channel::connect(&dev, addr, Config::default(), Reconnect::default()).await?;
 /// assert_eq!(channel.call(1, b"one".to_vec()).await?, b"one");
-/// // The server goes away and comes back on the same address.
-/// serving.abort();
-/// let _ = serving.await;
+/// // The server shuts down and comes back on the same address.
+/// stop.send(()).ok();
+/// serving.await??;
 /// tokio::spawn(echo().bind(&dev, addr)?.serve());
-/// // The first call may still meet the old connection's end; the channel then connects again.
-/// let again = match channel.call(1, b"two".to_vec()).await {
-///     Err(RpcError::ConnectionLost(_)) => channel.call(1, b"two".to_vec()).await?,
-///     other => other?,
-/// };
-/// assert_eq!(again, b"two");
+/// // The next call goes over a new connection.
+/// assert_eq!(channel.call(1, b"two".to_vec()).await?, b"two");
 /// assert_eq!(channel.reconnects(), 1);
 /// # Ok(()) }
 /// ```

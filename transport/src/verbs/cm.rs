@@ -382,6 +382,7 @@ pub(crate) fn connect(
     let pending = Pending {
         id: raw,
         connect: true,
+        peer: Some(addr),
         rd_atom: (ctx.max_rd_atom, ctx.max_init_rd_atom),
         setup,
         deadline,
@@ -395,6 +396,8 @@ pub(crate) struct Pending {
     /// Owned by the `Qp`, which outlives this value (the caller holds both).
     id: *mut rdma_cm_id,
     connect: bool,
+    /// The address connected to (the connecting side): named when nothing listens there.
+    peer: Option<SocketAddr>,
     rd_atom: (u8, u8),
     setup: std::sync::mpsc::Receiver<Event>,
     deadline: Instant,
@@ -441,7 +444,14 @@ impl Pending {
             ev,
             rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
             if self.connect { "rdma_connect" } else { "rdma_accept" },
-        )?;
+        )
+        .map_err(|e| match (e, self.peer) {
+            // Nothing listens there: say what may (a server of another provider).
+            (Error::Io { source, .. }, Some(addr)) if source.kind() == io::ErrorKind::ConnectionRefused => {
+                Error::connecting(addr, "verbs", source)
+            }
+            (e, _) => e,
+        })?;
         Ok(unframe(&ev.private_data))
     }
 }
@@ -590,6 +600,7 @@ impl Request {
         let pending = Pending {
             id: raw,
             connect: false,
+            peer: None,
             rd_atom: (ctx.max_rd_atom, ctx.max_init_rd_atom),
             setup,
             deadline: Instant::now() + Duration::from_secs(30),
