@@ -74,7 +74,7 @@ for t in "${vm_tests[@]}"; do
     [[ -n $b ]] || { echo "could not build the test binary $t for the VM lane"; fail=1; continue; }
     vm_files+=(-f "$b"); vm_names+=("$(basename "$b")")
 done
-for e in echo logsync kv lock; do vm_files+=(-f "target/vm/examples/$e:/examples/$e"); done
+for e in echo logsync kv lock allreduce; do vm_files+=(-f "target/vm/examples/$e:/examples/$e"); done
 # tests/doctor.rs looks for the doctor next to its own directory, as for the examples.
 vm_files+=(-f "target/vm/rdma-rpc-doctor:/rdma-rpc-doctor")
 if ((${#vm_names[@]} != ${#vm_tests[@]})); then

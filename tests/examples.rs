@@ -541,3 +541,66 @@ fn a_call_to_a_stopped_server_ends_without_a_deadline() {
     });
     drop(server); // killed, stopped or not
 }
+
+#[test]
+fn allreduce_ranks_in_separate_processes_agree_on_every_sum() {
+    // Three ranks on this host; each listens on its port (RDMA) and the next (TCP).
+    let base = 20_000 + (std::process::id() % 9_000) as u16 * 4;
+    let peers: Vec<String> = (0..3).map(|r| format!("{}:{}", ip(), base + 2 * r)).collect();
+    let peers = peers.join(",");
+    let args = |rank: &str| {
+        vec![
+            "--rank".to_string(),
+            rank.to_string(),
+            "--peers".into(),
+            peers.clone(),
+            "--sizes".into(),
+            "4096,262144".into(),
+            "--rounds".into(),
+            "3".into(),
+        ]
+    };
+    let others: Vec<Kill> = ["1", "2"]
+        .iter()
+        .map(|r| {
+            Kill(
+                Command::new(example("allreduce"))
+                    .args(args(r))
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .expect("start a rank"),
+            )
+        })
+        .collect();
+    let zero = Command::new(example("allreduce"))
+        .args(args("0"))
+        .output()
+        .expect("run rank 0");
+    let out = String::from_utf8_lossy(&zero.stdout).into_owned();
+    assert!(
+        zero.status.success(),
+        "rank 0 failed: {out}{}",
+        String::from_utf8_lossy(&zero.stderr)
+    );
+    // A row per size, beside TCP; every sum checked on every rank.
+    for size in ["4104", "262152"] {
+        let row = out
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(size))
+            .unwrap_or_else(|| panic!("no row for {size} B in:\n{out}"));
+        assert_eq!(row.split_whitespace().count(), 8, "{row}");
+    }
+    assert!(out.contains("rank 0: every sum checked, 12 all-reduces"), "{out}");
+    for mut k in others {
+        let status = k.0.wait().expect("a rank");
+        let mut rest = String::new();
+        if let Some(mut o) = k.0.stdout.take() {
+            std::io::Read::read_to_string(&mut o, &mut rest).expect("its output");
+        }
+        assert!(
+            status.success() && rest.contains("every sum checked, 12 all-reduces"),
+            "{rest}"
+        );
+    }
+}
