@@ -185,12 +185,15 @@ fn describe(d: &Dev) -> Vec<Finding> {
             .map(|g| read(format!("/sys/class/net/{}/mtu", g.3)))
             .unwrap_or_default();
         let what = format!(
-            "device {} port {}: {}, link layer {}, netdev MTU {}",
+            "device {} port {}: {}, link layer {}, {}",
             d.name,
             p.num,
             p.state,
             p.link_layer,
-            if mtu.is_empty() { "?".into() } else { mtu.clone() }
+            match mtu.parse::<u32>() {
+                Ok(m) => format!("active MTU {} (netdev MTU {m})", roce_mtu(m)),
+                Err(_) => "MTU unknown".into(),
+            }
         );
         out.push(if active {
             Finding::ok(what)
@@ -227,6 +230,15 @@ fn describe(d: &Dev) -> Vec<Finding> {
         }
     }
     out
+}
+
+/// The RoCE path MTU a netdev MTU gives: the largest IB MTU that fits beside the RoCE
+/// headers (1500 gives 1024, 9000 gives 4096), as `ibv_devinfo` reports it.
+fn roce_mtu(netdev: u32) -> u32 {
+    [4096, 2048, 1024, 512, 256]
+        .into_iter()
+        .find(|&m| m + 100 <= netdev)
+        .unwrap_or(256)
 }
 
 /// What can be said of PFC and ECN on a RoCE port's netdev.
