@@ -31,21 +31,11 @@ pub fn decode_args<T: DeserializeOwned>(request: &[u8], method: &str) -> Result<
 }
 
 /// Splits off and decodes the arguments of a request with a bulk argument.
-pub fn decode_args_bulk<T: DeserializeOwned>(mut request: Vec<u8>, method: &str) -> Result<(Bulk, T), RpcError> {
-    let bad = |what: &str| RpcError::BadRequest(format!("arguments of {method}: {what}"));
-    let body = request
-        .len()
-        .checked_sub(TRAILER)
-        .ok_or_else(|| bad("shorter than its trailer"))?;
-    let mut n = [0u8; TRAILER];
-    n.copy_from_slice(&request[body..]);
-    let bulk_len = usize::try_from(u64::from_le_bytes(n))
-        .ok()
-        .filter(|&l| l <= body)
-        .ok_or_else(|| bad("bulk length beyond the request"))?;
-    let args = exact(&request[bulk_len..body]).map_err(|e| bad(&e.to_string()))?;
-    request.truncate(bulk_len);
-    Ok((Bulk::from(request), args))
+pub fn decode_args_bulk<T: DeserializeOwned>(request: Vec<u8>, method: &str) -> Result<(Bulk, T), RpcError> {
+    let (bulk_len, end) = bulk_layout(&request, method)?;
+    let args =
+        exact(&request[bulk_len..end]).map_err(|e| RpcError::BadRequest(format!("arguments of {method}: {e}")))?;
+    Ok((into_bulk(request, bulk_len), args))
 }
 
 // One argument at a time, for generated code: postcard lays a tuple out as its fields one

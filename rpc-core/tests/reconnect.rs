@@ -18,6 +18,14 @@ const COUNT: u32 = 1;
 /// Runs of each call id (the request's 8 bytes), across the server's lives.
 type Runs = Arc<Mutex<HashMap<u64, usize>>>;
 
+/// An address on the test IP that a server can bind: one a server held a moment ago.
+fn free_addr() -> SocketAddr {
+    let probe = Server::builder(Config::default())
+        .bind(&device(), SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    probe.local_addr().expect("addr")
+}
+
 /// A server counting runs, bound on `addr`.
 fn bind(addr: SocketAddr, runs: &Runs) -> Result<Server, RpcError> {
     let runs = runs.clone();
@@ -106,12 +114,7 @@ fn callers(
 async fn restart_under_load(gracefully: bool) {
     let runs = Runs::default();
     let (stop1, stopped1) = tokio::sync::oneshot::channel();
-    // A free port on the test address, then the server on it.
-    let probe = Server::builder(Config::default())
-        .bind(&device(), SocketAddr::new(test_ip(), 0))
-        .expect("bind");
-    let addr = probe.local_addr().expect("addr");
-    drop(probe);
+    let addr = free_addr();
     let first = start(addr, &runs, stopped1);
     let policy = Reconnect {
         give_up_after: Duration::from_secs(20),
@@ -189,11 +192,7 @@ async fn a_channel_serves_new_calls_after_its_server_shuts_down_and_restarts_und
 async fn a_channel_gives_up_after_its_bound() {
     let runs = Runs::default();
     let (stop, stopped) = tokio::sync::oneshot::channel();
-    let probe = Server::builder(Config::default())
-        .bind(&device(), SocketAddr::new(test_ip(), 0))
-        .expect("bind");
-    let addr = probe.local_addr().expect("addr");
-    drop(probe);
+    let addr = free_addr();
     let server = start(addr, &runs, stopped);
     let policy = Reconnect {
         give_up_after: Duration::from_millis(300),
