@@ -10,7 +10,7 @@
 # In the soft-RoCE VM (after `cargo build --release --examples --bins`):
 #   scripts/rxe-vm.sh -e BIN=/ex -e IP=10.10.0.1 -f target/release/examples/kv:/ex/kv \
 #     -f target/release/examples/allreduce:/ex/allreduce -f target/release/rdma-rpc-doctor:/ex/rdma-rpc-doctor \
-#     -f scripts/bench-examples.sh:/ex/bench-examples.sh /ex/bench-examples.sh verbs > bench-results/verbs-examples.txt
+#     scripts/bench-examples.sh verbs > bench-results/verbs-examples.txt
 set -eu
 p=${1:?usage: bench-examples.sh PROVIDER}
 ip=${IP:-127.0.0.1}

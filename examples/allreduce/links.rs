@@ -14,8 +14,9 @@ use rdma_rpc::transport::{
 
 use crate::common;
 
-/// Receives each queue pair from the left keeps posted (one per Write-with-immediate in flight).
-pub const RECVS: u64 = 8;
+/// Receives each queue pair from the left keeps posted (one per Write-with-immediate in
+/// flight: two steps of a chunk's pieces at most).
+pub const RECVS: u64 = 16;
 /// Receive work request ids carry this bit.
 pub const RECV: u64 = 1 << 40;
 

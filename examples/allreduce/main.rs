@@ -87,10 +87,16 @@ async fn run() -> common::Result<()> {
         .into());
     }
     let device = common::device(a.provider.as_deref())?;
-    // Chunk parts: a multiple of 4 bytes, so that every size splits into n chunks of `lanes` parts.
-    let part_of = |bytes: usize| bytes.div_ceil(4 * n * a.lanes).max(1) * 4;
+    // Each chunk goes in `parts` pieces, a multiple of 4 bytes each, spread over the lanes; more
+    // pieces than lanes where one would exceed the device's largest message (8 MiB on rxe).
     let largest = a.sizes.iter().copied().max().unwrap_or(4096);
-    let links = links::connect(&device, &a.peers, a.rank, a.lanes, a.lanes * part_of(largest))?;
+    let part_of = |bytes: usize, parts: usize| bytes.div_ceil(4 * n * parts).max(1) * 4;
+    let max_msg = usize::try_from(device.caps().max_msg_size).unwrap_or(usize::MAX);
+    let mut parts = a.lanes;
+    while part_of(largest, parts) > max_msg {
+        parts += a.lanes;
+    }
+    let links = links::connect(&device, &a.peers, a.rank, a.lanes, parts * part_of(largest, parts))?;
     let mut ring = ring::Ring::new(&links)?;
     let mut tcp = tcp::TcpRing::connect(&a.peers, a.rank)?;
     if a.rank == 0 {
@@ -106,9 +112,9 @@ async fn run() -> common::Result<()> {
     }
     let mut it = 0u64;
     for &size in &a.sizes {
-        let part = part_of(size);
-        let floats = n * a.lanes * part / 4;
-        let mut v = ring::Vector::new(&links, n, a.lanes, part)?;
+        let part = part_of(size, parts);
+        let floats = n * parts * part / 4;
+        let mut v = ring::Vector::new(&links, n, parts, part)?;
         let mut plain = vec![0f32; floats];
         // The same number of all-reduces on every rank: a count measured by time would differ
         // between ranks, so it comes from the size.

@@ -141,7 +141,10 @@ impl Ring {
 
     /// All-reduces `v` (sum) with the ring of `n` ranks in which this is `rank`.
     pub async fn allreduce(&mut self, links: &Links, v: &mut Vector, n: usize, rank: usize) -> common::Result<()> {
-        let lanes = links.right.len();
+        // Parts per chunk: each queue pair carries every `qps`-th one (more parts than queue
+        // pairs where a part would exceed the device's largest message).
+        let lanes = v.parts[0].len();
+        let qps = links.right.len();
         let slot = links.staging.len() / 2;
         for k in 0..2 * (n - 1) {
             let g = self.step;
@@ -156,7 +159,8 @@ impl Ring {
                 self.progress(links, v).await?;
             }
             let base = (g % 2) as usize * slot;
-            for (lane, qp) in links.right.iter().enumerate() {
+            for lane in 0..lanes {
+                let qp = &links.right[lane % qps];
                 while v.parts[send][lane].is_none() {
                     self.progress(links, v).await?;
                 }
@@ -182,8 +186,10 @@ impl Ring {
                     self.progress(links, v).await?;
                 }
                 let part = v.parts[recv][lane].as_mut().ok_or("a part in flight")?;
-                let staged = links.staging.bytes();
-                let from = &staged[base + lane * v.part..base + (lane + 1) * v.part];
+                // This piece alone: a copy of the whole staging region (as `bytes()` gives for
+                // memory peers write) would cost the largest vector's size every step.
+                let at = base + lane * v.part;
+                let from = links.staging.bytes_at(at..at + v.part)?;
                 let mut to = part.bytes_mut();
                 if add {
                     for (d, s) in to.chunks_exact_mut(4).zip(from.chunks_exact(4)) {
@@ -192,7 +198,7 @@ impl Ring {
                         d.copy_from_slice(&sum.to_ne_bytes());
                     }
                 } else {
-                    to.copy_from_slice(from);
+                    to.copy_from_slice(&from);
                 }
             }
             // The slot is free again: one more step consumed, on the left neighbour's word.

@@ -142,6 +142,31 @@ impl Peer {
     }
 
     /// The first completion that `pred` picks, waiting for it; the others stay queued, in order,
+    /// for later calls. It polls for up to `spin` before it sleeps on the CQ: a wake-up costs
+    /// tens of microseconds, more than most answers take.
+    pub async fn next_where_spinning(
+        &mut self,
+        pred: impl Fn(&Completion) -> bool,
+        spin: Duration,
+    ) -> Result<Completion> {
+        let until = std::time::Instant::now() + spin;
+        loop {
+            if let Some(i) = self.ready.iter().position(|c| c.status != WcStatus::Success || pred(c)) {
+                let c = self.ready.remove(i).ok_or("no completion")?;
+                self.ready.push_front(c);
+                return self.take_ready();
+            }
+            if std::time::Instant::now() > until {
+                return self.next_where(pred).await;
+            }
+            let mut got = Vec::new();
+            self.cq.poll(&mut got, 64)?;
+            self.ready.extend(got);
+            std::hint::spin_loop();
+        }
+    }
+
+    /// The first completion that `pred` picks, waiting for it; the others stay queued, in order,
     /// for later calls.
     pub async fn next_where(&mut self, pred: impl Fn(&Completion) -> bool) -> Result<Completion> {
         loop {

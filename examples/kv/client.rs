@@ -152,9 +152,9 @@ impl Writer {
             .buf(buf)
             .len(bytes.len()),
         )?;
-        let written = self.peer.next_where(|c| c.wr_id == WRITE).await?;
+        let written = self.peer.next_where_spinning(|c| c.wr_id == WRITE, SPIN).await?;
         self.buf = Some(written.buf.ok_or("a write without its buffer")?);
-        let answer = self.peer.next_where(|c| c.wr_id & ANSWER != 0).await?;
+        let answer = self.peer.next_where_spinning(|c| c.wr_id & ANSWER != 0, SPIN).await?;
         let imm = answer.imm.ok_or("an answer without its immediate")?;
         self.peer.post_recv(RecvWr::new(
             answer.wr_id,
@@ -173,6 +173,9 @@ impl Writer {
         Ok(())
     }
 }
+
+/// How long a PUT polls for its completions before it sleeps on the CQ.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// Work request ids of a [`Writer`].
 const WRITE: u64 = 1;

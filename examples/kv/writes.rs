@@ -85,7 +85,18 @@ impl Writers {
         let mut early: Vec<Completion> = Vec::new();
         loop {
             got.clear();
-            tokio::select! {
+            // Poll a while before sleeping: a writer waits for this loop's answer, and a
+            // wake-up costs more than most PUTs take.
+            let until = std::time::Instant::now() + std::time::Duration::from_micros(200);
+            while got.is_empty() && early.is_empty() && std::time::Instant::now() < until {
+                if let Err(e) = self.cq.poll(&mut got, 64) {
+                    eprintln!("the writers' CQ failed: {e}");
+                    return;
+                }
+                std::hint::spin_loop();
+            }
+            if got.is_empty() {
+                tokio::select! {
                 r = self.cq.wait(&mut got, 64) => {
                     if let Err(e) = r {
                         eprintln!("the writers' CQ failed: {e}");
@@ -93,6 +104,7 @@ impl Writers {
                     }
                 }
                 () = self.filed.notified(), if !early.is_empty() => {}
+                }
             }
             got.append(&mut early);
             for c in got.drain(..) {
@@ -120,10 +132,13 @@ impl Writers {
         let i = c.imm.unwrap_or(u32::MAX);
         let refused = if i < WINDOW {
             let at = i as usize * SLOT;
-            let bytes = w.landing.bytes();
-            match layout::decode_slot(&bytes[at..at + SLOT]) {
-                SlotRead::Value { key, value } => table.put_now(key, value).is_err(),
-                SlotRead::Torn => true,
+            // This slot alone, not a copy of all the writer's landing slots.
+            match w.landing.bytes_at(at..at + SLOT) {
+                Err(_) => true,
+                Ok(bytes) => match layout::decode_slot(&bytes) {
+                    SlotRead::Value { key, value } => table.put_now(key, value).is_err(),
+                    SlotRead::Torn => true,
+                },
             }
         } else {
             true

@@ -469,6 +469,33 @@ impl MemoryRegion {
         self.region.read_range(self.off, self.len)
     }
 
+    /// As [`MemoryRegion::bytes`], for the bytes `range` of the buffer only: a registration
+    /// peers may write gives a copy of those bytes alone, so reading a small piece of a large
+    /// one (a landing slot, a staging chunk) costs that piece, not the whole registration.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `range` is not within the buffer.
+    ///
+    /// # Examples
+    /// ```
+    /// use rdma_rpc_transport::{AccessFlags, Device};
+    /// let pd = Device::open("tcp")?.alloc_pd()?;
+    /// let mut mr = pd.register(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
+    /// mr.write_at(1024, b"piece")?;
+    /// assert_eq!(&mr.bytes_at(1024..1029)?[..], b"piece");
+    /// assert!(mr.bytes_at(4090..4100).is_err());
+    /// # Ok::<(), rdma_rpc_transport::Error>(())
+    /// ```
+    pub fn bytes_at(&self, range: std::ops::Range<usize>) -> Result<BufRef<'_>> {
+        if range.start > range.end || range.end > self.len {
+            return Err(Error::InvalidArgument(format!(
+                "bytes {}..{} of a {}-byte buffer",
+                range.start, range.end, self.len
+            )));
+        }
+        Ok(self.region.read_range(self.off + range.start, range.end - range.start))
+    }
+
     /// The bytes, for writing: the registration's lock, exclusively (other pieces of it
     /// included). Any other borrow of the same registration taken on this thread while this one
     /// is held waits forever: drop it first.
