@@ -508,6 +508,9 @@ pub struct Session {
     /// here, unsent, in the order they were made.
     call_limit: usize,
     held_back: VecDeque<Out>,
+    /// Calls with a deadline left `held_back` for the queue carrying the budget they were
+    /// started with: [`Session::refresh_budgets`] gives them what is left.
+    stale_budgets: bool,
     /// Bytes of eager request bodies the peer holds at once ([`Session::limit_call_bytes`]),
     /// and those of our calls sent and not finished.
     call_bytes_limit: u64,
@@ -574,6 +577,7 @@ impl Session {
             lent_timeout: None,
             call_limit: usize::MAX,
             held_back: VecDeque::new(),
+            stale_budgets: false,
             call_bytes_limit: u64::MAX,
             call_bytes: 0,
         }

@@ -2321,3 +2321,57 @@ fn a_call_held_back_past_its_deadline_expires_unsent_and_one_sent_may_have_run()
     );
     assert_eq!(a.s.held_back_calls(), 0);
 }
+
+/// `a` (limited to one call at a time) sends `first`, then waits for it: the server answers,
+/// and `a` hears it `later`.
+fn answer_first_at(a: &mut Side, b: &mut Side, later: Instant) {
+    serve(b, |n| n);
+    while let Some(Transmit::Send(m)) = b.s.poll_transmit() {
+        a.s.handle_message(&m.to_vec(), later).expect("the response");
+    }
+    a.drain_events();
+}
+
+#[test]
+fn a_call_that_waited_for_the_servers_limit_carries_the_budget_it_has_left() {
+    let now = Instant::now();
+    let secs = Duration::from_secs;
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    a.s.limit_calls(1);
+    let first = a.call(10, None, None, now);
+    let waiting = a.call(10, None, Some(secs(5)), now);
+    exchange(&mut a, &mut b, now);
+    assert_eq!(b.requests.len(), 1, "the other waits for the server's limit");
+    // The first is answered three seconds on: the next one goes, with two seconds left.
+    answer_first_at(&mut a, &mut b, now + secs(3));
+    assert!(a.done.remove(&first).expect("answered").is_ok());
+    assert!(
+        a.s.budgets_stale(),
+        "the call let go carries the budget it started with"
+    );
+    a.s.refresh_budgets(now + secs(3));
+    assert!(!a.s.budgets_stale());
+    let Some(Transmit::Send(m)) = a.s.poll_transmit() else {
+        panic!("the waiting call's request goes out");
+    };
+    let (h, _) = Header::decode(&m.to_vec()).expect("a request");
+    assert_eq!(
+        (h.call_id, h.budget_us),
+        (waiting, 2_000_000),
+        "what the deadline leaves"
+    );
+
+    // One let go after its deadline passed (no timer fired meanwhile) expires, unsent.
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    a.s.limit_calls(1);
+    let first = a.call(10, None, None, now);
+    let doomed = a.call(10, None, Some(secs(2)), now);
+    exchange(&mut a, &mut b, now);
+    answer_first_at(&mut a, &mut b, now + secs(3));
+    assert!(a.done.remove(&first).expect("answered").is_ok());
+    a.s.refresh_budgets(now + secs(3));
+    a.drain_events();
+    assert_eq!(a.done.remove(&doomed), Some(Err(CallError::Expired)), "it never left");
+    assert!(a.s.poll_transmit().is_none(), "nothing of it goes out");
+    assert_eq!(a.s.pending_calls(), 0);
+}

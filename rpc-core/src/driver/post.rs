@@ -32,6 +32,10 @@ impl Conn {
     /// Posts what the session wants sent, up to about [`FLUSH_BYTES`] (and leaves consumed
     /// slots for a later `flush`).
     pub(crate) fn send_pending(&mut self) -> bool {
+        if self.session.budgets_stale() {
+            // Calls let go after waiting for the server's limit: what their deadlines leave.
+            self.session.refresh_budgets(Instant::now());
+        }
         let mut any = false;
         let mut bytes = 0;
         self.cut_short = false;

@@ -234,6 +234,48 @@ impl Session {
         }
     }
 
+    /// Whether calls that waited for the server's limit were let go with the budget they were
+    /// started with: the driver then reads the clock and calls [`Session::refresh_budgets`]
+    /// before it takes the next transmit.
+    pub fn budgets_stale(&self) -> bool {
+        self.stale_budgets
+    }
+
+    /// Gives the requests queued to be sent the budget their deadlines leave at `now`, so a
+    /// server never gets more time than its caller has; one with less than a microsecond left
+    /// is taken back unsent, [`CallError::Expired`].
+    pub fn refresh_budgets(&mut self, now: Instant) {
+        self.stale_budgets = false;
+        let mut expired = Vec::new();
+        for out in self.queue.iter_mut() {
+            let header = match out {
+                Out::Msg { header, .. } | Out::Placed { header, .. } | Out::Pieces { header, sent: 0, .. } => header,
+                _ => continue,
+            };
+            if header.kind != Kind::Request {
+                continue;
+            }
+            let Some(d) = self.calls.get(header.call_id).and_then(|c| c.deadline) else {
+                continue;
+            };
+            let left = d.saturating_duration_since(now);
+            if left.as_micros() == 0 {
+                expired.push(header.call_id);
+            } else if let Ok(us) = u32::try_from(left.as_micros()) {
+                header.budget_us = us;
+            }
+        }
+        for call in expired {
+            let Some(i) = self.queue.iter().position(|o| o.call() == Some(call) && o.is_request()) else {
+                continue;
+            };
+            if let Some(Out::Placed { buf, .. }) = self.queue.remove(i) {
+                self.actions.push_back(Transmit::Release(buf));
+            }
+            self.finish_call(call, Err(CallError::Expired));
+        }
+    }
+
     /// Sends the calls waiting for the peer, as far as its limit allows.
     pub(super) fn send_held_back(&mut self) {
         if self.lost.is_some() || self.theirs != Shutdown::None {
@@ -253,6 +295,7 @@ impl Session {
             if let Some(c) = out.call().and_then(|id| self.calls.get_mut(id)) {
                 c.counted = true;
                 self.call_bytes += n;
+                self.stale_budgets |= c.deadline.is_some();
             }
             self.queue.push_back(out);
         }
