@@ -1,14 +1,18 @@
 //! The same ring all-reduce over plain TCP, for comparison in the same run: one socket to the
-//! right neighbour, one from the left; each step writes a chunk while reading the left's.
+//! right neighbour, one from the left; each step writes a chunk (on a writer thread that lives
+//! as long as the ring, so no step pays a thread's start) while reading the left's.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::common;
 
 pub struct TcpRing {
-    right: TcpStream,
+    /// Chunks to write to the right neighbour, and the writer thread's word on each.
+    to_right: mpsc::SyncSender<Vec<u8>>,
+    written: mpsc::Receiver<std::io::Result<Vec<u8>>>,
     left: TcpStream,
 }
 
@@ -36,7 +40,22 @@ impl TcpRing {
             let left = accepting.join().map_err(|_| "the accepting thread panicked")??;
             right.set_nodelay(true)?;
             left.set_nodelay(true)?;
-            Ok(Self { right, left })
+            let (to_right, chunks) = mpsc::sync_channel::<Vec<u8>>(1);
+            let (done, written) = mpsc::sync_channel(1);
+            std::thread::spawn(move || {
+                let mut right = right;
+                for chunk in chunks {
+                    // The buffer goes back for the next step.
+                    if done.send(right.write_all(&chunk).map(|()| chunk)).is_err() {
+                        return;
+                    }
+                }
+            });
+            Ok(Self {
+                to_right,
+                written,
+                left,
+            })
         })
     }
 
@@ -55,13 +74,9 @@ impl TcpRing {
             for (b, x) in out.chunks_exact_mut(4).zip(&v[send * c..(send + 1) * c]) {
                 b.copy_from_slice(&x.to_ne_bytes());
             }
-            let (right, left) = (&mut self.right, &mut self.left);
-            let (read, written) = std::thread::scope(|s| {
-                let w = s.spawn(|| right.write_all(&out));
-                (left.read_exact(&mut inc), w.join())
-            });
-            read?;
-            written.map_err(|_| "the writing thread panicked")??;
+            self.to_right.send(out).map_err(|_| "the writer thread ended")?;
+            self.left.read_exact(&mut inc)?;
+            out = self.written.recv().map_err(|_| "the writer thread ended")??;
             for (x, b) in v[recv * c..(recv + 1) * c].iter_mut().zip(inc.chunks_exact(4)) {
                 let y = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
                 *x = if add { *x + y } else { y };

@@ -54,11 +54,54 @@ fn next(cq: &CompletionQueue) -> Result<Completion> {
     }
 }
 
-fn send(qp: &QueuePair, pd: &transport::ProtectionDomain, bytes: &[u8]) -> Result<()> {
-    let mut b = pd.register(bytes.len().max(1), AccessFlags::LOCAL_WRITE)?;
-    b.write_at(0, bytes)?;
-    qp.post_send(SendWr::send(1, b).len(bytes.len())).map_err(|e| e.error)?;
-    Ok(())
+/// A queue pair's Sends from buffers registered once (a registration per message would be
+/// timed with the ping-pong), and the completions that came while one was awaited.
+struct Sends {
+    free: Vec<MemoryRegion>,
+    held: std::collections::VecDeque<Completion>,
+}
+
+impl Sends {
+    fn new(pd: &transport::ProtectionDomain) -> Result<Self> {
+        let free = (0..8)
+            .map(|_| pd.register(MSG, AccessFlags::LOCAL_WRITE))
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(Self {
+            free,
+            held: Default::default(),
+        })
+    }
+
+    /// The next completion that is not a Send's (those give their buffers back).
+    fn next(&mut self, cq: &CompletionQueue) -> Result<Completion> {
+        if let Some(c) = self.held.pop_front() {
+            return Ok(c);
+        }
+        loop {
+            let c = next(cq)?;
+            if c.opcode != WcOpcode::Send {
+                return Ok(c);
+            }
+            self.free.extend(c.buf);
+        }
+    }
+
+    fn send(&mut self, qp: &QueuePair, cq: &CompletionQueue, bytes: &[u8]) -> Result<()> {
+        let mut b = loop {
+            if let Some(b) = self.free.pop() {
+                break b;
+            }
+            let c = next(cq)?;
+            if c.opcode == WcOpcode::Send {
+                self.free.extend(c.buf);
+            } else {
+                self.held.push_back(c);
+            }
+        };
+        b.write_at(0, bytes)?;
+        qp.post_send(SendWr::send(1, b).len(bytes.len())).map_err(|e| e.error)?;
+        Ok(())
+    }
 }
 
 /// Serves `--peer` runs on `addr` (RDMA; port 0 picks one) and on a TCP port of the same IP,
@@ -87,16 +130,16 @@ pub(crate) fn serve(provider: &str, addr: SocketAddr) -> Result<()> {
             .collect::<Result<Vec<_>>>()?;
         let private = postcard::to_allocvec(&(target.remote(), tcp_port))?;
         let qp = req.accept_with_recvs(&QpOptions::new(&pd, &cq), &private, recvs)?;
-        if let Err(e) = answer(&qp, &pd, &cq) {
+        if let Err(e) = answer(&qp, &mut Sends::new(&pd)?, &cq) {
             eprintln!("a peer run ended: {e}");
         }
     }
 }
 
 /// Answers one peer: `P` pings back, `C` with this process's CPU time, `Q` ends.
-fn answer(qp: &QueuePair, pd: &transport::ProtectionDomain, cq: &CompletionQueue) -> Result<()> {
+fn answer(qp: &QueuePair, sends: &mut Sends, cq: &CompletionQueue) -> Result<()> {
     loop {
-        let c = next(cq)?;
+        let c = sends.next(cq)?;
         if c.opcode != WcOpcode::Recv {
             continue;
         }
@@ -104,8 +147,8 @@ fn answer(qp: &QueuePair, pd: &transport::ProtectionDomain, cq: &CompletionQueue
         let msg = buf.bytes()[..c.byte_len as usize].to_vec();
         qp.post_recv(RecvWr::new(c.wr_id, buf)).map_err(|e| e.error)?;
         match msg.first() {
-            Some(b'P') => send(qp, pd, &msg)?,
-            Some(b'C') => send(qp, pd, &cpu_us().to_le_bytes())?,
+            Some(b'P') => sends.send(qp, cq, &msg)?,
+            Some(b'C') => sends.send(qp, cq, &cpu_us().to_le_bytes())?,
             _ => return Ok(()),
         }
     }
@@ -125,6 +168,7 @@ struct Link {
     cq: CompletionQueue,
     target: RemoteRegion,
     tcp_port: u16,
+    sends: Sends,
 }
 
 impl Link {
@@ -139,6 +183,7 @@ impl Link {
         let (target, tcp_port) =
             postcard::from_bytes(&private).map_err(|_| "the peer is not an rdma-rpc-doctor --listen")?;
         Ok(Self {
+            sends: Sends::new(&pd)?,
             qp,
             pd,
             cq,
@@ -148,10 +193,10 @@ impl Link {
     }
 
     /// Sends `msg` and waits for the answer's bytes.
-    fn ask(&self, msg: &[u8]) -> Result<Vec<u8>> {
-        send(&self.qp, &self.pd, msg)?;
+    fn ask(&mut self, msg: &[u8]) -> Result<Vec<u8>> {
+        self.sends.send(&self.qp, &self.cq, msg)?;
         loop {
-            let c = next(&self.cq)?;
+            let c = self.sends.next(&self.cq)?;
             if c.opcode == WcOpcode::Recv {
                 let buf = c.buf.ok_or("a receive without its buffer")?;
                 let out = buf.bytes()[..c.byte_len as usize].to_vec();
@@ -161,7 +206,7 @@ impl Link {
         }
     }
 
-    fn peer_cpu(&self) -> Result<u64> {
+    fn peer_cpu(&mut self) -> Result<u64> {
         let b = self.ask(b"C")?;
         Ok(u64::from_le_bytes(b.get(..8).ok_or("a short CPU answer")?.try_into()?))
     }
@@ -181,7 +226,7 @@ pub(crate) fn measure(provider: &str, addr: SocketAddr) -> Vec<Finding> {
 }
 
 fn run(provider: &str, addr: SocketAddr) -> Result<Vec<Finding>> {
-    let link = Link::connect(provider, addr)?;
+    let mut link = Link::connect(provider, addr)?;
     let mut out = Vec::new();
     // Ping-pong.
     let mut rtts = Vec::with_capacity(PINGS);
@@ -227,7 +272,7 @@ fn run(provider: &str, addr: SocketAddr) -> Result<Vec<Finding>> {
                 .map_err(|e| e.error)?;
             posted += 1;
         }
-        let c = next(&link.cq)?;
+        let c = link.sends.next(&link.cq)?;
         if c.opcode == WcOpcode::RdmaWrite {
             free.push(c.buf.ok_or("a write without its buffer")?);
             done += 1;
@@ -247,7 +292,7 @@ fn run(provider: &str, addr: SocketAddr) -> Result<Vec<Finding>> {
     tcp.read_exact(&mut k)?;
     let tcp_time = t2.elapsed();
     let (c3, s3) = (cpu_us(), link.peer_cpu()?);
-    let _ = send(&link.qp, &link.pd, b"Q");
+    let _ = link.sends.send(&link.qp, &link.cq, b"Q");
     let mib = (TOTAL >> 20) as f64;
     let gbs = |t: Duration| TOTAL as f64 / t.as_secs_f64() / 1e9;
     let per = |us: u64| us as f64 / mib;
