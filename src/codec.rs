@@ -2,12 +2,14 @@
 //! raw bytes for a [`Bulk`] argument or result. Not a public API (`rdma_rpc::__private`).
 //!
 //! A request with a bulk argument is laid out `bulk bytes ‖ postcard(other args) ‖ u64 LE
-//! length of the bulk bytes`, so the receiver splits it without copying the bulk part.
+//! length of the bulk bytes`, so the receiver splits it without copying the bulk part. The
+//! caller never joins the two: the bulk goes as it is (lent when large) and the rest as the
+//! request's tail ([`end_bulk`], `Client::call_bulk_tail`).
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::{Bulk, RpcError};
+use crate::{Body, Bulk, RpcError};
 
 const TRAILER: usize = 8;
 
@@ -16,10 +18,10 @@ pub fn encode_args<T: Serialize>(args: &T, method: &str) -> Result<Vec<u8>, RpcE
     postcard::to_allocvec(args).map_err(|e| RpcError::Encode(format!("arguments of {method}: {e}")))
 }
 
-/// Encodes a bulk argument and the others.
+/// Encodes a bulk argument and the others, joined (the layout a server reads).
 pub fn encode_args_bulk<T: Serialize>(bulk: Bulk, args: &T, method: &str) -> Result<Vec<u8>, RpcError> {
+    let len = bulk.len() as u64;
     let mut out = bulk.into_vec();
-    let len = out.len() as u64;
     out = postcard::to_extend(args, out).map_err(|e| RpcError::Encode(format!("arguments of {method}: {e}")))?;
     out.extend_from_slice(&len.to_le_bytes());
     Ok(out)
@@ -30,11 +32,16 @@ pub fn decode_args<T: DeserializeOwned>(request: &[u8], method: &str) -> Result<
     exact(request).map_err(|e| RpcError::BadRequest(format!("arguments of {method}: {e}")))
 }
 
-/// Splits off and decodes the arguments of a request with a bulk argument.
-pub fn decode_args_bulk<T: DeserializeOwned>(request: Vec<u8>, method: &str) -> Result<(Bulk, T), RpcError> {
-    let (bulk_len, end) = bulk_layout(&request, method)?;
-    let args =
-        exact(&request[bulk_len..end]).map_err(|e| RpcError::BadRequest(format!("arguments of {method}: {e}")))?;
+/// Splits off and decodes the arguments of a request with a bulk argument; the bulk stays
+/// where the request is.
+pub fn decode_args_bulk<T: DeserializeOwned>(request: Body, method: &str) -> Result<(Bulk, T), RpcError> {
+    let (bulk_len, args) = {
+        let bytes = request.bytes();
+        let (bulk_len, end) = bulk_layout(&bytes, method)?;
+        let args =
+            exact(&bytes[bulk_len..end]).map_err(|e| RpcError::BadRequest(format!("arguments of {method}: {e}")))?;
+        (bulk_len, args)
+    };
     Ok((into_bulk(request, bulk_len), args))
 }
 
@@ -48,17 +55,10 @@ pub fn push_arg<T: Serialize>(out: Vec<u8>, arg: &T, method: &str) -> Result<Vec
     postcard::to_extend(arg, out).map_err(|e| RpcError::Encode(format!("arguments of {method}: {e}")))
 }
 
-/// A request with a bulk argument, started: its bytes, to which the other arguments are
-/// pushed, and its length for [`end_bulk`].
-pub fn start_bulk(bulk: Bulk) -> (Vec<u8>, u64) {
-    let out = bulk.into_vec();
-    let len = out.len() as u64;
-    (out, len)
-}
-
-/// Ends a request started with [`start_bulk`]: its trailer.
-pub fn end_bulk(mut out: Vec<u8>, bulk_len: u64) -> Vec<u8> {
-    out.extend_from_slice(&bulk_len.to_le_bytes());
+/// Ends the tail of a request with a bulk argument of `bulk_len` bytes (the other arguments,
+/// pushed to `out`): its trailer.
+pub fn end_bulk(mut out: Vec<u8>, bulk_len: usize) -> Vec<u8> {
+    out.extend_from_slice(&(bulk_len as u64).to_le_bytes());
     out
 }
 
@@ -97,10 +97,17 @@ pub fn bulk_layout(request: &[u8], method: &str) -> Result<(usize, usize), RpcEr
     Ok((bulk_len, end))
 }
 
-/// The bulk argument: the request's first `bulk_len` bytes, in place.
-pub fn into_bulk(mut request: Vec<u8>, bulk_len: usize) -> Bulk {
-    request.truncate(bulk_len);
-    Bulk::from(request)
+/// The bulk argument: the request's first `bulk_len` bytes (as [`bulk_layout`] found them),
+/// where the request is.
+pub fn into_bulk(request: Body, bulk_len: usize) -> Bulk {
+    let whole = Bulk::from(request);
+    let len = bulk_len.min(whole.len());
+    whole.slice(0..len).unwrap_or_default()
+}
+
+/// A handler's result as the response: a `Bulk` result as it is, any other encoded.
+pub fn encode_ret_bulk<T: Serialize>(ret: &T, method: &str) -> Result<Bulk, RpcError> {
+    encode_ret(ret, method).map(Bulk::from)
 }
 
 /// Encodes a handler's result (server side).
@@ -131,7 +138,7 @@ mod tests {
     #[test]
     fn bulk_requests_split_back_into_their_parts() {
         let req = encode_args_bulk(Bulk::from(vec![7u8; 100]), &(&5u32, &"x".to_string()), "S.m").expect("encode");
-        let (bulk, (a, b)): (Bulk, (u32, String)) = decode_args_bulk(req, "S.m").expect("decode");
+        let (bulk, (a, b)): (Bulk, (u32, String)) = decode_args_bulk(Body::Bytes(req), "S.m").expect("decode");
         assert_eq!((bulk.len(), a, b.as_str()), (100, 5, "x"));
     }
 
@@ -139,7 +146,7 @@ mod tests {
     fn bad_requests_are_errors_not_panics() {
         for req in [vec![], vec![1, 2, 3], vec![0xff; 8], 1000u64.to_le_bytes().to_vec()] {
             assert!(matches!(
-                decode_args_bulk::<(u32,)>(req, "S.m"),
+                decode_args_bulk::<(u32,)>(Body::Bytes(req), "S.m"),
                 Err(RpcError::BadRequest(_))
             ));
         }
@@ -168,14 +175,13 @@ mod tests {
         assert_eq!((a, b.as_str(), c), (5, "x", vec![1, 2]));
         // With a bulk argument: the same layout as `encode_args_bulk`.
         let whole = encode_args_bulk(Bulk::from(vec![7u8; 10]), &(&5u32,), "S.m").expect("encode");
-        let (out, len) = start_bulk(Bulk::from(vec![7u8; 10]));
-        let out = end_bulk(push_arg(out, &5u32, "S.m").expect("a"), len);
-        assert_eq!(out, whole);
+        let tail = end_bulk(push_arg(Vec::new(), &5u32, "S.m").expect("a"), 10);
+        assert_eq!([vec![7u8; 10], tail].concat(), whole);
         let (bulk_len, end) = bulk_layout(&whole, "S.m").expect("layout");
         let mut rest: &[u8] = &whole[bulk_len..end];
         assert_eq!(take_arg::<u32>(&mut rest, "S.m"), Ok(5));
         end_args(rest, "S.m").expect("all used");
-        assert_eq!(into_bulk(whole, bulk_len).len(), 10);
+        assert_eq!(into_bulk(Body::Bytes(whole), bulk_len).to_vec(), [7u8; 10]);
         // Bytes left over, or too few, are the caller's fault.
         assert!(matches!(end_args(&[0], "S.m"), Err(RpcError::BadRequest(_))));
         assert!(matches!(

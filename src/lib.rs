@@ -24,7 +24,6 @@
 //! with one id. `#[rpc(id = N)]` on a method pins its id (ids otherwise derive from
 //! `Trait.method`, so renaming changes them).
 
-mod bulk;
 mod codec;
 
 /// The README's Rust blocks, compiled and run by `cargo test --doc`.
@@ -37,12 +36,11 @@ pub struct ReadmeDoctests;
 #[doc = include_str!("../docs/guide.md")]
 pub struct GuideDoctests;
 
-pub use bulk::Bulk;
 pub use rdma_rpc_core as core;
 pub use rdma_rpc_core::context;
 pub use rdma_rpc_core::{
-    Body, BodyRef, Buffers, CallOptions, Channel, Client, CompletionMode, Config, Isolation, Reconnect, RegisteredBuf,
-    RpcError, Server, ServerBuilder, Status, TransportError, DEFAULT_EAGER_THRESHOLD, IN_SLOT_MIN,
+    Body, BodyRef, Buffers, Bulk, CallOptions, Channel, Client, CompletionMode, Config, Isolation, Reconnect,
+    RegisteredBuf, RpcError, Server, ServerBuilder, Status, TransportError, DEFAULT_EAGER_THRESHOLD, IN_SLOT_MIN,
 };
 pub use rdma_rpc_macros::service;
 pub use rdma_rpc_transport as transport;
@@ -61,22 +59,36 @@ pub mod __private {
     }
 
     impl Caller {
-        /// Calls `method` with `payload` on whichever it is.
-        pub async fn call_with(
+        /// Calls `method` with `payload` on whichever it is; the response where it landed.
+        pub async fn call(
             &self,
             method: u32,
             payload: Vec<u8>,
             opts: crate::CallOptions,
-        ) -> Result<Vec<u8>, crate::RpcError> {
+        ) -> Result<crate::Body, crate::RpcError> {
             match self {
-                Caller::Client(c) => c.call_with(method, payload, opts).await,
-                Caller::Channel(c) => c.call_with(method, payload, opts).await,
+                Caller::Client(c) => c.call_body_with(method, payload, opts).await,
+                Caller::Channel(c) => c.call_body_with(method, payload, opts).await,
+            }
+        }
+
+        /// Calls `method` with `bulk` then `tail` as the request (see `Client::call_bulk_tail`).
+        pub async fn call_bulk(
+            &self,
+            method: u32,
+            bulk: crate::Bulk,
+            tail: Vec<u8>,
+            opts: crate::CallOptions,
+        ) -> Result<crate::Body, crate::RpcError> {
+            match self {
+                Caller::Client(c) => c.call_bulk_tail(method, bulk, tail, opts).await,
+                Caller::Channel(c) => c.call_bulk_tail(method, bulk, tail, opts).await,
             }
         }
     }
 
     pub use crate::codec::{
-        bulk_layout, decode_args, decode_args_bulk, decode_ret, encode_args, encode_args_bulk, encode_ret, end_args,
-        end_bulk, into_bulk, push_arg, start_bulk, take_arg,
+        bulk_layout, decode_args, decode_args_bulk, decode_ret, encode_args, encode_args_bulk, encode_ret,
+        encode_ret_bulk, end_args, end_bulk, into_bulk, push_arg, take_arg,
     };
 }

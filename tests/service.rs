@@ -96,7 +96,7 @@ impl Lab for LabImpl {
     }
     async fn digest(&self, tag: u32, data: Bulk, salt: u64) -> (u32, u64, usize) {
         self.count();
-        (tag, digest_of(salt, &data), data.len())
+        (tag, digest_of(salt, &data.bytes()), data.len())
     }
     async fn fill(&self, len: u32, byte: u8) -> Bulk {
         self.count();
@@ -180,7 +180,7 @@ async fn every_method_shape_works_end_to_end() {
         },
     ];
     let map = lab.index(items).await.expect("index").expect("some");
-    assert_eq!(map["b"][..], pattern(40_000, 2)[..]);
+    assert_eq!(map["b"].bytes()[..], pattern(40_000, 2)[..]);
     assert_eq!(lab.index(vec![]).await.expect("index"), None);
     assert_eq!(lab.calls().await.expect("calls"), 8);
 }
@@ -199,9 +199,12 @@ async fn bulk_arguments_and_results_cross_the_rendezvous_threshold_intact() {
         assert_eq!((tag, digest, n), (len as u32, want, len), "request of {len} bytes");
         let got = lab.fill(len as u32, 0xab).await.expect("fill");
         assert_eq!(got.len(), len, "response of {len} bytes");
-        assert!(got.iter().rev().skip(1).all(|&b| b == 0xab), "response of {len} bytes");
+        assert!(
+            got.bytes().iter().rev().skip(1).all(|&b| b == 0xab),
+            "response of {len} bytes"
+        );
         if len > 0 {
-            assert_eq!(got[len - 1], 0xac);
+            assert_eq!(got.bytes()[len - 1], 0xac);
         }
     }
 }

@@ -21,7 +21,7 @@ pub struct Sink {
 
 impl LogSink for Sink {
     async fn append(&self, rec: Bulk) -> Result<u64, String> {
-        let (seq, _, _) = record::decode(&rec)?;
+        let (seq, _, _) = record::decode(&rec.bytes())?;
         let want = self.applied.load(Ordering::SeqCst);
         if seq != want {
             return Err(format!("RPC append {seq} out of order: expected {want}"));

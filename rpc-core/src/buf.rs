@@ -125,6 +125,38 @@ impl RegisteredBuf {
         self.bytes().to_vec()
     }
 
+    /// Bytes `range` of it, for reading (a [`Bulk`](crate::Bulk)'s range, always within).
+    pub(crate) fn bytes_in(&self, range: std::ops::Range<usize>) -> BufRef<'_> {
+        let (off, len) = (self.off + range.start, range.len());
+        self.region()
+            .bytes()
+            .slice(off..off + len)
+            .unwrap_or_else(|| unreachable_range(off, len))
+    }
+
+    /// Whether it is registered with the connection whose free lists are `home`, and peers may
+    /// read it: it can be lent as it is, at any offset.
+    pub(crate) fn readable_on(&self, home: &Arc<Mutex<Free>>) -> bool {
+        let ours = match &self.home {
+            Home::Stash(h) => std::ptr::eq(h.as_ptr(), Arc::as_ptr(home)),
+            Home::Ring { .. } => false,
+        };
+        ours && self
+            .region()
+            .access()
+            .contains(rdma_rpc_transport::AccessFlags::REMOTE_READ)
+    }
+
+    /// The descriptor through which a peer reads bytes `range` of it.
+    pub(crate) fn remote_range(&self, range: std::ops::Range<usize>) -> crate::proto::RemoteRegion {
+        let whole = crate::region::desc(self.region().remote());
+        crate::proto::RemoteRegion {
+            addr: whole.addr + (self.off + range.start) as u64,
+            len: range.len() as u64,
+            rkey: whole.rkey,
+        }
+    }
+
     /// Whether it belongs to the connection whose free lists are `home`, with room for the
     /// length prefix a lent buffer carries before its bytes.
     pub(crate) fn lendable_on(&self, home: &Arc<Mutex<Free>>, prefix: usize) -> bool {
@@ -238,8 +270,18 @@ impl Body {
     }
 }
 
-/// Read access to a [`Body`]'s bytes.
+/// Read access to a [`Body`]'s or a [`Bulk`](crate::Bulk)'s bytes.
 pub struct BodyRef<'a>(Inner<'a>);
+
+impl<'a> BodyRef<'a> {
+    pub(crate) fn slice(s: &'a [u8]) -> Self {
+        Self(Inner::Slice(s))
+    }
+
+    pub(crate) fn buf(b: BufRef<'a>) -> Self {
+        Self(Inner::Buf(b))
+    }
+}
 
 enum Inner<'a> {
     Slice(&'a [u8]),

@@ -188,4 +188,16 @@ impl Channel {
     pub async fn call_body_with(&self, method: u32, payload: Vec<u8>, opts: CallOptions) -> Result<Body, RpcError> {
         self.client().await?.call_body_with(method, payload, opts).await
     }
+
+    /// As [`Client::call_bulk_tail`], on the channel's connection. Not a public API.
+    #[doc(hidden)]
+    pub async fn call_bulk_tail(
+        &self,
+        method: u32,
+        bulk: crate::Bulk,
+        tail: Vec<u8>,
+        opts: CallOptions,
+    ) -> Result<Body, RpcError> {
+        self.client().await?.call_bulk_tail(method, bulk, tail, opts).await
+    }
 }

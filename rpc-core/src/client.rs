@@ -308,6 +308,20 @@ impl Client {
         self.begin(method, Outgoing::Vec(payload), opts, true, |body, _| Ok(body))
     }
 
+    /// What generated code calls: `bulk`'s bytes then `tail` as the request, the response as
+    /// a [`Body`]. A large registered `bulk` of this connection is lent as it is, `tail` in
+    /// the request message beside it. Not a public API.
+    #[doc(hidden)]
+    pub fn call_bulk_tail(
+        &self,
+        method: u32,
+        bulk: crate::Bulk,
+        tail: Vec<u8>,
+        opts: CallOptions,
+    ) -> impl Future<Output = Result<Body, RpcError>> + Send + '_ {
+        self.begin(method, Outgoing::Bulk { bulk, tail }, opts, true, |body, _| Ok(body))
+    }
+
     /// A call of `method` with `payload`, started on its first poll; `finish` turns the
     /// response and the caller's buffer into what the public method gives. With `in_slot` an
     /// eager response may stay in its receive slot.

@@ -59,9 +59,39 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+use crate::Buffers;
+
 tokio::task_local! {
     /// `None` in force only under [`inherit`] from outside a budget.
     static DEADLINE: Option<Instant>;
+    /// The connection's buffers, in a `#[service]` method.
+    static BUFFERS: Buffers;
+}
+
+/// Registered buffers of the connection the request came on, in a `#[service]` method (`None`
+/// elsewhere): a [`Bulk`](crate::Bulk) made from one is answered without a copy on this side
+/// (lent to the caller as it is). A handler registered by hand gets them as an argument
+/// instead ([`ServerBuilder::handler_buf`](crate::ServerBuilder::handler_buf)).
+///
+/// ```
+/// use rdma_rpc_core::{context, Bulk};
+/// /// What a `#[service]` method returning `Bulk` might do: fill registered memory when
+/// /// there is some (inside a handler), a vector otherwise.
+/// fn filled(len: usize, byte: u8) -> Result<Bulk, rdma_rpc_core::RpcError> {
+///     Ok(match context::buffers() {
+///         Some(bufs) => {
+///             let mut buf = bufs.buffer(len)?;
+///             buf.bytes_mut().fill(byte);
+///             Bulk::from(buf)
+///         }
+///         None => Bulk::from(vec![byte; len]),
+///     })
+/// }
+/// assert_eq!(filled(3, 7)?.to_vec(), [7, 7, 7]);
+/// # Ok::<(), rdma_rpc_core::RpcError>(())
+/// ```
+pub fn buffers() -> Option<Buffers> {
+    BUFFERS.try_with(Buffers::clone).ok()
 }
 
 /// When the caller of the request this handler serves stops waiting: the server aborts the
@@ -111,6 +141,25 @@ where
         }
         None => Box::pin(make()),
     }
+}
+
+/// As [`boxed`], with the connection's buffers in force too ([`buffers`]).
+pub(crate) fn boxed_with_buffers<F>(
+    deadline: Option<Instant>,
+    bufs: &Buffers,
+    make: impl FnOnce() -> F,
+) -> std::pin::Pin<Box<dyn Future<Output = F::Output> + Send>>
+where
+    F: Future + Send + 'static,
+{
+    let fut = BUFFERS.sync_scope(bufs.clone(), || match deadline {
+        Some(d) => {
+            let fut = DEADLINE.sync_scope(Some(d), make);
+            Box::pin(DEADLINE.scope(Some(d), fut)) as std::pin::Pin<Box<dyn Future<Output = F::Output> + Send>>
+        }
+        None => Box::pin(make()),
+    });
+    Box::pin(BUFFERS.scope(bufs.clone(), fut))
 }
 
 /// Runs `f` with `deadline` in force (a synchronous handler); without one, as it is.

@@ -432,6 +432,10 @@ impl Conn {
                     Some(Token::Request(call)) => {
                         self.session.handle_request_read(call, Ok((local, len)), Instant::now());
                     }
+                    // A response its caller takes where it lands: no copy either.
+                    Some(Token::Response(call)) if self.session.reads_in_place(Token::Response(call)) => {
+                        self.session.handle_response_read(call, Ok((local, len)));
+                    }
                     Some(token) => {
                         let bytes = self.take_bytes(local, len);
                         self.session.handle_read_done(token, Ok(bytes), Instant::now());

@@ -28,10 +28,12 @@ pub(crate) enum Handler {
     Sync(Box<Answer>),
 }
 
-/// A handler's answer: bytes to copy into the message, or a registered buffer to send from.
+/// A handler's answer: bytes to copy into the message, a registered buffer to send from, or
+/// a shared value lent as it is where it is registered with the connection.
 pub(crate) enum Response {
     Bytes(Vec<u8>),
     Buf(RegisteredBuf),
+    Bulk(crate::Bulk),
 }
 
 /// Polls a future, turning a panic inside it into an `Err` with the panic's payload.

@@ -5,6 +5,7 @@
 //! - [`Client`] and [`Server`]: thin tokio drivers that run a session over a transport QP.
 
 mod buf;
+mod bulk;
 mod channel;
 mod client;
 mod colocate;
@@ -23,6 +24,7 @@ mod stash;
 mod tasks;
 
 pub use buf::{Body, BodyRef, RegisteredBuf};
+pub use bulk::Bulk;
 pub use channel::{Channel, Reconnect};
 pub use client::Client;
 pub use config::{CallOptions, CompletionMode, Config, Isolation, DEFAULT_EAGER_THRESHOLD};

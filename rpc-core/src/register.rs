@@ -186,4 +186,27 @@ impl ServerBuilder {
         self.in_slot.insert(method);
         self
     }
+
+    /// What generated code registers: the request as a [`Body`] where it arrived (read
+    /// into, or in its receive slot), the answer a [`Bulk`](crate::Bulk), lent as it is when
+    /// it is registered with the connection. [`context::buffers`] gives the handler the
+    /// connection's buffers. Not a public API.
+    #[doc(hidden)]
+    pub fn handler_typed<F, Fut>(mut self, method: u32, f: F) -> Self
+    where
+        F: Fn(Body) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<crate::Bulk, RpcError>> + Send + 'static,
+    {
+        self.handlers.insert(
+            method,
+            Handler::Async(Box::new(move |req: Body, bufs: &Buffers, deadline| {
+                context::boxed_with_buffers(deadline, bufs, || {
+                    let fut = f(req);
+                    async move { fut.await.map(Response::Bulk) }
+                })
+            })),
+        );
+        self.in_slot.insert(method);
+        self
+    }
 }

@@ -455,6 +455,19 @@ fn answer(conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
             }
         }
         Ok(Response::Bytes(v)) => Ok(v),
+        Ok(Response::Bulk(b)) => {
+            let len = b.len();
+            // Lent as it is when registered with this connection, unless it goes into the
+            // caller's landing buffer (a Write from the buffer carries a length prefix that a
+            // shared value has no room for).
+            if conn.session.is_rendezvous(len) && !conn.session.lands(call, len) {
+                if let Some((desc, buf)) = b.registered().and_then(|(r, range)| conn.stash.lend_shared(r, range)) {
+                    spans::payload("response", len, How::Lent);
+                    return conn.session.respond(call, Ok(Payload::Lent { desc, buf }));
+                }
+            }
+            Ok(b.try_into_whole_vec().unwrap_or_else(|b| b.to_vec()))
+        }
         Err(e) => Err(e),
     };
     let result = match bytes {

@@ -33,6 +33,10 @@ pub(crate) struct Stash {
     vectors: bool,
     /// The connection's domain, to register vectors in without taking the free lists' lock.
     pd: ProtectionDomain,
+    /// Buffers the application shares (a registered [`Bulk`](crate::Bulk)), lent as they
+    /// are: held here until released, so that none goes back to the free lists while a peer
+    /// may still read it, even when the application drops every handle to it.
+    pinned: foldhash::HashMap<BufId, Arc<RegisteredBuf>>,
 }
 
 /// A buffer the session knows by id.
@@ -65,7 +69,25 @@ impl Stash {
             isolation,
             vectors: pd.device().caps().cheap_registration,
             pd: pd.clone(),
+            pinned: foldhash::HashMap::default(),
         }
+    }
+
+    /// Lends bytes `range` of a buffer the application shares, as it is: `None` when it must
+    /// be copied instead (another connection's buffer, one peers may not read, or
+    /// [`Isolation::Transfer`], whose keys die with each transfer).
+    pub(crate) fn lend_shared(
+        &mut self,
+        buf: &Arc<RegisteredBuf>,
+        range: std::ops::Range<usize>,
+    ) -> Option<(RemoteRegion, BufId)> {
+        if self.isolation == Isolation::Transfer || !buf.readable_on(&self.free) {
+            return None;
+        }
+        let id = self.next;
+        self.next += 1;
+        self.pinned.insert(id, buf.clone());
+        Some((buf.remote_range(range), id))
     }
 
     /// A free buffer of `len` bytes' class for `role`, or a new registration.
@@ -247,10 +269,10 @@ impl Stash {
 
     /// A buffer for an RDMA Read of `len` bytes, held under a fresh id: a new vector of its
     /// own where registering is cheap (handed on with no copy, [`Stash::take_vec`]), else one
-    /// of the free lists.
-    pub(crate) fn take_target(&mut self, len: usize) -> Result<BufId, RpcError> {
+    /// of the free lists for `role`.
+    pub(crate) fn take_target(&mut self, len: usize, role: Role) -> Result<BufId, RpcError> {
         if !self.vectors || len == 0 {
-            return self.take(len, Role::Private).map(|(id, _)| id);
+            return self.take(len, role).map(|(id, _)| id);
         }
         // A refusal of the allocator is an error of this call, not an abort of the process.
         let mr = self.pd.register_zeroed_vec(len, AccessFlags::LOCAL_WRITE);
@@ -357,6 +379,9 @@ impl Stash {
     /// application's, waiting for [`Stash::reclaim`]). A buffer out in a work request is
     /// released after it is put back.
     pub(crate) fn release(&mut self, id: BufId) {
+        if !self.pinned.is_empty() && self.pinned.remove(&id).is_some() {
+            return;
+        }
         let Some(e) = self.entries.get_mut(id).filter(|e| e.held()) else {
             return;
         };

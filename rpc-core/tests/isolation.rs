@@ -132,7 +132,7 @@ impl Raw {
                         .map_err(|e| e.error)
                         .expect("post send");
                 }
-                Transmit::Read { token, remote } => self.reads.push((
+                Transmit::Read { token, remote, .. } => self.reads.push((
                     token,
                     RemoteRegion {
                         addr: remote.addr,

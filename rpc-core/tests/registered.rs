@@ -248,8 +248,8 @@ async fn large_bodies_reach_the_handler_in_a_registered_buffer() {
 }
 
 /// Small requests reach a `handler_body`, and small responses a `call_body` caller, in the
-/// receive slot they arrived in; large ones and those joined from pieces come as before, and
-/// the bytes are right either way.
+/// receive slot they arrived in; large ones in the buffer they were read into (or a vector,
+/// on tcp); those joined from pieces are copied; the bytes are right either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_bodies_stay_in_their_receive_slots_both_ways() {
     let threshold = 64 << 10;
@@ -288,10 +288,13 @@ async fn small_bodies_stay_in_their_receive_slots_both_ways() {
         fill(&mut want, len as u64);
         assert_eq!(got.len(), len);
         assert!(got.bytes()[..] == want[..], "response of {len} bytes");
+        // A large one is read into registered memory and handed over there, except where
+        // registering is cheap (tcp): then into a vector of its own, also without a copy.
+        let read_in_place = len > threshold && !s.dev.caps().cheap_registration;
         assert_eq!(
             matches!(got, Body::Registered(_)),
-            in_slot(len),
-            "response of {len} bytes in its slot"
+            in_slot(len) || read_in_place,
+            "response of {len} bytes where it landed"
         );
     }
 }

@@ -65,7 +65,7 @@ fn client(s: &Service) -> TokenStream {
     );
     let (inner, options) = (local("inner"), local("options"));
     let (payload, response) = (local("payload"), local("response"));
-    let (out, bulk_len) = (local("out"), local("bulk_len"));
+    let out = local("out");
     let ids = s.methods.iter().map(|m| {
         let (n, id) = (m.name.to_string(), m.id);
         quote!((#n, #id))
@@ -83,34 +83,39 @@ fn client(s: &Service) -> TokenStream {
             let (n, t) = (&a.name, &a.ty);
             quote_spanned!(t.span()=> let #out = #krate::__private::push_arg::<#t>(#out, &#n, #q)?;)
         });
-        let encode = match m.args.iter().find(|a| a.bulk) {
+        let call = match m.args.iter().find(|a| a.bulk) {
+            // The bulk value goes as it is (lent when large); the other arguments and the
+            // trailer follow it as the request's tail.
             Some(b) => {
                 let b = &b.name;
                 quote! {{
-                    let (#out, #bulk_len) = #krate::__private::start_bulk(#b);
+                    let #out = ::std::vec::Vec::new();
                     #(#pushes)*
-                    #krate::__private::end_bulk(#out, #bulk_len)
+                    let #payload = #krate::__private::end_bulk(#out, #krate::Bulk::len(&#b));
+                    self.#inner
+                        .call_bulk(#id, #b, #payload, ::core::clone::Clone::clone(&self.#options))
+                        .await?
                 }}
             }
             None => quote! {{
                 let #out = ::std::vec::Vec::new();
                 #(#pushes)*
-                #out
+                self.#inner
+                    .call(#id, #out, ::core::clone::Clone::clone(&self.#options))
+                    .await?
             }},
         };
         let decode = if m.ret_bulk {
-            quote!(::core::result::Result::Ok(::core::convert::From::from(#response)))
+            quote!(::core::result::Result::Ok(<#krate::Bulk as ::core::convert::From<#krate::Body>>::from(#response)))
         } else {
-            quote_spanned!(ret.span()=> #krate::__private::decode_ret::<#ret>(&#response, #q))
+            quote_spanned!(ret.span()=> #krate::__private::decode_ret::<#ret>(&#response.bytes(), #q))
         };
         quote! {
             #(#attrs)*
             pub async fn #name(&self, #(#params),*) -> ::core::result::Result<#ret, #krate::RpcError> {
-                let #payload = #encode;
-                let #response = self.#inner
-                    .call_with(#id, #payload, ::core::clone::Clone::clone(&self.#options))
-                    .await?;
-                #decode
+                let #response = #call;
+                let #out = #decode;
+                #out
             }
         }
     });
@@ -193,7 +198,7 @@ fn server(s: &Service) -> TokenStream {
     );
     let (service, request, ret, builder) = (local("service"), local("request"), local("ret"), local("builder"));
     let (bulk_local, args_local) = (local("bulk"), local("args"));
-    let (bulk_len, end) = (local("bulk_len"), local("end"));
+    let (bulk_len, end, bytes) = (local("bulk_len"), local("end"), local("bytes"));
     let handlers = s.methods.iter().map(|m| {
         let (name, id) = (&m.name, m.id);
         let q = qualname(s, m);
@@ -211,31 +216,56 @@ fn server(s: &Service) -> TokenStream {
             let t = &a.ty;
             quote_spanned!(t.span()=> let #n = #krate::__private::take_arg::<#t>(&mut #args_local, #q)?;)
         });
+        let taken: Vec<&Ident> = m
+            .args
+            .iter()
+            .zip(&names)
+            .filter(|(a, _)| !a.bulk)
+            .map(|(_, n)| n)
+            .collect();
+        // The arguments are decoded from the request where it is (its receive slot, or the
+        // buffer it was read into), under a read borrow that ends before the method runs; a
+        // bulk argument stays there, a request without one is let go at once.
         let decode = if m.args.iter().any(|a| a.bulk) {
             quote! {
-                let (#bulk_len, #end) = #krate::__private::bulk_layout(&#request, #q)?;
-                let mut #args_local: &[u8] = &#request[#bulk_len..#end];
-                #(#takes)*
-                #krate::__private::end_args(#args_local, #q)?;
+                let (#bulk_len, #(#taken,)*) = {
+                    let #bytes = #request.bytes();
+                    let (#bulk_len, #end) = #krate::__private::bulk_layout(&#bytes, #q)?;
+                    let mut #args_local: &[u8] = &#bytes[#bulk_len..#end];
+                    #(#takes)*
+                    #krate::__private::end_args(#args_local, #q)?;
+                    (#bulk_len, #(#taken,)*)
+                };
                 let #bulk_local = #krate::__private::into_bulk(#request, #bulk_len);
             }
         } else {
-            quote! {
-                let mut #args_local: &[u8] = &#request;
+            let check = quote! {
+                let #bytes = #request.bytes();
+                let mut #args_local: &[u8] = &#bytes;
                 #(#takes)*
                 #krate::__private::end_args(#args_local, #q)?;
+            };
+            // No arguments: the request is only checked to be empty (no unit binding).
+            let bind = if taken.is_empty() {
+                quote!({ #check })
+            } else {
+                quote!(let (#(#taken,)*) = { #check (#(#taken,)*) };)
+            };
+            quote! {
+                #bind
+                ::core::mem::drop(#request);
             }
         };
         let ret_ty = &m.ret;
         let encode = if m.ret_bulk {
-            quote!(::core::result::Result::Ok(::core::convert::From::from(#ret)))
+            quote!(::core::result::Result::Ok(#ret))
         } else {
-            quote_spanned!(ret_ty.span()=> #krate::__private::encode_ret::<#ret_ty>(&#ret, #q))
+            quote_spanned!(ret_ty.span()=> #krate::__private::encode_ret_bulk::<#ret_ty>(&#ret, #q))
         };
         quote! {
             let #builder = {
                 let #service = ::core::clone::Clone::clone(&self.#service);
-                #builder.handler(#id, move |#request: ::std::vec::Vec<u8>| {
+                #builder.handler_typed(#id, move |#request: #krate::Body| {
                     let #service = ::core::clone::Clone::clone(&#service);
                     async move {
                         #decode

@@ -73,7 +73,10 @@ async fn a_service_generated_without_prelude_or_crate_name_works() {
         c.shadow("s".into(), 1, 2, 3, 4).await.expect("shadow"),
         b"s\x01\x02\x03\x04"
     );
-    assert_eq!(&c.bulk(9, vec![7u8; 3].into()).await.expect("bulk")[..], &[7, 7, 7, 9]);
+    assert_eq!(
+        c.bulk(9, vec![7u8; 3].into()).await.expect("bulk").to_vec(),
+        [7, 7, 7, 9]
+    );
     assert_eq!(c.fallible(true).await.expect("call"), Ok(1));
     assert_eq!(c.fallible(false).await.expect("call"), Err("no".to_string()));
 }

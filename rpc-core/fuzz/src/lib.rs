@@ -80,7 +80,7 @@ pub fn request(data: &[u8]) {
     let _ = decode_args::<(String, u64, Vec<u32>, Option<(i8, bool)>)>(data, "F.a");
     let _ = decode_args::<(Item, f64, char)>(data, "F.b");
     let _ = decode_args::<(std::collections::BTreeMap<String, Vec<u8>>,)>(data, "F.c");
-    let _ = decode_args_bulk::<(String, u32)>(data.to_vec(), "F.d");
+    let _ = decode_args_bulk::<(String, u32)>(rdma_rpc::Body::Bytes(data.to_vec()), "F.d");
     let _ = decode_ret::<Result<Vec<Item>, AppError>>(data, "F.e");
 }
 
@@ -166,9 +166,10 @@ const HELD_BASE: u64 = 1 << 40;
 fn drain(s: &mut Session, later: &mut Vec<u32>) {
     let mut reads = Vec::new();
     while let Some(t) = s.poll_transmit() {
-        if let Transmit::Read { remote, token } = t {
-            assert!(remote.len <= MAX, "a read beyond the maximum payload");
-            reads.push((token, remote.len));
+        if let Transmit::Read { remote, token, tail } = t {
+            let len = remote.len + tail.len() as u64;
+            assert!(len <= MAX, "a read and its tail beyond the maximum payload");
+            reads.push((token, len));
         }
     }
     // Every other request read stays in its buffer; the rest are copied out.

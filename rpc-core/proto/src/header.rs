@@ -5,7 +5,7 @@ use crate::RemoteRegion;
 use super::ProtoError;
 
 /// Protocol version carried in every header.
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 /// Bytes of the fixed header.
 pub const HEADER_LEN: usize = 24;
 /// Bytes of an encoded [`RemoteRegion`] (addr, len, rkey).
@@ -49,6 +49,8 @@ impl Kind {
 }
 
 /// Header flag: the body starts with a descriptor of a lent buffer (rendezvous), not the payload.
+/// In a request, bytes after the descriptor(s) are the payload's tail: the payload is the lent
+/// bytes followed by them ([`Payload::LentWith`](crate::Payload::LentWith)).
 pub const FLAG_RENDEZVOUS: u16 = 1;
 /// Header flag (requests): a landing-buffer descriptor follows, for a large response.
 pub const FLAG_LANDING: u16 = 2;

@@ -97,6 +97,19 @@ pub enum Payload {
         /// The driver's name for the buffer.
         buf: BufId,
     },
+    /// A request only: as [`Payload::Lent`], with `tail` after the lent bytes. The payload is
+    /// the lent bytes followed by `tail`, which travels in the request message (at most the
+    /// eager threshold long), so a buffer the application shares can be lent as it is while a
+    /// few bytes of its own follow it (a typed call's other arguments). The server reads the
+    /// lent bytes into a buffer with room for the tail after them.
+    LentWith {
+        /// addr, len (the lent bytes only), rkey.
+        desc: RemoteRegion,
+        /// The driver's name for the buffer.
+        buf: BufId,
+        /// The bytes after the lent ones.
+        tail: Vec<u8>,
+    },
     /// Small, and already in a registered buffer after [`HEADER_LEN`] bytes of room: sent from
     /// there in one message ([`Transmit::SendPlaced`]), no copy. At most one piece
     /// ([`SessionConfig::fragment`]) and the eager threshold long; no landing descriptor goes
@@ -146,6 +159,15 @@ pub enum Reply {
         /// The landing buffer.
         buf: BufId,
     },
+    /// A lent response read into the driver's held buffer `buf` (its first `len` bytes), for
+    /// a call that takes its response where it lands ([`Session::keep_in_slot`],
+    /// [`Session::handle_response_read`]): the driver hands the buffer to the caller.
+    Held {
+        /// The buffer read into.
+        buf: BufId,
+        /// The response's length.
+        len: usize,
+    },
 }
 
 /// What an RDMA Read the driver runs is for.
@@ -173,12 +195,17 @@ pub enum Transmit {
         /// Payload bytes.
         len: usize,
     },
-    /// RDMA Read `remote` into a buffer of the driver's, then call [`Session::handle_read_done`].
+    /// RDMA Read `remote` into a buffer of the driver's with `tail` after the bytes read, then
+    /// call [`Session::handle_read_done`] (or [`Session::handle_request_read`]) with all
+    /// `remote.len + tail.len()` bytes.
     Read {
         /// What for.
         token: Token,
-        /// Where from (its `len` is the payload length).
+        /// Where from (its `len` is the number of bytes to read).
         remote: RemoteRegion,
+        /// Bytes of the payload after the ones read (a [`Payload::LentWith`] request's);
+        /// empty for most.
+        tail: Vec<u8>,
     },
     /// RDMA Write-with-immediate a response of `len` bytes to `remote`, then call
     /// [`Session::handle_write_done`]. What is written is `buf`'s [`LANDING_PREFIX`]-byte length
@@ -359,7 +386,7 @@ struct ClientCall {
 
 enum Serving {
     /// Waiting for request bytes to free up before its body is read ([`Session::limit_serving`]).
-    Queued(RemoteRegion),
+    Queued(RemoteRegion, Vec<u8>),
     Reading,
     Running,
     /// Response lent; waiting for ReadDone.
@@ -540,7 +567,7 @@ impl Serving {
     /// has left: queued answers, lent ones not read yet and ones being written included, so
     /// that a peer which takes no answers cannot make this side hold more than the limit.
     pub(super) fn holds_request(&self) -> bool {
-        matches!(self, Serving::Queued(_) | Serving::Reading | Serving::Running)
+        matches!(self, Serving::Queued(..) | Serving::Reading | Serving::Running)
     }
 }
 
@@ -750,7 +777,7 @@ impl Session {
         }
         for s in self.served.values() {
             // A request still being read keeps its deadline for when its handler runs.
-            consider(s.deadline, matches!(s.state, Serving::Running | Serving::Queued(_)));
+            consider(s.deadline, matches!(s.state, Serving::Running | Serving::Queued(..)));
             if let (Some(t), Serving::Lent(_)) = (self.lent_timeout, &s.state) {
                 // Not seen by `handle_timeout` yet: due at once, to be stamped.
                 consider(Some(s.lent_at.map_or(s.arrived, |at| at + t)), true);

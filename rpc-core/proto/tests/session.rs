@@ -67,6 +67,8 @@ struct Side {
     placed_sent: u32,
     /// Calls whose handler ran (the server's side).
     ran: HashSet<u32>,
+    /// Lent requests keep their last few bytes back as a tail ([`Payload::LentWith`]).
+    tails: bool,
 }
 
 impl Side {
@@ -95,6 +97,7 @@ impl Side {
             sending: HashSet::new(),
             placed_sent: 0,
             ran: HashSet::new(),
+            tails: false,
         }
     }
 
@@ -150,6 +153,11 @@ impl Side {
         self
     }
 
+    fn with_tails(mut self) -> Self {
+        self.tails = true;
+        self
+    }
+
     fn stage(&mut self, data: Vec<u8>) -> (RemoteRegion, BufId) {
         let id = self.next_buf;
         self.next_buf += 1;
@@ -191,9 +199,20 @@ impl Side {
         budget: Option<Duration>,
         now: Instant,
     ) -> Result<u32, CallError> {
-        let p = self.payload(pattern(len, len as u8), landing.is_some());
+        let mut p = self.payload(pattern(len, len as u8), landing.is_some());
+        if let (true, Payload::Lent { desc, buf }) = (self.tails, &p) {
+            // The last bytes (up to 10) go in the message; the peer reads the rest.
+            let k = (len / 3).min(10);
+            let data = &self.bufs[buf];
+            let tail = data[len - k..].to_vec();
+            let desc = RemoteRegion {
+                len: (len - k) as u64,
+                ..*desc
+            };
+            p = Payload::LentWith { desc, buf: *buf, tail };
+        }
         let staged = match &p {
-            Payload::Lent { buf, .. } | Payload::Placed { buf, .. } => Some(*buf),
+            Payload::Lent { buf, .. } | Payload::LentWith { buf, .. } | Payload::Placed { buf, .. } => Some(*buf),
             Payload::Eager(_) => None,
         };
         let landing = landing.map(|l| self.stage(vec![0; l]));
@@ -320,13 +339,14 @@ fn pump(from: &mut Side, to: &mut Side) {
 fn run_rdma(from: &mut Side, to: &mut Side, now: Instant) {
     let Some(op) = from.rdma.pop_front() else { return };
     match op {
-        Transmit::Read { token, remote } => {
+        Transmit::Read { token, remote, tail } => {
             assert!(
                 to.lent.contains(&remote.addr),
                 "RDMA Read of buffer {} after its release",
                 remote.addr
             );
-            let data = to.bufs[&remote.addr][..remote.len as usize].to_vec();
+            let mut data = to.bufs[&remote.addr][..remote.len as usize].to_vec();
+            data.extend_from_slice(&tail);
             match token {
                 Token::Request(call) if from.held_reads => {
                     let id = from.next_buf;
@@ -465,6 +485,7 @@ fn reply_bytes(a: &Side, r: &Reply) -> Vec<u8> {
         Reply::Bytes(b) => b.clone(),
         Reply::Inline(b) => b.to_vec(),
         Reply::InSlot { .. } => panic!("in-slot replies are taken out when they arrive"),
+        Reply::Held { .. } => panic!("this driver reads responses into vectors"),
         Reply::Landed { buf } => {
             let b = &a.bufs[buf];
             let len = u64::from_le_bytes(b[..8].try_into().expect("prefix")) as usize;
@@ -481,6 +502,113 @@ fn eager_and_rendezvous_both_ways() {
 #[test]
 fn eager_and_rendezvous_with_requests_held_in_their_read_buffers() {
     eager_and_rendezvous(Side::new(1000), Side::new(2000).holding_reads());
+}
+
+#[test]
+fn lent_requests_with_a_tail_arrive_as_the_lent_bytes_then_the_tail() {
+    eager_and_rendezvous(Side::new(1000).with_tails(), Side::new(2000));
+    eager_and_rendezvous(Side::new(1000).with_tails(), Side::new(2000).holding_reads());
+}
+
+/// A tail is the caller's bytes: bounded like an eager payload, counted in the payload's
+/// length at both ends, and never part of a response.
+#[test]
+fn tails_are_bounded_counted_and_requests_only() {
+    let now = Instant::now();
+    let c = cfg();
+    let desc = |len: u64| RemoteRegion { addr: 1, len, rkey: 7 };
+    let mut s = Session::new(c.clone());
+    // Longer than an eager payload may be: refused at the start, buffers still the caller's.
+    let long = Payload::LentWith {
+        desc: desc(100),
+        buf: 1,
+        tail: vec![0; c.eager_max + 1],
+    };
+    assert!(matches!(
+        s.start_call(1, long, None, None, now),
+        Err(CallError::Protocol(_))
+    ));
+    // The lent bytes and the tail together beyond the largest payload.
+    let over = Payload::LentWith {
+        desc: desc(c.max_payload - 2),
+        buf: 2,
+        tail: vec![0; 3],
+    };
+    assert!(matches!(
+        s.start_call(1, over, None, None, now),
+        Err(CallError::PayloadTooLarge { len, .. }) if len == c.max_payload + 1
+    ));
+    // A hostile caller that claims as much anyway is answered "too large", and nothing is read.
+    let mut server = Session::new(c.clone());
+    let mut m = Vec::new();
+    let mut body = Vec::new();
+    encode_desc(&desc(c.max_payload - 2), &mut body);
+    body.extend_from_slice(&[1, 2, 3]);
+    Header {
+        kind: Kind::Request,
+        flags: FLAG_RENDEZVOUS,
+        call_id: 5,
+        method: 1,
+        status: 0,
+        credits: 0,
+        body_len: body.len() as u32,
+        budget_us: 0,
+    }
+    .encode(&mut m);
+    m.extend_from_slice(&body);
+    server.handle_message(&m, now).expect("a well-formed request");
+    server.reposted();
+    let answer = sent(&mut server);
+    let (h, _) = Header::decode(&answer).expect("a header");
+    assert_eq!(h.status, Status::PayloadTooLarge as u16);
+    assert!(server.poll_transmit().is_none(), "no Read of a refused request");
+    // One within the limit is read with its tail, whose bytes count against the server's.
+    let mut server = Session::new(c.clone());
+    server.limit_serving(4, 1000);
+    let mut m = Vec::new();
+    let mut body = Vec::new();
+    encode_desc(&desc(995), &mut body);
+    body.extend_from_slice(&[1, 2, 3, 4, 5]);
+    Header {
+        kind: Kind::Request,
+        flags: FLAG_RENDEZVOUS,
+        call_id: 6,
+        method: 1,
+        status: 0,
+        credits: 0,
+        body_len: body.len() as u32,
+        budget_us: 0,
+    }
+    .encode(&mut m);
+    m.extend_from_slice(&body);
+    server.handle_message(&m, now).expect("a request");
+    match server.poll_transmit() {
+        Some(Transmit::Read { remote, tail, .. }) => assert_eq!((remote.len, tail), (995, vec![1, 2, 3, 4, 5])),
+        other => panic!("expected the Read, got {other:?}"),
+    }
+    assert_eq!(server.held_request_bytes(), 1000);
+    // A response cannot carry one: the caller gets an error, the buffer comes back.
+    server.handle_read_done(Token::Request(6), Ok(vec![0; 1000]), now);
+    while server.poll_event().is_some() {}
+    server.respond(
+        6,
+        Ok(Payload::LentWith {
+            desc: desc(10),
+            buf: 44,
+            tail: vec![1],
+        }),
+    );
+    let mut released = false;
+    let mut status = None;
+    while let Some(t) = server.poll_transmit() {
+        match t {
+            Transmit::Release(44) => released = true,
+            Transmit::Send(m) => status = Header::decode(&m.to_vec()).ok().map(|(h, _)| h.status),
+            _ => {}
+        }
+    }
+    assert!(released, "the buffer goes back");
+    assert_eq!(status, Some(Status::Internal as u16));
 }
 
 #[test]

@@ -49,6 +49,11 @@ pub(super) const HOLD_BACK_POLLS: u32 = 4;
 pub(super) enum Outgoing {
     Vec(Vec<u8>),
     Buf(crate::RegisteredBuf),
+    /// A shared value's bytes, then `tail` (a typed call's other arguments).
+    Bulk {
+        bulk: crate::Bulk,
+        tail: Vec<u8>,
+    },
 }
 
 impl Outgoing {
@@ -56,6 +61,7 @@ impl Outgoing {
         match self {
             Outgoing::Vec(v) => v.len(),
             Outgoing::Buf(b) => b.len(),
+            Outgoing::Bulk { bulk, tail } => bulk.len() + tail.len(),
         }
     }
 }
@@ -100,6 +106,35 @@ impl State {
                     Payload::Lent { desc, buf }
                 }
                 Outgoing::Vec(v) => Payload::Eager(v),
+                Outgoing::Bulk { bulk, tail } if conn.session.is_rendezvous(bulk.len() + tail.len()) => {
+                    let lent = match bulk.registered() {
+                        Some((buf, range)) => conn.stash.lend_shared(buf, range),
+                        None => None,
+                    };
+                    let (desc, buf) = match lent {
+                        Some(x) => {
+                            spans::payload("request", bulk.len(), How::Lent);
+                            x
+                        }
+                        // The vector itself where registering is cheap and no one else holds
+                        // it, else a copy.
+                        None => match bulk.try_into_whole_vec() {
+                            Ok(v) => conn.stash.lend_vec(v)?,
+                            Err(bulk) => {
+                                spans::payload("request", bulk.len(), How::CopiedAndLent);
+                                conn.stash.lend(&bulk.bytes())?
+                            }
+                        },
+                    };
+                    staged[0] = Some(buf);
+                    Payload::LentWith { desc, buf, tail }
+                }
+                Outgoing::Bulk { bulk, tail } => {
+                    let mut v = Vec::with_capacity(bulk.len() + tail.len());
+                    v.extend_from_slice(&bulk.bytes());
+                    v.extend_from_slice(&tail);
+                    Payload::Eager(v)
+                }
                 Outgoing::Buf(b) => {
                     let len = b.len();
                     let route = conn.session.registered_route(len, landing_len.is_some());
@@ -215,6 +250,11 @@ impl State {
                     Reply::Bytes(b) => Ok(Body::Bytes(b)),
                     Reply::Inline(b) => Ok(Body::Inline(b)),
                     Reply::Landed { buf } => self.conn.stash.landed(buf).map(Body::Bytes),
+                    Reply::Held { buf, len } => self
+                        .conn
+                        .stash
+                        .hand_out_body(buf, len)
+                        .ok_or_else(|| RpcError::Internal("the response's read buffer went missing".into())),
                     Reply::InSlot { slot, range } => self
                         .conn
                         .slot_body(slot, range)

@@ -130,17 +130,25 @@ impl Conn {
                     wr
                 }
             }
-            Transmit::Read { token, remote } => {
-                let len = remote.len as usize;
+            Transmit::Read { token, remote, tail } => {
+                let read = remote.len as usize;
+                // The bytes read, then the tail the request message carried: the body whole.
+                let len = read.saturating_add(tail.len());
                 if !self.rdma_fits() {
-                    return Err(Transmit::Read { token, remote });
+                    return Err(Transmit::Read { token, remote, tail });
                 }
                 // Into a vector of its own where that is cheap, unless the handler takes the
-                // request in registered memory.
-                let target = if self.session.reads_in_place(token) {
-                    self.stash.take(len, crate::stash::Role::Private).map(|(id, _)| id)
-                } else {
-                    self.stash.take_target(len)
+                // request in registered memory. A body taken where it lands may be sent on as
+                // it is (a typed handler's `Bulk` answered back, a caller's sent again): peers
+                // may read the buffer once it is lent.
+                let target = match token {
+                    Token::Request(_) if self.session.reads_in_place(token) => {
+                        self.stash.take(len, crate::stash::Role::Lend).map(|(id, _)| id)
+                    }
+                    Token::Response(_) if self.session.reads_in_place(token) => {
+                        self.stash.take_target(len, crate::stash::Role::Lend)
+                    }
+                    _ => self.stash.take_target(len, crate::stash::Role::Private),
                 };
                 let local = match target {
                     Ok(x) => x,
@@ -150,12 +158,24 @@ impl Conn {
                         return Ok(());
                     }
                 };
-                let Some(buf) = self.stash.take_out(local) else {
+                let Some(mut buf) = self.stash.take_out(local) else {
                     return Ok(());
                 };
+                if !tail.is_empty() {
+                    // Before the Read is posted: the tail's bytes are this side's alone, and
+                    // the Read lands before them.
+                    if let Err(e) = buf.write_at(read, &tail) {
+                        self.stash.put_back(local, buf);
+                        self.stash.release(local);
+                        let e = RpcError::Internal(format!("placing a request's tail: {e}"));
+                        self.session
+                            .handle_read_done(token, Err(CallError::Local(LocalError::new(e))), Instant::now());
+                        return Ok(());
+                    }
+                }
                 let k = self.next_read;
                 self.next_read = (self.next_read + 1) & ID_MASK;
-                let (wrs, job) = self.pieces(buf, len, local, Some(token), |off, _| {
+                let (wrs, mut job) = self.pieces(buf, read, local, Some(token), |off, _| {
                     (
                         READ | k,
                         SendOp::Read {
@@ -163,6 +183,7 @@ impl Conn {
                         },
                     )
                 });
+                job.len = len;
                 self.reads.insert(k, job);
                 return self.post_all(wrs);
             }

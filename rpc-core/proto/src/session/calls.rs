@@ -31,6 +31,7 @@ impl Session {
         let (len, eager) = match &payload {
             Payload::Eager(b) => (b.len() as u64, b.len() as u64),
             Payload::Lent { desc, .. } => (desc.len, 0),
+            Payload::LentWith { desc, tail, .. } => (desc.len.saturating_add(tail.len() as u64), 0),
             Payload::Placed { len, .. } => (*len as u64, *len as u64),
         };
         if len > self.cfg.max_payload {
@@ -42,7 +43,7 @@ impl Session {
         if budget.is_some_and(|b| b.as_micros() == 0) {
             return Err(CallError::Expired);
         }
-        if let Payload::Eager(b) = &payload {
+        if let Payload::Eager(b) | Payload::LentWith { tail: b, .. } = &payload {
             if b.len() > self.cfg.eager_max {
                 return Err(CallError::Protocol(format!(
                     "eager payload of {} bytes above eager_max {}",
@@ -73,6 +74,13 @@ impl Session {
                 encode_desc(desc, &mut body);
                 Some(*buf)
             }
+            Payload::LentWith { desc, buf, tail } => {
+                flags |= FLAG_RENDEZVOUS;
+                body.reserve(DESC_LEN + tail.len());
+                encode_desc(desc, &mut body);
+                body.extend_from_slice(tail);
+                Some(*buf)
+            }
             _ => None,
         };
         // A budget the wire cannot carry (u32 microseconds: about 71 minutes) stays the caller's
@@ -98,7 +106,7 @@ impl Session {
                 body.extend_from_slice(&b);
                 Out::Msg { header, body }
             }
-            Payload::Lent { .. } => Out::Msg { header, body },
+            Payload::Lent { .. } | Payload::LentWith { .. } => Out::Msg { header, body },
         };
         // Beyond what the peer serves at once, or behind calls that wait: the call waits too.
         let sent = self.held_back.is_empty() && self.calls.len() < self.call_limit && self.call_bytes_fit(eager);
@@ -322,6 +330,7 @@ impl Session {
                 self.actions.push_back(Transmit::Read {
                     token: Token::Response(call),
                     remote: desc,
+                    tail: Vec::new(),
                 });
             } else {
                 self.queue_small(Kind::ReadDone, call, 0, Vec::new());

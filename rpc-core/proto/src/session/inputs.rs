@@ -162,6 +162,23 @@ impl Session {
         }
     }
 
+    /// As [`Session::handle_read_done`] for a [`Token::Response`] read that the driver read into
+    /// held buffer `buf` (from its start, `len` bytes) because the call takes its response
+    /// where it lands ([`Session::reads_in_place`]): the call finishes with [`Reply::Held`].
+    /// When the call was cancelled or is gone, the buffer comes back as a [`Transmit::Release`].
+    pub fn handle_response_read(&mut self, call: u32, result: Result<(BufId, usize), CallError>) {
+        if !self.calls.get(call).is_some_and(|c| c.live) {
+            if let Ok((b, _)) = result {
+                self.actions.push_back(Transmit::Release(b));
+            }
+        }
+        if !self.calls.contains_key(call) {
+            return;
+        }
+        self.queue_small(Kind::ReadDone, call, 0, Vec::new());
+        self.finish_call(call, result.map(|(buf, len)| Reply::Held { buf, len }));
+    }
+
     /// As [`Session::handle_read_done`] for a [`Token::Request`] read, when the driver keeps the
     /// request in held buffer `buf` (read into from its start, `len` bytes) to hand it to the
     /// application without a copy. When no handler will run (cancelled, or the call is gone),

@@ -45,24 +45,29 @@ impl Session {
             arrived: now,
         };
         if h.flags & FLAG_RENDEZVOUS != 0 {
-            let (desc, _) = decode_desc(rest)?;
-            if desc.len > self.cfg.max_payload {
-                self.reply_error(call, ErrorReply::too_large(desc.len, self.cfg.max_payload));
+            let (desc, tail) = decode_desc(rest)?;
+            // The payload: the lent bytes, then the tail the message carries (the tail is
+            // within one message already; the sum is what the handler will hold).
+            let total = desc.len.saturating_add(tail.len() as u64);
+            if total > self.cfg.max_payload {
+                self.reply_error(call, ErrorReply::too_large(total, self.cfg.max_payload));
                 return Ok(());
             }
+            let tail = tail.to_vec();
             self.active += 1;
-            if self.deferred.is_empty() && self.bytes_fit(desc.len) {
-                self.held_bytes += desc.len;
-                self.reading_bytes += desc.len;
-                sc.bytes = desc.len;
+            if self.deferred.is_empty() && self.bytes_fit(total) {
+                self.held_bytes += total;
+                self.reading_bytes += total;
+                sc.bytes = total;
                 sc.state = Serving::Reading;
                 self.served.insert(call, sc);
                 self.actions.push_back(Transmit::Read {
                     token: Token::Request(call),
                     remote: desc,
+                    tail,
                 });
             } else {
-                sc.state = Serving::Queued(desc);
+                sc.state = Serving::Queued(desc, tail);
                 self.served.insert(call, sc);
                 self.deferred.push_back(call);
             }
@@ -142,7 +147,7 @@ impl Session {
             self.held_bytes = self.held_bytes.saturating_sub(bytes);
             self.read_deferred();
         }
-        if matches!(state, Serving::Queued(_)) {
+        if matches!(state, Serving::Queued(..)) {
             // It may have been the one that did not fit, holding back those behind it.
             self.deferred.retain(|&c| c != call);
             self.read_deferred();
@@ -175,24 +180,28 @@ impl Session {
     /// Starts the Reads of requests that waited for bytes, in arrival order, as far as they fit.
     pub(super) fn read_deferred(&mut self) {
         while let Some(&call) = self.deferred.front() {
-            let Some(Serving::Queued(desc)) = self.served.get(call).map(|s| &s.state) else {
+            let Some(Serving::Queued(desc, tail)) = self.served.get(call).map(|s| &s.state) else {
                 self.deferred.pop_front();
                 continue;
             };
-            let desc = *desc;
-            if !self.bytes_fit(desc.len) {
+            let (desc, total) = (*desc, desc.len.saturating_add(tail.len() as u64));
+            if !self.bytes_fit(total) {
                 break;
             }
             self.deferred.pop_front();
-            self.held_bytes += desc.len;
-            self.reading_bytes += desc.len;
+            self.held_bytes += total;
+            self.reading_bytes += total;
+            let mut tail = Vec::new();
             if let Some(sc) = self.served.get_mut(call) {
-                sc.bytes = desc.len;
-                sc.state = Serving::Reading;
+                sc.bytes = total;
+                if let Serving::Queued(_, t) = std::mem::replace(&mut sc.state, Serving::Reading) {
+                    tail = t;
+                }
             }
             self.actions.push_back(Transmit::Read {
                 token: Token::Request(call),
                 remote: desc,
+                tail,
             });
         }
     }
@@ -211,16 +220,19 @@ impl Session {
         self.served.get(call).and_then(|c| c.deadline)
     }
 
-    /// Whether the body an RDMA Read fetches for `token` is for a handler that takes it in
-    /// registered memory as it arrived ([`Session::serve_in_slot`]: it may keep that buffer,
-    /// or answer from it); a driver may read any other into memory of the consumer's own.
+    /// Whether the body an RDMA Read fetches for `token` is for a consumer that takes it in
+    /// the buffer it was read into: a handler of a method served in place
+    /// ([`Session::serve_in_slot`]: it may keep that buffer, or answer from it), or a call that
+    /// keeps its response where it lands ([`Session::keep_in_slot`], then
+    /// [`Session::handle_response_read`]). A driver may read any other into memory of the
+    /// consumer's own.
     pub fn reads_in_place(&self, token: Token) -> bool {
         match token {
             Token::Request(call) => self
                 .served
                 .get(call)
                 .is_some_and(|s| self.in_slot_methods.contains(&s.method)),
-            Token::Response(_) => false,
+            Token::Response(call) => self.calls.get(call).is_some_and(|c| c.in_slot && c.live),
         }
     }
 
@@ -241,7 +253,8 @@ impl Session {
     pub fn respond(&mut self, call: u32, result: Result<Payload, ErrorReply>) {
         let running = matches!(self.served.get(call).map(|s| &s.state), Some(Serving::Running));
         if !running {
-            if let Ok(Payload::Lent { buf, .. } | Payload::Placed { buf, .. }) = result {
+            if let Ok(Payload::Lent { buf, .. } | Payload::LentWith { buf, .. } | Payload::Placed { buf, .. }) = result
+            {
                 self.actions.push_back(Transmit::Release(buf));
             }
             return;
@@ -273,6 +286,13 @@ impl Session {
                 self.reply_error(
                     call,
                     ErrorReply::internal(format!("eager response of {} bytes above eager_max", bytes.len())),
+                );
+            }
+            Ok(Payload::LentWith { buf, .. }) => {
+                self.actions.push_back(Transmit::Release(buf));
+                self.reply_error(
+                    call,
+                    ErrorReply::internal("a response cannot carry a tail after its lent bytes"),
                 );
             }
             Ok(Payload::Lent { desc, buf }) => {
@@ -341,7 +361,7 @@ impl Session {
                 self.events.push_back(Event::Abort { call });
                 self.reply_error(call, ErrorReply::cancelled());
             }
-            Some(Serving::Queued(_)) => self.reply_error(call, ErrorReply::cancelled()),
+            Some(Serving::Queued(..)) => self.reply_error(call, ErrorReply::cancelled()),
             Some(Serving::Reading) => {
                 if let Some(s) = self.served.get_mut(call) {
                     s.cancelled = true;

@@ -31,7 +31,7 @@ impl Session {
         let late: Vec<(u32, bool)> = self
             .served
             .iter()
-            .filter(|(_, s)| matches!(s.state, Serving::Running | Serving::Queued(_)))
+            .filter(|(_, s)| matches!(s.state, Serving::Running | Serving::Queued(..)))
             .filter(|(_, s)| s.deadline.is_some_and(|d| d <= now))
             .map(|(id, s)| (id, matches!(s.state, Serving::Running)))
             .collect();
@@ -171,7 +171,7 @@ impl Session {
             match s.state {
                 Serving::Running => self.events.push_back(Event::Abort { call }),
                 Serving::Lent(b) | Serving::Writing(b) => self.actions.push_back(Transmit::Release(b)),
-                Serving::Reading | Serving::Queued(_) | Serving::Answered => {}
+                Serving::Reading | Serving::Queued(..) | Serving::Answered => {}
             }
         }
         self.deferred.clear();
