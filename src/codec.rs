@@ -9,6 +9,7 @@
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crate::core::TypedAnswer;
 use crate::{Body, Bulk, RpcError};
 
 const TRAILER: usize = 8;
@@ -105,9 +106,9 @@ pub fn into_bulk(request: Body, bulk_len: usize) -> Bulk {
     whole.slice(0..len).unwrap_or_default()
 }
 
-/// A handler's result as the response: a `Bulk` result as it is, any other encoded.
-pub fn encode_ret_bulk<T: Serialize>(ret: &T, method: &str) -> Result<Bulk, RpcError> {
-    encode_ret(ret, method).map(Bulk::from)
+/// A handler's result as the response, encoded (a `Bulk` result goes as it is instead).
+pub fn encode_answer<T: Serialize>(ret: &T, method: &str) -> Result<TypedAnswer, RpcError> {
+    encode_ret(ret, method).map(TypedAnswer::Bytes)
 }
 
 /// Encodes a handler's result (server side).

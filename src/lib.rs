@@ -88,7 +88,7 @@ pub mod __private {
     }
 
     pub use crate::codec::{
-        bulk_layout, decode_args, decode_args_bulk, decode_ret, encode_args, encode_args_bulk, encode_ret,
-        encode_ret_bulk, end_args, end_bulk, into_bulk, push_arg, take_arg,
+        bulk_layout, decode_args, decode_args_bulk, decode_ret, encode_answer, encode_args, encode_args_bulk,
+        encode_ret, end_args, end_bulk, into_bulk, push_arg, take_arg,
     };
 }

@@ -48,6 +48,8 @@ const ALL_MODES: &[&str] = &[
     "rpc-behind-fifo",
     "rpc-one-thread",
     "service",
+    "service-upload",
+    "service-upload-vec",
     "memcpy",
     "send",
     "send-copy",
@@ -117,7 +119,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "rpc,rpc-body,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,service,send,send-head,send-copy,send-event,write,read,atomic,memcpy,tcp,tarpc,wake,spin-word"
+        default_value = "rpc,rpc-body,rpc-eager,rpc-rendezvous,rpc-spin,rpc-event,rpc-upload,rpc-upload-vec,service,service-upload,service-upload-vec,send,send-head,send-copy,send-event,write,read,atomic,memcpy,tcp,tarpc,wake,spin-word"
     )]
     modes: Vec<String>,
     /// Fixed iterations per size (default: as many as fit the time budget).
@@ -611,12 +613,17 @@ async fn measure(
             serving.abort();
             (Convention::Rtt, size, s)
         }
-        "service" => {
+        "service" | "service-upload" | "service-upload-vec" => {
             let cfg = rpc::config(mode, size, completion, raw_ring);
+            let (shape, bytes) = match mode {
+                "service" => (service::Shape::Echo, 2 * size),
+                "service-upload" => (service::Shape::Upload, size),
+                _ => (service::Shape::UploadVec, size),
+            };
             (
                 Convention::Rtt,
-                2 * size,
-                service::measure(srv, dev, ip, cfg, size, plan).await,
+                bytes,
+                service::measure(srv, dev, ip, cfg, size, shape, plan).await,
             )
         }
         "memcpy" => (Convention::Rtt, size, baseline::memcpy(size, plan).await),

@@ -479,6 +479,54 @@ fn spin_event_goodput(rows: &[Row]) {
             }
         }
     }
+    typed_bulk(rows);
+}
+
+/// The typed path's `Bulk` beside the raw one: uploads against `call_buf` at every size both
+/// measured from 64 KiB up, and the echo against memcpy at the largest.
+fn typed_bulk(rows: &[Row]) {
+    let sizes = rows
+        .iter()
+        .filter(|r| r.mode == "service-upload" && r.bytes >= 64 << 10 && find(rows, "rpc-upload", r.bytes).is_some());
+    for r in sizes {
+        let Some(raw) = find(rows, "rpc-upload", r.bytes) else {
+            continue;
+        };
+        let vec = find(rows, "service-upload-vec", r.bytes)
+            .map(|v| {
+                format!(
+                    "; from a Vec {:.0} MB/s = {:.2}x",
+                    v.mb_per_s,
+                    v.mb_per_s / raw.mb_per_s
+                )
+            })
+            .unwrap_or_default();
+        println!(
+            "{} KiB typed Bulk upload (registered, service-upload) {:.0} MB/s / call_buf {:.0} MB/s = {:.2}x{vec}",
+            r.bytes >> 10,
+            r.mb_per_s,
+            raw.mb_per_s,
+            r.mb_per_s / raw.mb_per_s
+        );
+    }
+    let big = rows
+        .iter()
+        .filter(|r| r.mode == "service" && find(rows, "memcpy", r.bytes).is_some())
+        .map(|r| r.bytes)
+        .max();
+    if let Some(big) = big.filter(|&b| b >= 64 << 10) {
+        if let (Some(e), Some(mc)) = (find(rows, "service", big), find(rows, "memcpy", big)) {
+            // The echo's figure counts both directions; memcpy's one copy of the same bytes.
+            let echo = e.mb_per_s / 2.0;
+            println!(
+                "{} KiB typed Bulk echo (registered, service) {:.0} MB/s of payload each way / memcpy {:.0} MB/s = {:.2}x",
+                big >> 10,
+                echo,
+                mc.mb_per_s,
+                echo / mc.mb_per_s
+            );
+        }
+    }
 }
 
 /// The event-mode RPC, with what bounds it on this machine: the provider's own sleep and

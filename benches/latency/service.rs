@@ -1,6 +1,10 @@
-//! `service` mode: the echo through a `#[service]` trait (the generated client stub and server
-//! dispatch), its payload a `Bulk`, as the tarpc baseline's is a `serde_bytes` buffer: the
-//! typed path a user writes, against tarpc's typed path (full round trip).
+//! `service` modes: the echo through a `#[service]` trait (the generated client stub and server
+//! dispatch), its payload a `Bulk` in memory registered with the connection (filled once, a
+//! clone sent each call, as `rpc-body` sends one registered buffer), as the tarpc baseline's is
+//! a `serde_bytes` buffer: the typed path a user writes, against tarpc's typed path (full
+//! round trip). `service-upload` sends such a `Bulk` one way (an 8-byte answer), beside
+//! `rpc-upload` (`call_buf`); `service-upload-vec` a `Bulk` made from a `Vec` (shared by its
+//! clones, so copied into registered memory by the client on every call).
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -15,6 +19,8 @@ use crate::sampler::{self, Plan, Samples};
 pub trait Bench {
     /// `data` back, as it came.
     async fn echo(&self, data: Bulk) -> Bulk;
+    /// How many bytes `data` has.
+    async fn sink(&self, data: Bulk) -> u64;
 }
 
 struct Echoer;
@@ -23,6 +29,20 @@ impl Bench for Echoer {
     async fn echo(&self, data: Bulk) -> Bulk {
         data
     }
+    async fn sink(&self, data: Bulk) -> u64 {
+        data.len() as u64
+    }
+}
+
+/// What a `service` mode sends.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// The echo, from registered memory.
+    Echo,
+    /// One way, from registered memory.
+    Upload,
+    /// One way, from a `Vec`.
+    UploadVec,
 }
 
 pub async fn measure(
@@ -31,6 +51,7 @@ pub async fn measure(
     ip: IpAddr,
     cfg: Config,
     size: usize,
+    shape: Shape,
     plan: Plan,
 ) -> Samples {
     let server = BenchServer::new(Echoer)
@@ -43,10 +64,26 @@ pub async fn measure(
     let client = BenchClient::connect(dev, addr, cfg)
         .await
         .expect("connect the benchmark service client");
-    let payload = vec![0xa5u8; size];
+    let payload = match shape {
+        Shape::UploadVec => Bulk::from(vec![0xa5u8; size]),
+        Shape::Echo | Shape::Upload => {
+            let conn = client.inner().expect("a client made with connect has a connection");
+            let mut buf = conn.buffer(size).expect("a registered buffer");
+            buf.bytes_mut().fill(0xa5);
+            Bulk::from(buf)
+        }
+    };
     let s = sampler::run(plan, async || {
-        let r = client.echo(Bulk::from(payload.clone())).await.expect("service echo");
-        assert_eq!(r.len(), size);
+        match shape {
+            Shape::Echo => {
+                let r = client.echo(payload.clone()).await.expect("service echo");
+                assert_eq!(r.len(), size);
+            }
+            Shape::Upload | Shape::UploadVec => {
+                let n = client.sink(payload.clone()).await.expect("service upload");
+                assert_eq!(n, size as u64);
+            }
+        }
         None
     })
     .await;

@@ -8,6 +8,7 @@ use serde::de::{SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::buf::{Body, BodyRef, RegisteredBuf};
+use crate::proto::Inline;
 
 /// Bytes that a `#[service]` method sends or returns raw; cheap to clone (clones share the
 /// bytes, as `bytes::Bytes` clones do) and immutable once made.
@@ -21,8 +22,9 @@ use crate::buf::{Body, BodyRef, RegisteredBuf};
 ///   [`Client::buffer`](crate::Client::buffer) or, in a handler,
 ///   [`context::buffers`](crate::context::buffers)): a large one is lent to the peer as it is,
 ///   with no copy on this side, however often it is sent; the other arguments travel in the
-///   request message beside it. A `Bulk` a handler receives is in the buffer the request was
-///   read into (or the receive slot it arrived in), also without a copy.
+///   request message beside it. A large `Bulk` a handler receives is in the buffer the
+///   request was read into, also without a copy (a small one is copied out of its receive
+///   slot, which the handler then does not hold while it runs).
 /// - **in a `Vec`** ([`Bulk::from`] a `Vec<u8>`): sent as it is where registering memory is
 ///   cheap (the tcp provider), copied once into registered memory elsewhere (shm, verbs).
 ///
@@ -47,6 +49,8 @@ pub struct Bulk {
 
 #[derive(Clone)]
 enum Repr {
+    /// Short: held by value, no allocation (a clone copies at most [`Inline::MAX`] bytes).
+    Inline(Inline),
     Heap(Arc<Vec<u8>>),
     Registered(Arc<RegisteredBuf>),
 }
@@ -71,6 +75,7 @@ impl Bulk {
     /// (see [`RegisteredBuf::bytes`]): drop it before sending the value on this thread.
     pub fn bytes(&self) -> BodyRef<'_> {
         match &self.repr {
+            Repr::Inline(i) => BodyRef::slice(&i[self.range.clone()]),
             Repr::Heap(v) => BodyRef::slice(&v[self.range.clone()]),
             Repr::Registered(b) => BodyRef::buf(b.bytes_in(self.range.clone())),
         }
@@ -103,6 +108,7 @@ impl Bulk {
     /// copied otherwise.
     pub fn into_vec(self) -> Vec<u8> {
         match self.repr {
+            Repr::Inline(i) => i[self.range].to_vec(),
             Repr::Heap(v) => match Arc::try_unwrap(v) {
                 Ok(mut v) if self.range.start == 0 => {
                     v.truncate(self.range.end);
@@ -119,7 +125,7 @@ impl Bulk {
     pub(crate) fn registered(&self) -> Option<(&Arc<RegisteredBuf>, Range<usize>)> {
         match &self.repr {
             Repr::Registered(b) => Some((b, self.range.clone())),
-            Repr::Heap(_) => None,
+            Repr::Heap(_) | Repr::Inline(_) => None,
         }
     }
 
@@ -183,16 +189,30 @@ impl std::hash::Hash for Bulk {
 impl From<Vec<u8>> for Bulk {
     fn from(v: Vec<u8>) -> Self {
         let range = 0..v.len();
-        Self {
-            repr: Repr::Heap(Arc::new(v)),
-            range,
-        }
+        let repr = match Inline::new(&v) {
+            Some(i) => Repr::Inline(i),
+            None => Repr::Heap(Arc::new(v)),
+        };
+        Self { repr, range }
     }
 }
 
 impl From<&[u8]> for Bulk {
     fn from(v: &[u8]) -> Self {
-        Self::from(v.to_vec())
+        match Inline::new(v) {
+            Some(i) => Self::from(i),
+            None => Self::from(v.to_vec()),
+        }
+    }
+}
+
+impl From<Inline> for Bulk {
+    fn from(i: Inline) -> Self {
+        let range = 0..i.len();
+        Self {
+            repr: Repr::Inline(i),
+            range,
+        }
     }
 }
 
@@ -216,7 +236,7 @@ impl From<Body> for Bulk {
         match b {
             Body::Registered(r) => Self::from(r),
             Body::Bytes(v) => Self::from(v),
-            Body::Inline(i) => Self::from(&i[..]),
+            Body::Inline(i) => Self::from(i),
         }
     }
 }
@@ -272,11 +292,12 @@ mod tests {
         assert_eq!(c.slice(1..3).map(|s| s.to_vec()), Some(vec![2, 3]));
         assert!(c.slice(3..5).is_none());
         drop(c);
-        let v = b.try_into_whole_vec().expect("held alone");
-        assert_eq!(v, [1, 2, 3, 4]);
-        let b = Bulk::from(v);
-        let held = b.clone();
-        assert!(b.try_into_whole_vec().is_err(), "shared: not taken");
+        assert_eq!(b.into_vec(), [1, 2, 3, 4]);
+        let long = vec![5u8; Inline::MAX + 1];
+        let b = Bulk::from(long.clone());
+        assert_eq!(b.clone().try_into_whole_vec().ok(), None, "shared: not taken");
+        assert_eq!(b.try_into_whole_vec().ok(), Some(long), "held alone: taken as it is");
+        let held = Bulk::from(vec![1u8, 2, 3, 4]);
         let body = Bulk::from(Body::Bytes(vec![9, 8, 7]));
         assert_eq!(body.slice(0..2).map(|s| s.to_vec()), Some(vec![9, 8]));
         assert_eq!(held.into_vec(), [1, 2, 3, 4]);

@@ -143,7 +143,9 @@ where
     }
 }
 
-/// As [`boxed`], with the connection's buffers in force too ([`buffers`]).
+/// As [`boxed`], with the connection's buffers in force too ([`buffers`]) while the future
+/// runs (made by `make`, which runs nothing of the handler's: an async block's body waits
+/// for the first poll). One allocation, as [`boxed`] makes.
 pub(crate) fn boxed_with_buffers<F>(
     deadline: Option<Instant>,
     bufs: &Buffers,
@@ -152,14 +154,13 @@ pub(crate) fn boxed_with_buffers<F>(
 where
     F: Future + Send + 'static,
 {
-    let fut = BUFFERS.sync_scope(bufs.clone(), || match deadline {
+    match deadline {
         Some(d) => {
             let fut = DEADLINE.sync_scope(Some(d), make);
-            Box::pin(DEADLINE.scope(Some(d), fut)) as std::pin::Pin<Box<dyn Future<Output = F::Output> + Send>>
+            Box::pin(BUFFERS.scope(bufs.clone(), DEADLINE.scope(Some(d), fut)))
         }
-        None => Box::pin(make()),
-    });
-    Box::pin(BUFFERS.scope(bufs.clone(), fut))
+        None => Box::pin(BUFFERS.scope(bufs.clone(), make())),
+    }
 }
 
 /// Runs `f` with `deadline` in force (a synchronous handler); without one, as it is.

@@ -34,5 +34,7 @@ pub use error::{RpcError, TransportError};
 pub use rdma_rpc_proto as proto;
 pub use rdma_rpc_proto::Status;
 pub use rdma_rpc_transport as transport;
+#[doc(hidden)]
+pub use register::TypedAnswer;
 pub use server::{Server, ServerBuilder};
 pub use stash::Buffers;

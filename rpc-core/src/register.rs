@@ -27,7 +27,7 @@ impl ServerBuilder {
                 })
             })),
         );
-        self.in_slot.remove(&method);
+        self.placement.copy(method);
         self
     }
 
@@ -66,7 +66,7 @@ impl ServerBuilder {
                 })
             })),
         );
-        self.in_slot.insert(method);
+        self.placement.keep(method);
         self
     }
 
@@ -102,7 +102,7 @@ impl ServerBuilder {
                 })
             })),
         );
-        self.in_slot.insert(method);
+        self.placement.keep(method);
         self
     }
 
@@ -142,7 +142,7 @@ impl ServerBuilder {
                 f(&req.bytes()).map(Response::Bytes)
             })),
         );
-        self.in_slot.insert(method);
+        self.placement.keep(method);
         self
     }
 
@@ -183,30 +183,45 @@ impl ServerBuilder {
                 f(req, bufs).map(Response::Buf)
             })),
         );
-        self.in_slot.insert(method);
+        self.placement.keep(method);
         self
     }
 
     /// What generated code registers: the request as a [`Body`] where it arrived (read
-    /// into, or in its receive slot), the answer a [`Bulk`](crate::Bulk), lent as it is when
-    /// it is registered with the connection. [`context::buffers`] gives the handler the
+    /// into, or in its receive slot), the answer encoded bytes or a [`Bulk`](crate::Bulk),
+    /// lent as it is when it is registered with the connection. [`context::buffers`] gives the handler the
     /// connection's buffers. Not a public API.
     #[doc(hidden)]
     pub fn handler_typed<F, Fut>(mut self, method: u32, f: F) -> Self
     where
         F: Fn(Body) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<crate::Bulk, RpcError>> + Send + 'static,
+        Fut: Future<Output = Result<TypedAnswer, RpcError>> + Send + 'static,
     {
         self.handlers.insert(
             method,
             Handler::Async(Box::new(move |req: Body, bufs: &Buffers, deadline| {
                 context::boxed_with_buffers(deadline, bufs, || {
                     let fut = f(req);
-                    async move { fut.await.map(Response::Bulk) }
+                    async move {
+                        fut.await.map(|a| match a {
+                            TypedAnswer::Bytes(v) => Response::Bytes(v),
+                            TypedAnswer::Bulk(b) => Response::Bulk(b),
+                        })
+                    }
                 })
             })),
         );
-        self.in_slot.insert(method);
+        self.placement.read_only(method);
         self
     }
+}
+
+/// A typed handler's answer ([`ServerBuilder::handler_typed`]). Not a public API.
+#[doc(hidden)]
+#[derive(Debug)]
+pub enum TypedAnswer {
+    /// The encoded result.
+    Bytes(Vec<u8>),
+    /// A `Bulk` result, as it is.
+    Bulk(crate::Bulk),
 }

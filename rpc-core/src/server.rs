@@ -28,9 +28,39 @@ use crate::{RpcError, TransportError};
 pub struct ServerBuilder {
     config: Config,
     pub(crate) handlers: HashMap<u32, Handler>,
-    /// Methods whose handlers take the request where it arrived (a [`Body`], or borrowed by a
-    /// synchronous handler): their requests may stay in the receive slot.
-    pub(crate) in_slot: HashSet<u32>,
+    /// Where each method's handler takes its request.
+    pub(crate) placement: Placement,
+}
+
+/// Which methods' handlers take the request where it arrived.
+#[derive(Default)]
+pub(crate) struct Placement {
+    /// A [`Body`], or borrowed by a synchronous handler: eager requests may stay in their
+    /// receive slot, large ones in the buffer they were read into.
+    in_slot: HashSet<u32>,
+    /// Large requests only, in the buffer they were read into; eager ones copied out (a typed
+    /// handler, which may wait long, holds no receive slot).
+    read_in_place: HashSet<u32>,
+}
+
+impl Placement {
+    /// `method`'s requests where they arrive, eager or read.
+    pub(crate) fn keep(&mut self, method: u32) {
+        self.in_slot.insert(method);
+        self.read_in_place.remove(&method);
+    }
+
+    /// `method`'s large requests where they were read; eager ones copied.
+    pub(crate) fn read_only(&mut self, method: u32) {
+        self.in_slot.remove(&method);
+        self.read_in_place.insert(method);
+    }
+
+    /// `method`'s requests copied out.
+    pub(crate) fn copy(&mut self, method: u32) {
+        self.in_slot.remove(&method);
+        self.read_in_place.remove(&method);
+    }
 }
 
 impl ServerBuilder {
@@ -48,7 +78,7 @@ impl ServerBuilder {
             listener: Arc::new(listener),
             config: self.config,
             handlers: Arc::new(self.handlers),
-            in_slot: Arc::new(self.in_slot),
+            placement: Arc::new(self.placement),
             connections: Arc::new(AtomicUsize::new(0)),
         })
     }
@@ -60,7 +90,7 @@ pub struct Server {
     listener: Arc<Listener>,
     config: Config,
     handlers: Arc<HashMap<u32, Handler>>,
-    in_slot: Arc<HashSet<u32>>,
+    placement: Arc<Placement>,
     /// Connections set up or being set up ([`Config::max_connections`]).
     connections: Arc<AtomicUsize>,
 }
@@ -71,7 +101,7 @@ impl Server {
         ServerBuilder {
             config,
             handlers: HashMap::default(),
-            in_slot: HashSet::default(),
+            placement: Placement::default(),
         }
     }
 
@@ -203,11 +233,11 @@ impl Server {
             return None;
         };
         let (device, config) = (self.device.clone(), self.config.clone());
-        let (handlers, in_slot) = (self.handlers.clone(), self.in_slot.clone());
+        let (handlers, placement) = (self.handlers.clone(), self.placement.clone());
         Some(async move {
             // Counted until the connection's task ends, however it ends (aborted included).
             let _counted = counted;
-            if let Err(e) = serve_connection(device, config, handlers, &in_slot, req, shutdown).await {
+            if let Err(e) = serve_connection(device, config, handlers, &placement, req, shutdown).await {
                 tracing::warn!(%e, "setting up a connection");
             }
         })
@@ -306,7 +336,7 @@ async fn serve_connection(
     device: Device,
     config: Config,
     handlers: Arc<HashMap<u32, Handler>>,
-    in_slot: &HashSet<u32>,
+    placement: &Placement,
     req: rdma_rpc_transport::ConnectRequest,
     shutdown: Option<Arc<Shutdown>>,
 ) -> Result<(), RpcError> {
@@ -351,7 +381,8 @@ async fn serve_connection(
         .map_err(|e| RpcError::Transport(TransportError::new(format!("the accept task failed: {e}"))))?
         .map_err(tr("accepting a connection"))?;
     let mut session = handshake::session(&config, &mine, &theirs);
-    session.serve_in_slot(in_slot.iter().copied());
+    session.serve_in_slot(placement.in_slot.iter().copied());
+    session.read_in_place(placement.read_in_place.iter().copied());
     session.limit_serving(
         config.max_concurrent_requests as usize,
         config.max_request_bytes_in_flight,
@@ -457,10 +488,11 @@ fn answer(conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
         Ok(Response::Bytes(v)) => Ok(v),
         Ok(Response::Bulk(b)) => {
             let len = b.len();
-            // Lent as it is when registered with this connection, unless it goes into the
-            // caller's landing buffer (a Write from the buffer carries a length prefix that a
-            // shared value has no room for).
-            if conn.session.is_rendezvous(len) && !conn.session.lands(call, len) {
+            // Lent as it is when registered with this connection and longer than one message,
+            // unless it goes into the caller's landing buffer (a Write from the buffer carries
+            // a length prefix that a shared value has no room for).
+            let large = conn.session.is_rendezvous(len) || !conn.session.fits_placed(len);
+            if large && b.is_registered() && !conn.session.lands(call, len) {
                 if let Some((desc, buf)) = b.registered().and_then(|(r, range)| conn.stash.lend_shared(r, range)) {
                     spans::payload("response", len, How::Lent);
                     return conn.session.respond(call, Ok(Payload::Lent { desc, buf }));

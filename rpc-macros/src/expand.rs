@@ -258,9 +258,9 @@ fn server(s: &Service) -> TokenStream {
         };
         let ret_ty = &m.ret;
         let encode = if m.ret_bulk {
-            quote!(::core::result::Result::Ok(#ret))
+            quote!(::core::result::Result::Ok(#krate::core::TypedAnswer::Bulk(#ret)))
         } else {
-            quote_spanned!(ret_ty.span()=> #krate::__private::encode_ret_bulk::<#ret_ty>(&#ret, #q))
+            quote_spanned!(ret_ty.span()=> #krate::__private::encode_answer::<#ret_ty>(&#ret, #q))
         };
         quote! {
             let #builder = {

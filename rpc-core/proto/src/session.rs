@@ -506,6 +506,8 @@ pub struct Session {
     lost: Option<String>,
     /// Methods whose eager requests stay in their receive slot.
     in_slot_methods: HashSet<u32>,
+    /// Methods whose large requests stay in the buffer they are read into (eager ones copied).
+    in_place_methods: HashSet<u32>,
     /// The slot the message being handled arrived in, while the driver lets it go to the
     /// application; taken (set to `None`) by whatever keeps the message there.
     offer: Option<u64>,
@@ -590,6 +592,7 @@ impl Session {
             overtook: false,
             lost: None,
             in_slot_methods: HashSet::default(),
+            in_place_methods: HashSet::default(),
             offer: None,
             deadlines: AtomicBool::new(false),
             ours: Shutdown::None,
@@ -719,6 +722,13 @@ impl Session {
     /// ([`RequestBody::InSlot`]) when the driver offers the slot, instead of copied out.
     pub fn serve_in_slot(&mut self, methods: impl IntoIterator<Item = u32>) {
         self.in_slot_methods.extend(methods);
+    }
+
+    /// Rendezvous requests for these methods stay in the buffer the driver reads them into
+    /// ([`Session::reads_in_place`]), as [`Session::serve_in_slot`]'s do; their eager requests
+    /// are copied out of their receive slots.
+    pub fn read_in_place(&mut self, methods: impl IntoIterator<Item = u32>) {
+        self.in_place_methods.extend(methods);
     }
 
     /// The caller of `call` takes an eager response in the receive slot it arrives in

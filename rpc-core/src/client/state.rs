@@ -106,7 +106,12 @@ impl State {
                     Payload::Lent { desc, buf }
                 }
                 Outgoing::Vec(v) => Payload::Eager(v),
-                Outgoing::Bulk { bulk, tail } if conn.session.is_rendezvous(bulk.len() + tail.len()) => {
+                // Registered, lent as it is whenever it does not fit one message (a shared
+                // buffer has no room for a header in front); from a vector, as a `Vec` goes.
+                Outgoing::Bulk { bulk, tail }
+                    if conn.session.is_rendezvous(bulk.len() + tail.len())
+                        || !conn.session.fits_placed(bulk.len() + tail.len()) =>
+                {
                     let lent = match bulk.registered() {
                         Some((buf, range)) => conn.stash.lend_shared(buf, range),
                         None => None,

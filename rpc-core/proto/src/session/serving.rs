@@ -231,7 +231,7 @@ impl Session {
             Token::Request(call) => self
                 .served
                 .get(call)
-                .is_some_and(|s| self.in_slot_methods.contains(&s.method)),
+                .is_some_and(|s| self.in_slot_methods.contains(&s.method) || self.in_place_methods.contains(&s.method)),
             Token::Response(call) => self.calls.get(call).is_some_and(|c| c.in_slot && c.live),
         }
     }
