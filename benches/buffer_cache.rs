@@ -87,11 +87,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
 /// An echo server on `ip` and a client of it on `dev`, each side keeping at most `cap` bytes of free
 /// rendezvous buffers.
 async fn connect(dev: &Device, ip: IpAddr, cap: u64) -> Result<Client, Box<dyn std::error::Error>> {
-    let cfg = Config {
-        eager_threshold: Some(16 << 10),
-        max_cached_buffer_bytes: cap,
-        ..Config::default()
-    };
+    let cfg = Config::default().eager_threshold(16 << 10).max_cached_buffer_bytes(cap);
     let server = Server::builder(cfg.clone())
         .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
         .bind(dev, SocketAddr::new(ip, 0))?;

@@ -97,11 +97,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// A server that answers each request with its first 8 bytes, and a client of it, both with
 /// `window` bytes of requests read at once and a 16 KiB eager threshold.
 async fn connect(dev: &Device, window: u64) -> Result<Client, Box<dyn std::error::Error>> {
-    let cfg = Config {
-        max_request_bytes_reading: window,
-        eager_threshold: Some(16 << 10),
-        ..Config::default()
-    };
+    let cfg = Config::default()
+        .max_request_bytes_reading(window)
+        .eager_threshold(16 << 10);
     let server = Server::builder(cfg.clone())
         .handler(
             ECHO_HEAD,

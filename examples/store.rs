@@ -49,10 +49,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     assert_eq!(store.upload("blob".into(), vec![7u8; 1 << 20].into()).await?, 1 << 20);
 
     // A handle whose calls all carry a deadline.
-    let options = CallOptions {
-        deadline: Some(Duration::from_secs(1)),
-        ..Default::default()
-    };
+    let options = CallOptions::default().deadline(Duration::from_secs(1));
     assert_eq!(store.with_options(options).get("a".into()).await?, Ok(1));
     println!("store: every call answered on {}", dev.provider());
     Ok(())

@@ -42,9 +42,9 @@ read -r tcp_pass tcp_fail < <(count "$LOG/tcp.log")
 grep -A200 'Running tests/conformance.rs' "$LOG/tcp.log" | grep -m1 '^test result:' > "$LOG/tcp-conf.log"
 read -r tcpc_pass tcpc_fail < <(count "$LOG/tcp-conf.log")
 
-step "conformance, RPC end-to-end, registered buffers, shutdown, isolation, #[service] and examples suites on provider shm"
+step "conformance, RPC end-to-end, registered buffers, shutdown, isolation, #[service] (with its Bulk), and examples suites on provider shm"
 RDMA_RPC_PROVIDER=shm cargo test -p rdma-rpc-transport -p rdma-rpc-core -p rdma-rpc \
-    --test conformance --test e2e --test deadlines --test reconnect --test registered --test shutdown --test isolation --test service --test examples --test doctor 2>&1 | tee "$LOG/shm.log"
+    --test conformance --test e2e --test deadlines --test reconnect --test registered --test shutdown --test isolation --test service --test bulk --test examples --test doctor 2>&1 | tee "$LOG/shm.log"
 [[ ${PIPESTATUS[0]} == 0 ]] || fail=1
 read -r shm_pass shm_fail < <(count "$LOG/shm.log")
 grep -A200 'Running tests/conformance.rs' "$LOG/shm.log" | grep -m1 '^test result:' > "$LOG/shm-conf.log"
@@ -64,7 +64,7 @@ step "conformance, RPC end-to-end, registered buffers, shutdown, isolation, #[se
 # They are built with the `vm` profile (Cargo.toml: dev's checks, optimized): under emulation an
 # unoptimized build runs several times slower (docs/decisions.md).
 cargo build --quiet --profile vm --examples --bins || fail=1
-vm_tests=(conformance e2e deadlines reconnect registered shutdown isolation service examples doctor)
+vm_tests=(conformance e2e deadlines reconnect registered shutdown isolation service bulk examples doctor)
 bins=$(cargo test --profile vm -p rdma-rpc-transport -p rdma-rpc-core -p rdma-rpc "${vm_tests[@]/#/--test=}" \
       --no-run --message-format=json 2>/dev/null |
       sed -n 's/.*"executable":"\([^"]*\/deps\/[a-z0-9_]*-[0-9a-f]*\)".*/\1/p' | sort -u)

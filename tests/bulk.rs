@@ -120,10 +120,7 @@ fn test_ip() -> IpAddr {
 const THRESHOLD: usize = 16 << 10;
 
 fn config() -> Config {
-    Config {
-        eager_threshold: Some(THRESHOLD),
-        ..Config::default()
-    }
+    Config::default().eager_threshold(THRESHOLD)
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {

@@ -272,10 +272,7 @@ fn a_server_out_of_file_descriptors_tells_each_client_it_refuses_why() {
         .unwrap_or_else(|| panic!("unexpected first line: {line:?}"));
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(async {
-        let config = rdma_rpc::Config {
-            connect_timeout: std::time::Duration::from_secs(20),
-            ..rdma_rpc::Config::default()
-        };
+        let config = rdma_rpc::Config::default().connect_timeout(std::time::Duration::from_secs(20));
         let mut held = Vec::new();
         let refused = loop {
             assert!(held.len() < 60, "{limit} descriptors held {} connections", held.len());
@@ -523,10 +520,7 @@ fn a_call_to_a_stopped_server_ends_without_a_deadline() {
         wait_stopped(server.child.0.id());
         let started = std::time::Instant::now();
         let verbs = dev.provider() == "verbs";
-        let options = rdma_rpc::CallOptions {
-            deadline: verbs.then_some(std::time::Duration::from_secs(5)),
-            ..Default::default()
-        };
+        let options = rdma_rpc::CallOptions::default().deadline(verbs.then_some(std::time::Duration::from_secs(5)));
         let client = client.with_options(options);
         let call = client.hello("while stopped".into());
         let err = tokio::time::timeout(std::time::Duration::from_secs(60), call)

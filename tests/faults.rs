@@ -300,26 +300,17 @@ fn fault_server() {
 /// Both sides: 64 KiB and up go by rendezvous (the tcp provider's own default would send even
 /// 8 MiB eagerly), so that the faults hit RDMA Reads in flight; 32-64 KiB go in pieces.
 fn fault_config() -> Config {
-    Config {
-        eager_threshold: Some(64 << 10),
-        ..Config::default()
-    }
+    Config::default().eager_threshold(64 << 10)
 }
 
 fn with_deadline(ms: u64) -> CallOptions {
-    CallOptions {
-        deadline: Some(Duration::from_millis(ms)),
-        ..CallOptions::default()
-    }
+    CallOptions::default().deadline(Duration::from_millis(ms))
 }
 
 async fn connect(dev: &Device, addr: SocketAddr) -> Client {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let config = Config {
-            connect_timeout: Duration::from_secs(3),
-            ..fault_config()
-        };
+        let config = fault_config().connect_timeout(Duration::from_secs(3));
         match Client::connect(dev, addr, config).await {
             Ok(c) => return c,
             Err(e) if Instant::now() < deadline => {

@@ -236,10 +236,7 @@ async fn with_options_applies_a_deadline_to_every_call() {
     let (lab, _dev) = lab().await;
     // A deadline far above a round trip even under the VM lane's emulation (where a 1 ms nap
     // once took more than 50 ms), far below the long nap: only whether it applies is tested.
-    let hasty = lab.with_options(CallOptions {
-        deadline: Some(Duration::from_millis(1000)),
-        ..CallOptions::default()
-    });
+    let hasty = lab.with_options(CallOptions::default().deadline(Duration::from_millis(1000)));
     assert_eq!(hasty.options().deadline, Some(Duration::from_millis(1000)));
     assert_eq!(hasty.nap(10_000).await, Err(RpcError::DeadlineExceeded));
     hasty.nap(1).await.expect("a short nap fits the deadline");
@@ -250,10 +247,7 @@ async fn with_options_applies_a_deadline_to_every_call() {
 async fn a_method_sees_its_callers_deadline() {
     let (lab, _dev) = lab().await;
     assert_eq!(lab.budget_left().await.expect("call"), None, "no deadline, none seen");
-    let timed = lab.with_options(CallOptions {
-        deadline: Some(Duration::from_secs(600)),
-        ..CallOptions::default()
-    });
+    let timed = lab.with_options(CallOptions::default().deadline(Duration::from_secs(600)));
     let left = timed
         .budget_left()
         .await

@@ -84,10 +84,7 @@ async fn settle(dev: &Device, want: u64, what: &str) {
 /// Sizes up to 32 KiB go in one Send, 32-256 KiB in pieces, larger ones by rendezvous: all three
 /// paths under load, whatever the provider's own threshold.
 fn soak_config() -> Config {
-    Config {
-        eager_threshold: Some(256 << 10),
-        ..Config::default()
-    }
+    Config::default().eager_threshold(256 << 10)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

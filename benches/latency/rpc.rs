@@ -23,40 +23,18 @@ pub const SIZED_BODY: u32 = 4;
 /// posts as well: the two then differ by the RPC layer alone. The other modes keep the
 /// library's default ring.
 pub fn config(mode: &str, size: usize, completion: CompletionMode, raw_ring: u32) -> Config {
-    let base = Config {
-        mode: completion,
-        ..Config::default()
-    };
+    let base = Config::default().mode(completion);
     match mode {
         // Everything inside Sends (in pieces of at most 32 KiB: the ring keeps its size).
-        "rpc-eager" => Config {
-            eager_threshold: Some(size.max(1)),
-            ..base
-        },
+        "rpc-eager" => base.eager_threshold(size.max(1)),
         // Everything above 0 bytes by rendezvous.
-        "rpc-rendezvous" => Config {
-            eager_threshold: Some(0),
-            ..base
-        },
-        "rpc-spin" => Config {
-            mode: CompletionMode::Spin,
-            ..base
-        },
-        "rpc-event" => Config {
-            mode: CompletionMode::Event,
-            ..base
-        },
-        "rpc-body" => Config { ring: raw_ring, ..base },
+        "rpc-rendezvous" => base.eager_threshold(0),
+        "rpc-spin" => base.mode(CompletionMode::Spin),
+        "rpc-event" => base.mode(CompletionMode::Event),
+        "rpc-body" => base.ring(raw_ring),
         // The long calls eager (the short ones too, whatever the size).
-        "rpc-behind" => Config {
-            eager_threshold: Some(size.max(SHORT)),
-            ..base
-        },
-        "rpc-behind-fifo" => Config {
-            eager_threshold: Some(size.max(SHORT)),
-            interleave: false,
-            ..base
-        },
+        "rpc-behind" => base.eager_threshold(size.max(SHORT)),
+        "rpc-behind-fifo" => base.eager_threshold(size.max(SHORT)).interleave(false),
         _ => base,
     }
 }

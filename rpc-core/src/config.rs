@@ -79,12 +79,17 @@ pub enum Isolation {
 /// Settings of a [`Client`](crate::Client) or [`Server`](crate::Server). Both ends exchange
 /// theirs when connecting and use the smaller threshold and payload limit.
 ///
+/// Made by [`Config::default`] and the builder methods named after the fields (the fields are
+/// public to read; new ones may come, so it is not built as a struct literal outside this
+/// crate).
+///
 /// # Examples
 /// ```
-/// let cfg = rdma_rpc_core::Config { eager_threshold: Some(4096), ..Default::default() };
-/// assert_eq!(cfg.ring, 64);
+/// let cfg = rdma_rpc_core::Config::default().eager_threshold(4096).ring(32);
+/// assert_eq!((cfg.ring, cfg.eager_threshold), (32, Some(4096)));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Config {
     /// Receive slots each side keeps posted (the credit window): how many messages the peer
     /// may send before it waits for credits. A deep ring absorbs bursts of calls; each slot it
@@ -125,7 +130,7 @@ pub struct Config {
     /// use rdma_rpc_core::{transport::Device, Client, Config, Server};
     /// let dev = Device::open("tcp")?;
     /// // A server that runs one request of a connection at a time...
-    /// let one_at_a_time = Config { max_concurrent_requests: 1, ..Config::default() };
+    /// let one_at_a_time = Config::default().max_concurrent_requests(1);
     /// let server = Server::builder(one_at_a_time)
     ///     .handler(1, |req: Vec<u8>| async move { Ok(req) })
     ///     .bind(&dev, "127.0.0.1:0".parse()?)?;
@@ -330,8 +335,16 @@ impl Config {
     }
 }
 
-/// Per-call options.
+/// Per-call options: [`CallOptions::default`] (none) and the builder methods named after the
+/// fields.
+///
+/// ```
+/// use std::time::Duration;
+/// let opts = rdma_rpc_core::CallOptions::default().deadline(Duration::from_millis(5));
+/// assert_eq!(opts.deadline, Some(Duration::from_millis(5)));
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CallOptions {
     /// Fail with `DeadlineExceeded` after this long; the server gets the remaining budget (and
     /// aborts the handler when it runs out). The wire carries budgets up to about 71 minutes
@@ -344,16 +357,55 @@ pub struct CallOptions {
     pub response_hint: Option<usize>,
 }
 
+/// Builder methods, one per field: `fn field(self, value) -> Self`, each documented as "Sets
+/// [`Type::field`]".
+macro_rules! setters {
+    ($ty:ident { $($field:ident: $arg:ty => $val:expr),* $(,)? }) => {
+        impl $ty {
+            $(
+                #[doc = concat!("Sets [`", stringify!($ty), "::", stringify!($field), "`].")]
+                #[must_use]
+                pub fn $field(mut self, $field: $arg) -> Self {
+                    self.$field = $val;
+                    self
+                }
+            )*
+        }
+    };
+}
+
+setters!(Config {
+    ring: u32 => ring,
+    eager_threshold: impl Into<Option<usize>> => eager_threshold.into(),
+    max_payload: u64 => max_payload,
+    mode: CompletionMode => mode,
+    connect_timeout: Duration => connect_timeout,
+    isolation: Isolation => isolation,
+    max_concurrent_requests: u32 => max_concurrent_requests,
+    max_request_bytes_in_flight: u64 => max_request_bytes_in_flight,
+    max_request_bytes_reading: u64 => max_request_bytes_reading,
+    max_connections: u32 => max_connections,
+    interleave: bool => interleave,
+    max_cached_buffer_bytes: u64 => max_cached_buffer_bytes,
+    lent_answer_timeout: Duration => lent_answer_timeout,
+    idle_timeout: impl Into<Option<Duration>> => idle_timeout.into(),
+});
+
+setters!(CallOptions {
+    deadline: impl Into<Option<Duration>> => deadline.into(),
+    response_hint: impl Into<Option<usize>> => response_hint.into(),
+});
+
 use crate::proto::Hello;
 
 /// What a side with this configuration says when it connects.
 ///
 /// ```
 /// use rdma_rpc_core::{proto::Hello, Config};
-/// let hello = Hello::from(&Config { max_concurrent_requests: 8, ..Config::default() });
+/// let hello = Hello::from(&Config::default().max_concurrent_requests(8));
 /// assert_eq!(hello.max_requests, 8);
 /// assert_eq!(hello.flags & Hello::TAKES_INTERLEAVED, Hello::TAKES_INTERLEAVED);
-/// let in_order = Hello::from(&Config { interleave: false, ..Config::default() });
+/// let in_order = Hello::from(&Config::default().interleave(false));
 /// assert_eq!(in_order.flags & Hello::TAKES_INTERLEAVED, 0);
 /// ```
 impl From<&Config> for Hello {

@@ -15,7 +15,7 @@
 //! /// A call made on a request's behalf, within what is left of its caller's budget (none when
 //! /// its caller set none).
 //! async fn ask(backend: &Client, key: Vec<u8>) -> Result<Vec<u8>, RpcError> {
-//!     let opts = CallOptions { deadline: context::remaining(), ..Default::default() };
+//!     let opts = CallOptions::default().deadline(context::remaining());
 //!     backend.call_with(1, key, opts).await
 //! }
 //!
@@ -43,7 +43,7 @@
 //! tokio::spawn(front.serve());
 //!
 //! let client = Client::connect(&dev, front_addr, Config::default()).await?;
-//! let hour = CallOptions { deadline: Some(Duration::from_secs(3600)), ..Default::default() };
+//! let hour = CallOptions::default().deadline(Duration::from_secs(3600));
 //! let left = client.call_with(2, b"k".to_vec(), hour).await?;
 //! let secs: u64 = String::from_utf8(left)?.parse()?;
 //! assert!((3000..3600).contains(&secs), "the backend got what was left of the hour: {secs} s");
@@ -119,7 +119,7 @@ pub fn inherit<F: Future>(fut: F) -> impl Future<Output = F::Output> {
 }
 
 /// The time left until [`deadline`] (zero once it has passed), for a call made on the request's
-/// behalf (`CallOptions { deadline: context::remaining(), .. }`). `None` when the caller set no
+/// behalf (`().deadline(context::remaining())`). `None` when the caller set no
 /// deadline, or outside a handler.
 pub fn remaining() -> Option<Duration> {
     deadline().map(|d| d.saturating_duration_since(Instant::now()))

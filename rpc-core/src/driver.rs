@@ -508,13 +508,7 @@ mod tests {
             req.accept_with_recvs(&popts, b"", peer_recvs).expect("the peer's qp")
         });
         let recvs = Conn::ring(&pd, cfg.ring, slot).expect("our ring");
-        let caps = crate::handshake::qp_caps(
-            &dev,
-            &crate::Config {
-                ring: cfg.ring,
-                ..crate::Config::default()
-            },
-        );
+        let caps = crate::handshake::qp_caps(&dev, &crate::Config::default().ring(cfg.ring));
         let (qp, _) = rdma_rpc_transport::connect_with_recvs(
             addr,
             &QpOptions::new(&pd, &cq).caps(caps),

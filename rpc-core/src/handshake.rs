@@ -59,14 +59,8 @@ mod tests {
 
     #[test]
     fn the_agreed_threshold_is_within_the_largest_payload() {
-        let big = Hello::from(&Config {
-            eager_threshold: Some(128 << 20),
-            ..Config::default()
-        });
-        let small = Hello::from(&Config {
-            max_payload: 4096,
-            ..Config::default()
-        });
+        let big = Hello::from(&Config::default().eager_threshold(128 << 20));
+        let small = Hello::from(&Config::default().max_payload(4096));
         for (a, b) in [(&big, &small), (&small, &big)] {
             let s = agree(a, b);
             assert_eq!((s.eager_max, s.max_payload), (4096, 4096));

@@ -18,10 +18,7 @@ const COUNT: u32 = 1;
 const SLOW: u32 = 2;
 
 fn within(d: Duration) -> CallOptions {
-    CallOptions {
-        deadline: Some(d),
-        ..Default::default()
-    }
+    CallOptions::default().deadline(d)
 }
 
 async fn serve_and_connect(builder: ServerBuilder) -> Client {

@@ -67,10 +67,7 @@ impl Drop for DropFlag {
 }
 
 fn config() -> Config {
-    Config {
-        eager_threshold: Some(THRESHOLD),
-        ..Config::default()
-    }
+    Config::default().eager_threshold(THRESHOLD)
 }
 
 /// Binds `builder` on the test device and address, serves it, and connects a client with
@@ -164,10 +161,7 @@ async fn payloads_from_zero_to_64_mib_both_ways() {
         for hint in [None, Some(n)] {
             let mut req = (n as u64).to_le_bytes().to_vec();
             req.extend_from_slice(b"x");
-            let opts = CallOptions {
-                response_hint: hint,
-                ..Default::default()
-            };
+            let opts = CallOptions::default().response_hint(hint);
             let got = bounded(client.call_with(SIZED, req, opts)).await.expect("sized");
             assert!(
                 got == pattern(n, n as u64),
@@ -183,11 +177,7 @@ async fn payloads_from_zero_to_64_mib_both_ways() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eager_messages_longer_than_a_slot_travel_in_pieces() {
     use rdma_rpc_core::proto::FRAGMENT;
-    let cfg = Config {
-        eager_threshold: Some(1 << 20),
-        ring: 8,
-        ..Config::default()
-    };
+    let cfg = Config::default().eager_threshold(1 << 20).ring(8);
     let (client, _) = start(cfg).await;
     let sizes = [
         FRAGMENT - 40,
@@ -231,12 +221,10 @@ async fn a_short_call_goes_between_the_pieces_of_a_long_eager_one() {
     const LONG: u32 = 1;
     const PROBE: u32 = 2;
     for interleave in [true, false] {
-        let cfg = Config {
-            eager_threshold: Some(16 << 20),
-            mode: CompletionMode::Event,
-            interleave,
-            ..Config::default()
-        };
+        let cfg = Config::default()
+            .eager_threshold(16 << 20)
+            .mode(CompletionMode::Event)
+            .interleave(interleave);
         let longs = Arc::new(AtomicUsize::new(0));
         let (l1, l2) = (longs.clone(), longs.clone());
         let builder = Server::builder(cfg.clone())
@@ -315,10 +303,7 @@ async fn sixty_four_callers_a_thousand_calls_each() {
 /// the same overflow every time).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_rendezvous_transfers_than_the_send_queue_holds_wait_their_turn() {
-    let cfg = Config {
-        max_request_bytes_reading: 1 << 30,
-        ..config()
-    };
+    let cfg = config().max_request_bytes_reading(1 << 30);
     let (client, probe) = start(cfg).await;
     let len = 1 << 20;
     let callers = (0..16u64).map(|caller| {
@@ -350,7 +335,7 @@ async fn more_rendezvous_transfers_than_the_send_queue_holds_wait_their_turn() {
 async fn concurrent_callers_in_every_completion_mode() {
     use rdma_rpc_core::CompletionMode;
     for mode in [CompletionMode::Event, CompletionMode::Spin, CompletionMode::default()] {
-        let (client, _) = start(Config { mode, ..config() }).await;
+        let (client, _) = start(config().mode(mode)).await;
         let tasks: Vec<_> = (0..16u64)
             .map(|caller| {
                 let c = client.clone();
@@ -491,10 +476,7 @@ async fn dropping_a_call_cancels_the_handler() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadline_exceeded_fails_the_call_and_stops_the_handler() {
     let (client, probe) = start(config()).await;
-    let opts = CallOptions {
-        deadline: Some(Duration::from_millis(100)),
-        ..Default::default()
-    };
+    let opts = CallOptions::default().deadline(Duration::from_millis(100));
     let t0 = Instant::now();
     let r = bounded(client.call_with(SLOW, vec![1; 64], opts)).await;
     assert_eq!(r, Err(RpcError::DeadlineExceeded));
@@ -578,10 +560,7 @@ async fn handlers_see_their_callers_deadline() {
     )
     .await;
     let budget = Duration::from_secs(600);
-    let timed = CallOptions {
-        deadline: Some(budget),
-        ..Default::default()
-    };
+    let timed = CallOptions::default().deadline(budget);
     for method in [AT_ONCE, LATER, MAKING, BODY, BUF, SPAWNED, SYNC, BUF_SYNC] {
         for len in [8, 4 * THRESHOLD] {
             let what = format!("method {method}, {len}-byte request");
@@ -616,18 +595,12 @@ async fn deadlines_beyond_what_the_wire_carries_are_kept_by_the_caller() {
         Duration::from_secs(u64::MAX / 2),
         Duration::from_secs(72 * 60),
     ] {
-        let opts = CallOptions {
-            deadline: Some(d),
-            ..Default::default()
-        };
+        let opts = CallOptions::default().deadline(d);
         let r = bounded(client.call_with(LEFT, vec![1], opts)).await;
         assert_eq!(r.as_deref(), Ok(&[0u8][..]), "a {d:?} deadline");
     }
     // Just within what the wire carries: the server gets it.
-    let opts = CallOptions {
-        deadline: Some(Duration::from_secs(70 * 60)),
-        ..Default::default()
-    };
+    let opts = CallOptions::default().deadline(Duration::from_secs(70 * 60));
     let r = bounded(client.call_with(LEFT, vec![1], opts)).await.expect("call");
     assert_eq!(r.len(), 9, "a 70-minute deadline reaches the handler");
 }
@@ -639,14 +612,8 @@ async fn deadlines_beyond_what_the_wire_carries_are_kept_by_the_caller() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rings_of_different_depths_serve_every_call() {
     let dev = device();
-    let base = Config {
-        eager_threshold: Some(128 * 1024),
-        ..Config::default()
-    };
-    let shallow = Config {
-        ring: 2,
-        ..base.clone()
-    };
+    let base = Config::default().eager_threshold(128 * 1024);
+    let shallow = base.clone().ring(2);
     for (server_cfg, client_cfg) in [(base.clone(), shallow.clone()), (shallow, base)] {
         let what = format!("server ring {}, client ring {}", server_cfg.ring, client_cfg.ring);
         let server = Server::builder(server_cfg)
@@ -700,45 +667,18 @@ async fn configurations_outside_the_protocol_are_refused_naming_the_field() {
     tokio::spawn(server.serve());
     let d = Config::default;
     let bad = [
-        ("Config::ring", Config { ring: 0, ..d() }),
-        ("Config::ring", Config { ring: 1, ..d() }),
-        ("Config::ring", Config { ring: 4097, ..d() }),
-        ("Config::ring", Config { ring: u32::MAX, ..d() }),
-        (
-            "Config::eager_threshold",
-            Config {
-                eager_threshold: Some(u32::MAX as usize + 1),
-                ..d()
-            },
-        ),
-        (
-            "Config::max_concurrent_requests",
-            Config {
-                max_concurrent_requests: 0,
-                ..d()
-            },
-        ),
-        (
-            "Config::max_connections",
-            Config {
-                max_connections: 0,
-                ..d()
-            },
-        ),
+        ("Config::ring", d().ring(0)),
+        ("Config::ring", d().ring(1)),
+        ("Config::ring", d().ring(4097)),
+        ("Config::ring", d().ring(u32::MAX)),
+        ("Config::eager_threshold", d().eager_threshold(u32::MAX as usize + 1)),
+        ("Config::max_concurrent_requests", d().max_concurrent_requests(0)),
+        ("Config::max_connections", d().max_connections(0)),
         (
             "Config::max_request_bytes_in_flight",
-            Config {
-                max_request_bytes_in_flight: 0,
-                ..d()
-            },
+            d().max_request_bytes_in_flight(0),
         ),
-        (
-            "Config::max_request_bytes_reading",
-            Config {
-                max_request_bytes_reading: 0,
-                ..d()
-            },
-        ),
+        ("Config::max_request_bytes_reading", d().max_request_bytes_reading(0)),
     ];
     for (field, cfg) in bad {
         let bound = Server::builder(cfg.clone()).bind(&dev, SocketAddr::new(test_ip(), 0));
@@ -754,10 +694,7 @@ async fn configurations_outside_the_protocol_are_refused_naming_the_field() {
             connected.err()
         );
     }
-    let no_time = Config {
-        connect_timeout: Duration::ZERO,
-        ..d()
-    };
+    let no_time = d().connect_timeout(Duration::ZERO);
     let bound = Server::builder(no_time.clone()).bind(&dev, SocketAddr::new(test_ip(), 0));
     assert!(
         matches!(&bound, Err(RpcError::Config(m)) if m.contains("Config::connect_timeout")),
@@ -772,7 +709,7 @@ async fn configurations_outside_the_protocol_are_refused_naming_the_field() {
     );
     // The edges of the ring's range work.
     for ring in [2, 4096] {
-        let client = bounded(Client::connect(&dev, addr, Config { ring, ..config() }))
+        let client = bounded(Client::connect(&dev, addr, config().ring(ring)))
             .await
             .expect("connect");
         assert_eq!(
@@ -787,17 +724,11 @@ async fn configurations_outside_the_protocol_are_refused_naming_the_field() {
 /// payload at most), and every response arrives intact whatever the hint said.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn response_hints_of_any_size_are_only_hints() {
-    let cfg = Config {
-        max_payload: 8 << 20,
-        ..config()
-    };
+    let cfg = config().max_payload(8 << 20);
     let (client, _) = start(cfg).await;
     for hint in [0, 1, 4 * THRESHOLD, 64 << 20, usize::MAX - 10, usize::MAX] {
         for len in [10u64, 2 * THRESHOLD as u64, 1 << 20] {
-            let opts = CallOptions {
-                response_hint: Some(hint),
-                ..Default::default()
-            };
+            let opts = CallOptions::default().response_hint(hint);
             let r = bounded(client.call_with(SIZED, len.to_le_bytes().to_vec(), opts)).await;
             let r = r.unwrap_or_else(|e| panic!("hint {hint}, {len}-byte response: {e}"));
             assert!(
@@ -845,10 +776,7 @@ async fn a_request_budget_counts_from_its_arrival_on_an_old_connection() {
     .await;
     // The connection grows older than the budget the call will carry.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let opts = CallOptions {
-        deadline: Some(Duration::from_millis(1000)),
-        ..Default::default()
-    };
+    let opts = CallOptions::default().deadline(Duration::from_millis(1000));
     let r = bounded(client.call_with(NAP, Vec::new(), opts)).await;
     assert_eq!(r.as_deref(), Ok(&b"rested"[..]), "the server cut the budget short");
 }
@@ -863,7 +791,7 @@ async fn a_deadline_fires_while_another_call_sleeps_and_the_server_is_silent() {
     const BLOCK: u32 = 1;
     const HANG: u32 = 2;
     for mode in [CompletionMode::Event, CompletionMode::default(), CompletionMode::Spin] {
-        let cfg = Config { mode, ..config() };
+        let cfg = config().mode(mode);
         let dev = device();
         let server = Server::builder(cfg.clone())
             .handler(BLOCK, |req| async move {
@@ -889,10 +817,7 @@ async fn a_deadline_fires_while_another_call_sleeps_and_the_server_is_silent() {
         let c = client.clone();
         let sleeper = tokio::spawn(async move { c.call(HANG, vec![2; 64]).await });
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let opts = CallOptions {
-            deadline: Some(Duration::from_millis(200)),
-            ..Default::default()
-        };
+        let opts = CallOptions::default().deadline(Duration::from_millis(200));
         let t0 = Instant::now();
         let r = client.call_with(BLOCK, vec![3; 64], opts).await;
         let took = t0.elapsed();
@@ -908,10 +833,7 @@ async fn a_deadline_fires_while_another_call_sleeps_and_the_server_is_silent() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_method_panic_application_error_and_too_large() {
-    let cfg = Config {
-        max_payload: 1 << 20,
-        ..config()
-    };
+    let cfg = config().max_payload(1 << 20);
     let (client, _) = start(cfg).await;
     assert_eq!(
         bounded(client.call(999, vec![])).await,
@@ -956,10 +878,7 @@ async fn a_handler_that_panics_before_its_future_fails_only_its_call() {
         config(),
     )
     .await;
-    let timed = CallOptions {
-        deadline: Some(Duration::from_secs(600)),
-        ..Default::default()
-    };
+    let timed = CallOptions::default().deadline(Duration::from_secs(600));
     for opts in [CallOptions::default(), timed] {
         match bounded(client.call_with(EAGER_PANIC, vec![], opts)).await {
             Err(RpcError::HandlerPanic(msg)) => assert!(msg.contains("exploded early"), "{msg}"),
@@ -982,7 +901,7 @@ async fn synchronous_handlers_answer_borrow_and_fail_alone() {
         assert!(req.first() != Some(&0xee), "handler exploded");
         req.iter().rev().copied().collect()
     };
-    let cfg = Config { ring: 4, ..config() };
+    let cfg = config().ring(4);
     let (client, _) = serve_and_connect(
         Server::builder(cfg.clone())
             .handler_sync(REVERSE, move |req| Ok(reverse(req)))
@@ -1291,10 +1210,7 @@ async fn a_power_of_two_payload_registers_about_its_own_size() {
 async fn free_buffers_kept_for_reuse_stay_within_the_configured_bytes() {
     const LEN: usize = 1 << 20;
     for cache in [3u64 << 20, 0] {
-        let cfg = Config {
-            max_cached_buffer_bytes: cache,
-            ..config()
-        };
+        let cfg = config().max_cached_buffer_bytes(cache);
         let dev = device();
         let server = Server::builder(cfg.clone())
             .handler(ECHO, |req| async move { Ok(req) })
@@ -1431,10 +1347,7 @@ impl Gauge {
 async fn calls_beyond_the_servers_limit_wait_their_turn_in_the_client() {
     let gauge = Arc::new(Gauge::default());
     let g = gauge.clone();
-    let cfg = Config {
-        max_concurrent_requests: 3,
-        ..config()
-    };
+    let cfg = config().max_concurrent_requests(3);
     let builder = Server::builder(cfg.clone()).handler(SLOW, move |req| {
         let g = g.clone();
         async move {
@@ -1478,11 +1391,8 @@ async fn rendezvous_requests_beyond_the_byte_limit_wait_unread() {
     let gauge = Arc::new(Gauge::default());
     let g = gauge.clone();
     let body = THRESHOLD * 4;
-    let cfg = Config {
-        // Room for two bodies at once, not three.
-        max_request_bytes_in_flight: (body * 2 + body / 2) as u64,
-        ..config()
-    };
+    // Room for two bodies at once, not three.
+    let cfg = config().max_request_bytes_in_flight((body * 2 + body / 2) as u64);
     let builder = Server::builder(cfg).handler(SLOW, move |req| {
         let g = g.clone();
         async move {
@@ -1615,10 +1525,7 @@ async fn a_connect_where_nothing_listens_names_the_address_and_the_refusal() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_beyond_the_servers_limit_are_refused_until_one_closes() {
-    let cfg = Config {
-        max_connections: 2,
-        ..config()
-    };
+    let cfg = config().max_connections(2);
     let builder = Server::builder(cfg).handler(ECHO, |req| async move { Ok(req) });
     let (first, addr) = serve_and_connect(builder, config()).await;
     let dev = device();

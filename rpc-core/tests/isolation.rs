@@ -41,12 +41,8 @@ fn response(tag: u8) -> Vec<u8> {
 }
 
 async fn server(isolation: Isolation) -> SocketAddr {
-    let config = Config {
-        isolation,
-        // Below RESPONSE on every provider, so that the response is lent.
-        eager_threshold: Some(THRESHOLD),
-        ..Config::default()
-    };
+    // The threshold below RESPONSE on every provider, so that the response is lent.
+    let config = Config::default().isolation(isolation).eager_threshold(THRESHOLD);
     let server = Server::builder(config)
         .handler(BIG, |req: Vec<u8>| async move {
             Ok(response(req.first().copied().unwrap_or(0)))
@@ -78,11 +74,7 @@ impl Raw {
     /// As [`Raw::connect`], saying it accepts payloads up to `max_payload`.
     async fn connect_with(dev: &Device, addr: SocketAddr, max_payload: u64) -> Raw {
         let eager = THRESHOLD;
-        let config = Config {
-            eager_threshold: Some(eager),
-            max_payload,
-            ..Config::default()
-        };
+        let config = Config::default().eager_threshold(eager).max_payload(max_payload);
         let mine = Hello::from(&config);
         let slot = SessionConfig {
             ring: config.ring,
@@ -327,11 +319,7 @@ async fn a_peer_that_sends_beyond_the_servers_limit_is_refused_unrun() {
     use std::sync::Arc;
     let ran = Arc::new(AtomicUsize::new(0));
     let r = ran.clone();
-    let config = Config {
-        max_concurrent_requests: 2,
-        eager_threshold: Some(THRESHOLD),
-        ..Config::default()
-    };
+    let config = Config::default().max_concurrent_requests(2).eager_threshold(THRESHOLD);
     let server = Server::builder(config)
         .handler(ECHO, move |req: Vec<u8>| {
             r.fetch_add(1, Ordering::SeqCst);
@@ -372,11 +360,7 @@ async fn a_peer_that_sends_beyond_the_servers_limit_is_refused_unrun() {
 /// server's process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_larger_than_memory_fails_its_call_not_the_server() {
-    let config = Config {
-        max_payload: u64::MAX,
-        eager_threshold: Some(THRESHOLD),
-        ..Config::default()
-    };
+    let config = Config::default().max_payload(u64::MAX).eager_threshold(THRESHOLD);
     let server = Server::builder(config)
         .handler(ECHO, |req: Vec<u8>| async move { Ok::<_, RpcError>(req) })
         .bind(&device(), SocketAddr::new(test_ip(), 0))
@@ -415,12 +399,10 @@ async fn a_body_larger_than_memory_fails_its_call_not_the_server() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lent_answers_nobody_reads_are_bounded_and_taken_back() {
     let server_dev = device();
-    let config = Config {
-        max_concurrent_requests: 2,
-        eager_threshold: Some(THRESHOLD),
-        lent_answer_timeout: Duration::from_secs(1),
-        ..Config::default()
-    };
+    let config = Config::default()
+        .max_concurrent_requests(2)
+        .eager_threshold(THRESHOLD)
+        .lent_answer_timeout(Duration::from_secs(1));
     let server = Server::builder(config)
         .handler(BIG, |req: Vec<u8>| async move {
             Ok(response(req.first().copied().unwrap_or(0)))
@@ -465,11 +447,9 @@ async fn lent_answers_nobody_reads_are_bounded_and_taken_back() {
 /// timeout: they are told to go, and dropped if they do not, and a new client gets in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_give_their_slots_back() {
-    let config = Config {
-        max_connections: 2,
-        idle_timeout: Some(Duration::from_secs(3)),
-        ..Config::default()
-    };
+    let config = Config::default()
+        .max_connections(2)
+        .idle_timeout(Duration::from_secs(3));
     let server = Server::builder(config)
         .handler(ECHO, |req| async move { Ok::<_, RpcError>(req) })
         .bind(&device(), SocketAddr::new(test_ip(), 0))

@@ -135,10 +135,7 @@ async fn setup(cfg: Config) -> (Setup, tokio::sync::MutexGuard<'static, ()>) {
 }
 
 fn config() -> Config {
-    Config {
-        eager_threshold: Some(THRESHOLD),
-        ..Config::default()
-    }
+    Config::default().eager_threshold(THRESHOLD)
 }
 
 /// Registered memory of the process from the end of warm-up round `at` on: it must not grow.
@@ -175,10 +172,7 @@ async fn made_read_and_written(client: &Client, want: &[u8]) -> (Vec<u8>, CallOp
     let req = (len as u64).to_le_bytes().to_vec();
     let got = bounded(client.call(MAKE_BUF, req.clone())).await.expect("read");
     assert!(got == want, "{len} bytes read from the handler's buffer");
-    let hinted = CallOptions {
-        response_hint: Some(len),
-        ..CallOptions::default()
-    };
+    let hinted = CallOptions::default().response_hint(len);
     let got = bounded(client.call_with(MAKE_BUF, req.clone(), hinted.clone()))
         .await
         .expect("written");
@@ -253,10 +247,7 @@ async fn large_bodies_reach_the_handler_in_a_registered_buffer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_bodies_stay_in_their_receive_slots_both_ways() {
     let threshold = 64 << 10;
-    let cfg = Config {
-        eager_threshold: Some(threshold),
-        ..config()
-    };
+    let cfg = config().eager_threshold(threshold);
     let (s, _serial) = setup(cfg).await;
     let edge = IN_SLOT_MIN - HEADER_LEN;
     for (i, len) in [
@@ -417,10 +408,7 @@ async fn the_default_threshold_is_the_providers() {
 /// (no copy), while a `Vec` of the same size travels eagerly, in pieces.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registered_buffer_longer_than_a_piece_is_lent_whatever_the_threshold() {
-    let cfg = Config {
-        eager_threshold: Some(4 << 20),
-        ..config()
-    };
+    let cfg = config().eager_threshold(4 << 20);
     let (s, _serial) = setup(cfg).await;
     let piece = rdma_rpc_core::proto::FRAGMENT;
     for (i, len) in [piece, piece + 1, 1 << 20].into_iter().enumerate() {
@@ -501,10 +489,7 @@ async fn another_connections_buffer_is_copied_and_given_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_transfer_isolation_buffers_come_back_intact_without_piling_up() {
-    let cfg = Config {
-        isolation: Isolation::Transfer,
-        ..config()
-    };
+    let cfg = config().isolation(Isolation::Transfer);
     let (s, _serial) = setup(cfg).await;
     // Lent (above the threshold), and sent from the buffer itself (small).
     for (len, registered) in [(THRESHOLD * 4, true), (1000, in_slot(1000))] {
@@ -672,10 +657,7 @@ async fn bodies_at_the_edges_of_the_buffer_classes_arrive_intact_every_way() {
 /// registers nothing more, and the connection goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_refused_after_staging_gives_its_buffer_back() {
-    let cfg = Config {
-        max_payload: 64 << 10,
-        ..config()
-    };
+    let cfg = config().max_payload(64 << 10);
     let (s, _serial) = setup(cfg).await;
     let len = 128 << 10;
     assert!(

@@ -22,10 +22,7 @@ const STUCK: u32 = 2;
 const THRESHOLD: usize = 16 * 1024;
 
 fn config() -> Config {
-    Config {
-        eager_threshold: Some(THRESHOLD),
-        ..Config::default()
-    }
+    Config::default().eager_threshold(THRESHOLD)
 }
 
 /// A server whose echo handler counts its runs and sometimes takes a while (so that calls are

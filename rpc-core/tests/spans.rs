@@ -136,10 +136,7 @@ fn how(seen: &[Seen], side: &str, len: usize) -> Vec<String> {
 async fn each_registered_payload_says_whether_it_was_sent_from_its_buffer_lent_or_copied() {
     let rec = recorder();
     let dev = Device::open_default().expect("open the provider named by RDMA_RPC_PROVIDER");
-    let cfg = Config {
-        eager_threshold: Some(THRESHOLD),
-        ..Config::default()
-    };
+    let cfg = Config::default().eager_threshold(THRESHOLD);
     let first: Arc<Mutex<Option<Buffers>>> = Arc::default();
     let server = Server::builder(cfg.clone())
         .handler_buf(SIZED_BUF, move |body: Body, bufs: Buffers| {
@@ -169,10 +166,7 @@ async fn each_registered_payload_says_whether_it_was_sent_from_its_buffer_lent_o
         call(&client, client.buffer(len).expect("buffer"), CallOptions::default()).await;
     }
     // A small request behind a landing descriptor (the response hint is above the threshold).
-    let hint = CallOptions {
-        response_hint: Some(2 * THRESHOLD),
-        ..CallOptions::default()
-    };
+    let hint = CallOptions::default().response_hint(2 * THRESHOLD);
     call(&client, client.buffer(small_landing).expect("buffer"), hint).await;
     // Another connection, calling with the first one's buffers; answered from them too.
     for len in [small_elsewhere, large_elsewhere] {

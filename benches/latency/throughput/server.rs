@@ -72,12 +72,10 @@ pub fn completion(name: &str) -> Option<CompletionMode> {
 
 /// The rdma-rpc configuration of both ends of a row.
 pub fn config(mode: CompletionMode, conns: usize) -> Config {
-    Config {
-        mode,
-        max_connections: u32::try_from(conns + 16).unwrap_or(u32::MAX),
-        max_payload: 1 << 30,
-        ..Config::default()
-    }
+    Config::default()
+        .mode(mode)
+        .max_connections(u32::try_from(conns + 16).unwrap_or(u32::MAX))
+        .max_payload(1 << 30)
 }
 
 /// The whole process's CPU time (user + system), resident memory and threads.
