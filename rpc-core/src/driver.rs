@@ -22,7 +22,9 @@ use rdma_rpc_transport::{
 use crate::buf::{RegisteredBuf, SlotsBack};
 use crate::colocate::Link;
 use crate::config::CompletionMode;
-use crate::proto::{BufId, CallError, Event, LocalError, Session, Token, Transmit, HEADER_LEN, LANDING_PREFIX};
+use crate::proto::{
+    BufId, CallError, Event, LocalError, Lost, LostKind, Session, Token, Transmit, HEADER_LEN, LANDING_PREFIX,
+};
 use crate::stash::Stash;
 use crate::{RpcError, TransportError};
 
@@ -64,15 +66,23 @@ const FLUSH_BYTES: usize = crate::proto::FRAGMENT;
 /// Why the connection is lost when a work request of its QP failed with `status`. The first
 /// failure the driver sees ends the connection, so a flush seen first means nothing of this
 /// side's failed before it: the QP was moved to the error state from outside, by its peer.
-fn failed(status: WcStatus, provider: &str) -> String {
+fn failed(status: WcStatus, provider: &str) -> Lost {
     if status == WcStatus::WrFlushErr {
-        return format!(
-            "the peer closed the connection or went away (its process ended, or the link \
-             dropped), and the work requests in flight were flushed ({status}): connect again"
+        return Lost::new(
+            LostKind::Closed,
+            format!(
+                "the peer closed the connection or went away (its process ended, or the link \
+                 dropped), and the work requests in flight were flushed ({status}): connect again"
+            ),
         );
     }
     let hint = status.hint_on(provider).map(|h| format!(" ({h})")).unwrap_or_default();
-    format!("work request failed: {status}{hint}")
+    Lost::new(LostKind::Transport, format!("work request failed: {status}{hint}"))
+}
+
+/// A loss of this side's own making, in `why`'s words.
+pub(crate) fn local_loss(why: impl Into<String>) -> Lost {
+    Lost::new(LostKind::Local, why)
 }
 
 /// The role-specific half of a driver: the client's call table or the server's handlers.
@@ -88,7 +98,7 @@ pub(crate) trait Role {
     /// True when the driver may stop (client: all handles dropped and nothing pending).
     fn finished(&self, conn: &Conn) -> bool;
     /// The connection is lost; fail what the session does not know about.
-    fn on_lost(&mut self, why: &str);
+    fn on_lost(&mut self, why: &Lost);
 }
 
 /// A command for a role, type-erased so the wait loop stays generic.
@@ -130,7 +140,7 @@ pub(crate) struct Conn {
     max_held: usize,
     slots_back: Arc<SlotsBack>,
     back: Vec<(u64, MemoryRegion)>,
-    lost: Option<String>,
+    lost: Option<Lost>,
     /// The last `send_pending` stopped at [`FLUSH_BYTES`], maybe with more to post.
     cut_short: bool,
     /// Passed as `now` with messages whose handling does not read it ([`Session::needs_now`]).
@@ -238,10 +248,10 @@ impl Conn {
         })
     }
 
-    pub(crate) fn lose(&mut self, why: String) {
+    pub(crate) fn lose(&mut self, why: Lost) {
         if self.lost.is_none() {
-            tracing::debug!(%why, "connection lost");
-            self.session.handle_connection_lost(&why);
+            tracing::debug!(%why, kind = ?why.kind(), "connection lost");
+            self.session.handle_connection_lost(why.clone());
             self.lost = Some(why);
         }
     }
@@ -271,7 +281,7 @@ impl Conn {
                 // A lent answer nobody read ends the connection.
                 if self.lost.is_none() {
                     if let Some(why) = self.session.lost_reason() {
-                        self.lost = Some(why.to_owned());
+                        self.lost = Some(why.clone());
                     }
                 }
                 busy = true;
@@ -290,8 +300,8 @@ impl Conn {
     }
 
     /// Why the connection was lost, once it is.
-    pub(crate) fn lost(&self) -> Option<&str> {
-        self.lost.as_deref()
+    pub(crate) fn lost(&self) -> Option<&Lost> {
+        self.lost.as_ref()
     }
 
     /// The completion queue, to wait on outside the connection's lock.
@@ -340,7 +350,10 @@ impl Conn {
         let n = match self.cq.poll(&mut done, 64) {
             Ok(n) => n,
             Err(e) => {
-                self.lose(format!("polling the CQ: {}", rdma_rpc_transport::Report(&e)));
+                self.lose(local_loss(format!(
+                    "polling the CQ: {}",
+                    rdma_rpc_transport::Report(&e)
+                )));
                 0
             }
         };
@@ -406,11 +419,11 @@ impl Conn {
                 if self.lost.is_none() {
                     // The peer's Close ends the session: the connection with it.
                     if let Some(why) = self.session.lost_reason() {
-                        self.lost = Some(why.to_owned());
+                        self.lost = Some(why.clone());
                     }
                 }
                 match r {
-                    Err(e) => self.lose(format!("peer broke the protocol: {e}")),
+                    Err(e) => self.lose(Lost::new(LostKind::Protocol, format!("peer broke the protocol: {e}"))),
                     // The message stays in its slot for the application.
                     Ok(true) => self.held.push((c.wr_id, buf)),
                     // Reposted after what this message causes is sent (see `flush`).
@@ -425,7 +438,7 @@ impl Conn {
                 let (local, len, token) = (job.buf, job.len, job.token);
                 match job.join() {
                     Some(mr) => self.stash.put_back(local, mr),
-                    None => return self.lose("a read buffer came back in pieces that do not join".into()),
+                    None => return self.lose(local_loss("a read buffer came back in pieces that do not join")),
                 }
                 match token {
                     // A request stays in the buffer it was read into: the handler gets it as is.
@@ -449,7 +462,7 @@ impl Conn {
                 };
                 match job.join() {
                     Some(mr) => self.stash.put_back(id, mr),
-                    None => return self.lose("a write buffer came back in pieces that do not join".into()),
+                    None => return self.lose(local_loss("a write buffer came back in pieces that do not join")),
                 }
                 self.session.handle_write_done(id);
             }
@@ -657,7 +670,7 @@ mod tests {
             conn.progress();
             most = most.max(conn.rdma_posted);
             if let Some(why) = conn.lost() {
-                return Err(why.to_owned());
+                return Err(why.to_string());
             }
             while let Some(ev) = conn.session.poll_event() {
                 if let Event::Request {
@@ -767,7 +780,7 @@ mod tests {
             conn.progress();
             most = most.max(conn.rdma_posted);
             if let Some(why) = conn.lost() {
-                return Err(why.to_owned());
+                return Err(why.to_string());
             }
             pcq.poll(&mut out, 64).expect("the caller's CQ");
             for wc in out.drain(..) {

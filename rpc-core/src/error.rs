@@ -44,13 +44,15 @@ pub enum RpcError {
     Internal(String),
     /// The connection is gone: every pending call fails with this at once. Its request had
     /// left, so the server may have run it (see [`RpcError::Unsent`] for those that had not).
+    /// [`Lost::kind`](crate::proto::Lost::kind) says what ended it (the peer's Close, a
+    /// transport failure, a protocol breach, a timeout of this side, a local failure).
     #[error("connection lost: {0}")]
-    ConnectionLost(String),
+    ConnectionLost(crate::proto::Lost),
     /// The connection was lost before this call's request had left in full (it waited for the
     /// server's limit of requests, or for credits): it did not run. Retry it on a new
     /// connection.
     #[error("connection lost before the call was sent, so it did not run: {0}")]
-    Unsent(String),
+    Unsent(crate::proto::Lost),
     /// The peer broke the protocol.
     #[error("protocol error: {0}")]
     Protocol(String),

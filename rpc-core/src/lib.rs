@@ -32,7 +32,7 @@ pub use driver::IN_SLOT_MIN;
 pub use error::{RpcError, TransportError};
 /// The protocol core: the sans-IO session, framing and credits ([`rdma_rpc_proto`]).
 pub use rdma_rpc_proto as proto;
-pub use rdma_rpc_proto::Status;
+pub use rdma_rpc_proto::{Lost, LostKind, Status};
 pub use rdma_rpc_transport as transport;
 #[doc(hidden)]
 pub use register::TypedAnswer;

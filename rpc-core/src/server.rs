@@ -445,7 +445,10 @@ impl ServerRole {
             self.go_away(conn);
             self.last_request = now;
         } else {
-            conn.lose("idle: the peer neither called nor took the server's Close (Config::idle_timeout)".into());
+            conn.lose(crate::proto::Lost::new(
+                crate::proto::LostKind::Timeout,
+                "idle: the peer neither called nor took the server's Close (Config::idle_timeout)",
+            ));
         }
     }
 }
@@ -687,7 +690,7 @@ impl Role for ServerRole {
         self.going_away && conn.closed()
     }
 
-    fn on_lost(&mut self, _why: &str) {
+    fn on_lost(&mut self, _why: &crate::proto::Lost) {
         self.tasks.abort_all();
     }
 }

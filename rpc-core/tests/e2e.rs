@@ -15,7 +15,7 @@ use common::{bounded, device, test_ip};
 use rdma_rpc_core::proto::HEADER_LEN;
 use rdma_rpc_core::transport::Device;
 use rdma_rpc_core::{
-    context, Body, Buffers, CallOptions, Client, CompletionMode, Config, RpcError, Server, ServerBuilder,
+    context, Body, Buffers, CallOptions, Client, CompletionMode, Config, LostKind, RpcError, Server, ServerBuilder,
 };
 
 const ECHO: u32 = 1;
@@ -1088,6 +1088,10 @@ async fn a_dead_server_fails_every_pending_call() {
     for p in pending {
         let r = bounded(p).await.expect("task");
         assert!(matches!(r, Err(RpcError::ConnectionLost(_))), "{r:?}");
+        // A typed reason: the peer's side went away (flushed), or the transport gave up on it.
+        if let Err(RpcError::ConnectionLost(why)) = &r {
+            assert!(matches!(why.kind(), LostKind::Closed | LostKind::Transport), "{why:?}");
+        }
         // Worded for the provider: no fabric to tune on the software ones.
         let provider = device().provider();
         if provider != "verbs" {
@@ -1479,7 +1483,10 @@ fn a_client_whose_runtime_shut_down_fails_its_calls_at_once_saying_why() {
             tokio::time::timeout(Duration::from_secs(20), client.call(ECHO, b"y".to_vec())).await
         });
         match r {
-            Ok(Err(RpcError::ConnectionLost(why))) => assert!(why.contains("runtime"), "{why}"),
+            Ok(Err(RpcError::ConnectionLost(why))) => {
+                assert_eq!(why.kind(), rdma_rpc_core::LostKind::Local, "{why}");
+                assert!(why.reason().contains("runtime"), "{why}");
+            }
             other => panic!("a lost connection naming the runtime, not {other:?}"),
         }
     }

@@ -156,7 +156,10 @@ pub fn session(data: &[u8]) {
             break;
         }
     }
-    s.handle_connection_lost("fuzz end");
+    s.handle_connection_lost(rdma_rpc_core::proto::Lost::new(
+        rdma_rpc_core::proto::LostKind::Local,
+        "fuzz end",
+    ));
     drain(&mut s, &mut later);
 }
 

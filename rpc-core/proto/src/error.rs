@@ -41,11 +41,11 @@ pub enum CallError {
     /// The connection is gone, for the reason given; the call's request had left, so the
     /// peer may have run it.
     #[error("connection lost: {0}")]
-    ConnectionLost(String),
+    ConnectionLost(Lost),
     /// The connection is gone, for the reason given, before the call's request had left in
     /// full: it did not run.
     #[error("connection lost before the call was sent, so it did not run: {0}")]
-    Unsent(String),
+    Unsent(Lost),
     /// The peer broke the protocol, or the call asked for something it forbids.
     #[error("protocol error: {0}")]
     Protocol(String),
@@ -56,6 +56,57 @@ pub enum CallError {
     /// its own error, passed through unchanged.
     #[error(transparent)]
     Local(LocalError),
+}
+
+/// Why a connection was lost: a kind to branch on, and the words for a person.
+///
+/// ```
+/// use rdma_rpc_proto::{Lost, LostKind};
+/// let lost = Lost::new(LostKind::Closed, "the peer shut the connection down (Close)");
+/// assert_eq!(lost.kind(), LostKind::Closed);
+/// assert_eq!(lost.to_string(), "the peer shut the connection down (Close)");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{why}")]
+pub struct Lost {
+    kind: LostKind,
+    why: String,
+}
+
+/// What ended a connection ([`Lost::kind`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LostKind {
+    /// The peer closed it or went away: its Close, its disconnect, its process ending (the
+    /// work requests in flight were flushed).
+    Closed,
+    /// The transport failed a work request (the peer is gone or unreachable, a retry count
+    /// ran out, a remote access was refused): the words name the completion status.
+    Transport,
+    /// The peer broke the protocol: a message this side could not accept.
+    Protocol,
+    /// A limit of this side's configuration ran out (an idle connection, an answer the peer
+    /// did not read in time).
+    Timeout,
+    /// This side failed on its own (posting or polling its queues, its own buffers).
+    Local,
+}
+
+impl Lost {
+    /// A loss of `kind`, in `why`'s words.
+    pub fn new(kind: LostKind, why: impl Into<String>) -> Self {
+        Self { kind, why: why.into() }
+    }
+
+    /// What ended the connection.
+    pub fn kind(&self) -> LostKind {
+        self.kind
+    }
+
+    /// The words.
+    pub fn reason(&self) -> &str {
+        &self.why
+    }
 }
 
 /// An error of the driver's that the session carries to a call's result unchanged (a buffer it

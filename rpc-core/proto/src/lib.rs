@@ -33,7 +33,7 @@ mod status;
 pub use batch::FLAG_MORE;
 pub use calls::{CallMap, Key};
 pub use credits::Credits;
-pub use error::{CallError, ErrorReply, LocalError};
+pub use error::{CallError, ErrorReply, LocalError, Lost, LostKind};
 pub use header::{
     decode_desc, encode_desc, Header, Kind, DESC_LEN, FLAG_FRAGMENT, FLAG_LANDING, FLAG_RENDEZVOUS, FRAG_PREFIX,
     HEADER_LEN, VERSION,

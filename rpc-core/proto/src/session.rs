@@ -26,7 +26,7 @@ use super::header::{
 };
 use super::inline::Inline;
 use super::ProtoError;
-use crate::{CallError, ErrorReply, Status};
+use crate::{CallError, ErrorReply, Lost, LostKind, Status};
 
 mod calls;
 mod fragments;
@@ -503,7 +503,7 @@ pub struct Session {
     /// The last message sent went between the pieces of the message at the queue's front: the
     /// next turn is that message's.
     overtook: bool,
-    lost: Option<String>,
+    lost: Option<Lost>,
     /// Methods whose eager requests stay in their receive slot.
     in_slot_methods: HashSet<u32>,
     /// Methods whose large requests stay in the buffer they are read into (eager ones copied).

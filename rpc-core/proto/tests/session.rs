@@ -710,7 +710,7 @@ fn placed_payloads_are_checked_and_given_back_when_unsent() {
             "only the calls with credits leave: {t:?}"
         );
     }
-    s.handle_connection_lost("gone");
+    s.handle_connection_lost(Lost::new(LostKind::Transport, "gone"));
     assert_eq!(s.poll_transmit(), Some(Transmit::Release(3)));
 
     // A server's placed response to a call cancelled meanwhile is released, not sent.
@@ -777,7 +777,7 @@ fn a_message_that_can_go_at_once_leaves_first_with_its_credits_or_comes_back_whe
     let mut s = Session::new(cfg());
     s.start_call(1, Payload::Placed { buf: 9, len: 4 }, None, None, now)
         .expect("call");
-    s.handle_connection_lost("gone");
+    s.handle_connection_lost(Lost::new(LostKind::Transport, "gone"));
     assert_eq!(s.poll_transmit(), Some(Transmit::Release(9)));
     assert_eq!(s.poll_transmit(), None);
 }
@@ -1020,7 +1020,7 @@ fn peer_crash_fails_every_pending_call_at_once() {
         .filter(|&&(_, piece)| !piece)
         .map(|&(call, _)| call)
         .collect();
-    a.s.handle_connection_lost("peer died");
+    a.s.handle_connection_lost(Lost::new(LostKind::Transport, "peer died"));
     a.drain_events();
     pump(&mut a, &mut b);
     for id in ids {
@@ -1946,18 +1946,21 @@ fn calls_held_back_when_the_connection_is_lost_say_they_never_ran() {
     let sent = a.call(10, None, None, now);
     let waiting = [a.call(10, None, None, now), a.call(300, None, None, now)];
     pump(&mut a, &mut b);
-    a.s.handle_connection_lost("peer died");
+    a.s.handle_connection_lost(Lost::new(LostKind::Transport, "peer died"));
     a.drain_events();
     pump(&mut a, &mut b);
     assert_eq!(
         a.done.remove(&sent),
-        Some(Err(CallError::ConnectionLost("peer died".into()))),
+        Some(Err(CallError::ConnectionLost(Lost::new(
+            LostKind::Transport,
+            "peer died"
+        )))),
         "a call that was sent may have run: no more is known"
     );
     for id in waiting {
         assert_eq!(
             a.done.remove(&id),
-            Some(Err(CallError::Unsent("peer died".into()))),
+            Some(Err(CallError::Unsent(Lost::new(LostKind::Transport, "peer died")))),
             "call {id} never left"
         );
     }
@@ -2316,7 +2319,8 @@ fn a_lent_answer_nobody_reads_ends_the_connection_after_its_time() {
     assert!(!s.is_lost());
     s.handle_timeout(t0 + limit);
     assert!(
-        s.lost_reason().is_some_and(|w| w.contains("lent_answer_timeout")),
+        s.lost_reason()
+            .is_some_and(|w| w.kind() == LostKind::Timeout && w.reason().contains("lent_answer_timeout")),
         "{:?}",
         s.lost_reason()
     );

@@ -83,7 +83,7 @@ pub(super) fn give_back(
             match st.conn.stash.reclaim(id, len) {
                 Some(b) => Ok((result, Some(b))),
                 None => Err(match st.conn.lost() {
-                    Some(why) => RpcError::ConnectionLost(why.to_owned()),
+                    Some(why) => RpcError::ConnectionLost(why.clone()),
                     None => RpcError::Transport(TransportError::new("re-registering the lent buffer failed")),
                 }),
             }
@@ -223,7 +223,9 @@ impl<T> Call<'_, T> {
             // Only a finished call leaves the table, and only here.
             self.done = true;
             unkeep(&mut st, self.back.take());
-            return Poll::Ready(Err(RpcError::ConnectionLost("the call was lost".into())));
+            return Poll::Ready(Err(RpcError::ConnectionLost(crate::driver::local_loss(
+                "the call was lost",
+            ))));
         };
         if let Some(result) = slot.result.take() {
             st.calls.remove(self.call);

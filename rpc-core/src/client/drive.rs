@@ -66,11 +66,10 @@ impl Drop for OnDriverGone {
         if st.closed || st.conn.lost().is_some() {
             return;
         }
-        st.conn.lose(
+        st.conn.lose(crate::driver::local_loss(
             "the connection's driver task ended with the tokio runtime the client was connected on: \
-             use a Client on that runtime while it runs, or connect again on this one"
-                .into(),
-        );
+             use a Client on that runtime while it runs, or connect again on this one",
+        ));
         st.settle();
     }
 }

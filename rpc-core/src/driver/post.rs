@@ -85,7 +85,10 @@ impl Conn {
                     return Err(Transmit::Send(bytes));
                 };
                 if !bytes.write_to(&mut buf.bytes_mut()) {
-                    self.lose(format!("a {}-byte message does not fit a send buffer", bytes.len()));
+                    self.lose(local_loss(format!(
+                        "a {}-byte message does not fit a send buffer",
+                        bytes.len()
+                    )));
                     return Ok(());
                 }
                 let mut wr = SendWr::send(SEND, buf).len(bytes.len());
@@ -110,13 +113,15 @@ impl Conn {
             }
             Transmit::SendPlaced { head, buf, len } => {
                 let Some(mut mr) = self.stash.take_out(buf) else {
-                    self.lose(format!("buffer {buf} to send from is not the connection's"));
+                    self.lose(local_loss(format!("buffer {buf} to send from is not the connection's")));
                     return Ok(());
                 };
                 let n = HEADER_LEN + len;
                 if n > mr.len() {
                     self.placed_back(buf, mr);
-                    self.lose(format!("a {n}-byte message does not fit the buffer it is in"));
+                    self.lose(local_loss(format!(
+                        "a {n}-byte message does not fit the buffer it is in"
+                    )));
                     return Ok(());
                 }
                 mr.bytes_mut()[..HEADER_LEN].copy_from_slice(&head);
@@ -216,7 +221,7 @@ impl Conn {
                     self.placed_back(id & ID_MASK, mr);
                 }
             }
-            self.lose(format!("posting: {}", rdma_rpc_transport::Report(&e.error)));
+            self.lose(local_loss(format!("posting: {}", rdma_rpc_transport::Report(&e.error))));
         }
         drop(sent);
         Ok(())

@@ -87,7 +87,7 @@ impl Conn {
     pub(super) fn post_pieces(&mut self, wrs: Vec<SendWr>) {
         self.rdma_posted += wrs.len();
         if let Err(e) = self.qp.post_send_batch(wrs) {
-            self.lose(format!("posting: {}", rdma_rpc_transport::Report(&e.error)));
+            self.lose(local_loss(format!("posting: {}", rdma_rpc_transport::Report(&e.error))));
         }
     }
 }

@@ -51,7 +51,10 @@ impl Conn {
             }
             match self.qp.post_recv(wr) {
                 Ok(()) => self.session.reposted(),
-                Err(e) => self.lose(format!("reposting a receive: {}", rdma_rpc_transport::Report(&e.error))),
+                Err(e) => self.lose(local_loss(format!(
+                    "reposting a receive: {}",
+                    rdma_rpc_transport::Report(&e.error)
+                ))),
             }
         }
         wrs.clear();

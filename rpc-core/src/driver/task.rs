@@ -104,7 +104,7 @@ pub(super) async fn wait<R: Role>(conn: &mut Conn, role: &mut R) {
     tokio::select! {
         r = cq.wait(&mut got, 64) => {
             if let Err(e) = r {
-                conn.lose(format!("waiting on the CQ: {}", rdma_rpc_transport::Report(&e)));
+                conn.lose(super::local_loss(format!("waiting on the CQ: {}", rdma_rpc_transport::Report(&e))));
             }
             for c in got.drain(..) {
                 conn.on_completion(c);

@@ -56,8 +56,11 @@ impl Session {
                         }
                     }
                     Some(at) if at + t <= now => {
-                        self.handle_connection_lost(&format!(
-                            "the peer did not read its answer to call {call} within {t:?} (Config::lent_answer_timeout)"
+                        self.handle_connection_lost(Lost::new(
+                            LostKind::Timeout,
+                            format!(
+                                "the peer did not read its answer to call {call} within {t:?} (Config::lent_answer_timeout)"
+                            ),
                         ));
                         return;
                     }
@@ -125,21 +128,21 @@ impl Session {
         for call in calls {
             self.finish_call(call, Err(CallError::ShuttingDown));
         }
-        self.handle_connection_lost("the peer shut the connection down (Close)");
+        self.handle_connection_lost(Lost::new(LostKind::Closed, "the peer shut the connection down (Close)"));
     }
 
     /// Why the connection was declared lost, once it was (the peer's Close included).
-    pub fn lost_reason(&self) -> Option<&str> {
-        self.lost.as_deref()
+    pub fn lost_reason(&self) -> Option<&Lost> {
+        self.lost.as_ref()
     }
 
     /// The connection is gone (QP error, peer dead): every pending call fails now, every
     /// handler is aborted, every lent buffer is released (no peer can reach it any more).
-    pub fn handle_connection_lost(&mut self, why: &str) {
+    pub fn handle_connection_lost(&mut self, why: Lost) {
         if self.lost.is_some() {
             return;
         }
-        self.lost = Some(why.to_owned());
+        self.lost = Some(why.clone());
         // Requests still queued here never left in full (a request in pieces runs only once
         // all its pieces are in): those calls did not run.
         let mut unsent = Vec::new();
@@ -157,15 +160,15 @@ impl Session {
         }
         if !self.held_back.is_empty() {
             // Known not to have run: said so, for callers that retry only such calls.
-            self.fail_held_back(&CallError::Unsent(why.to_owned()));
+            self.fail_held_back(&CallError::Unsent(why.clone()));
         }
         for call in unsent {
-            self.finish_call(call, Err(CallError::Unsent(why.to_owned())));
+            self.finish_call(call, Err(CallError::Unsent(why.clone())));
         }
         self.joining = None;
         let calls: Vec<u32> = self.calls.iter().map(|(id, _)| id).collect();
         for call in calls {
-            self.finish_call(call, Err(CallError::ConnectionLost(why.to_owned())));
+            self.finish_call(call, Err(CallError::ConnectionLost(why.clone())));
         }
         for (call, s) in self.served.drain() {
             match s.state {
