@@ -209,12 +209,14 @@ impl RpcError {
     /// and those a handler can pass on from a call of its own.
     ///
     /// ```
-    /// use rdma_rpc_core::RpcError;
+    /// use rdma_rpc_core::{Lost, LostKind, RpcError};
     /// assert!(RpcError::ShuttingDown.did_not_run());
     /// assert!(RpcError::Overloaded { limit: 8 }.did_not_run());
     /// assert!(RpcError::Expired.did_not_run());
     /// assert!(!RpcError::DeadlineExceeded.did_not_run());
-    /// assert!(!RpcError::ConnectionLost("reset".into()).did_not_run());
+    /// let reset = Lost::new(LostKind::Transport, "reset");
+    /// assert!(!RpcError::ConnectionLost(reset.clone()).did_not_run());
+    /// assert!(RpcError::Unsent(reset).did_not_run());
     /// ```
     pub fn did_not_run(&self) -> bool {
         matches!(
