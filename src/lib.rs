@@ -68,8 +68,8 @@ pub mod __private {
             opts: crate::CallOptions,
         ) -> Result<crate::Body, crate::RpcError> {
             match self {
-                Caller::Client(c) => c.call_body_with(method, payload, opts).await,
-                Caller::Channel(c) => c.call_body_with(method, payload, opts).await,
+                Caller::Client(c) => c.call_body_opts(method, payload, opts).await,
+                Caller::Channel(c) => c.call_body_opts(method, payload, opts).await,
             }
         }
 

@@ -367,7 +367,8 @@ async fn a_cut_link_ends_every_pending_call_in_time_and_clients_reconnect() {
     let client = connect(&dev, server.addr).await;
     let t0 = Instant::now();
     let (c1, c2, c3) = (client.clone(), client.clone(), client.clone());
-    let with_deadline = tokio::spawn(async move { c1.call_with(SLOW, slow(1, 5000), with_deadline(1500)).await });
+    let with_deadline =
+        tokio::spawn(async move { c1.with_options(with_deadline(1500)).call(SLOW, slow(1, 5000)).await });
     let without = tokio::spawn(async move { c2.call(SLOW, slow(2, 5000)).await });
     // Rendezvous transfers back to back, so that one is in flight when the link goes; each
     // with its id and outcome.
@@ -458,7 +459,7 @@ async fn dropped_packets_stall_calls_that_then_complete_once_or_fail_in_time() {
     let t0 = Instant::now();
     let c = client.clone();
     let pending = tokio::spawn(async move { c.call(SLOW, slow(20, 10)).await });
-    let r = client.call_with(SLOW, slow(21, 10), with_deadline(500)).await;
+    let r = client.with_options(with_deadline(500)).call(SLOW, slow(21, 10)).await;
     assert_eq!(r, Err(RpcError::DeadlineExceeded));
     assert!(t0.elapsed() < Duration::from_millis(2500), "{:?}", t0.elapsed());
     let r = pending.await.expect("task");
@@ -580,11 +581,12 @@ async fn a_delaying_proxy_fires_deadlines_and_runs_nothing_twice() {
     let dev = Device::open("tcp").expect("tcp");
     let client = connect(&dev, proxy).await;
     let t0 = Instant::now();
-    let r = client.call_with(SLOW, slow(30, 0), with_deadline(200)).await;
+    let r = client.with_options(with_deadline(200)).call(SLOW, slow(30, 0)).await;
     assert_eq!(r, Err(RpcError::DeadlineExceeded), "300 ms round trip, 200 ms deadline");
     assert!(t0.elapsed() < Duration::from_millis(1200), "{:?}", t0.elapsed());
     let r = client
-        .call_with(SLOW, slow(31, 0), with_deadline(3000))
+        .with_options(with_deadline(3000))
+        .call(SLOW, slow(31, 0))
         .await
         .expect("fits");
     assert_eq!(u64_of(&r), 31);

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use rdma_rpc_transport::Device;
 
 use crate::buf::Body;
+use crate::client::Request;
 use crate::config::{CallOptions, Config};
 use crate::{Client, RpcError};
 
@@ -78,6 +79,8 @@ impl Default for Reconnect {
 #[derive(Clone)]
 pub struct Channel {
     inner: Arc<Inner>,
+    /// What every call of this handle carries ([`Channel::with_options`]).
+    opts: CallOptions,
 }
 
 struct Inner {
@@ -116,6 +119,7 @@ impl Channel {
                 connecting: tokio::sync::Mutex::new(()),
                 reconnects: AtomicU64::new(0),
             }),
+            opts: CallOptions::default(),
         })
     }
 
@@ -165,28 +169,50 @@ impl Channel {
         self.inner.reconnects.load(Ordering::Relaxed)
     }
 
+    /// A handle on the same channel whose calls all carry `opts` (see
+    /// [`Client::with_options`]).
+    pub fn with_options(&self, opts: CallOptions) -> Channel {
+        Channel {
+            inner: self.inner.clone(),
+            opts,
+        }
+    }
+
+    /// The options every call of this handle carries.
+    pub fn options(&self) -> &CallOptions {
+        &self.opts
+    }
+
     /// As [`Client::call`], on the channel's connection.
     ///
     /// # Errors
     /// As [`Client::call`], and as [`Channel::client`] when no connection can be made.
-    pub async fn call(&self, method: u32, payload: Vec<u8>) -> Result<Vec<u8>, RpcError> {
-        self.call_with(method, payload, CallOptions::default()).await
+    pub async fn call(&self, method: u32, payload: impl Into<Request>) -> Result<Vec<u8>, RpcError> {
+        let payload = payload.into();
+        self.client()
+            .await?
+            .with_options(self.opts.clone())
+            .call(method, payload)
+            .await
     }
 
-    /// As [`Client::call_with`], on the channel's connection.
+    /// As [`Client::call_body`], on the channel's connection.
     ///
     /// # Errors
     /// As [`Channel::call`].
-    pub async fn call_with(&self, method: u32, payload: Vec<u8>, opts: CallOptions) -> Result<Vec<u8>, RpcError> {
-        self.client().await?.call_with(method, payload, opts).await
+    pub async fn call_body(&self, method: u32, payload: impl Into<Request>) -> Result<Body, RpcError> {
+        let payload = payload.into();
+        self.client()
+            .await?
+            .with_options(self.opts.clone())
+            .call_body(method, payload)
+            .await
     }
 
-    /// As [`Client::call_body_with`], on the channel's connection.
-    ///
-    /// # Errors
-    /// As [`Channel::call`].
-    pub async fn call_body_with(&self, method: u32, payload: Vec<u8>, opts: CallOptions) -> Result<Body, RpcError> {
-        self.client().await?.call_body_with(method, payload, opts).await
+    /// As [`Client::call_body_opts`], on the channel's connection. Not a public API.
+    #[doc(hidden)]
+    pub async fn call_body_opts(&self, method: u32, payload: Vec<u8>, opts: CallOptions) -> Result<Body, RpcError> {
+        self.client().await?.call_body_opts(method, payload, opts).await
     }
 
     /// As [`Client::call_bulk_tail`], on the channel's connection. Not a public API.

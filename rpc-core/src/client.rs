@@ -60,6 +60,41 @@ use state::{Back, Outgoing, State};
 #[derive(Clone)]
 pub struct Client {
     handle: Arc<Handle>,
+    /// What every call of this handle carries ([`Client::with_options`]).
+    opts: CallOptions,
+}
+
+/// What a call sends ([`Client::call`]): bytes in a `Vec`, or a [`Bulk`](crate::Bulk) (lent
+/// as it is when it is registered with the connection and longer than one message).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Request {
+    /// Bytes of the caller's: copied into the message, or lent (the vector itself where
+    /// registering is cheap, else a copy).
+    Vec(Vec<u8>),
+    /// A shared value, sent from where it is.
+    Bulk(crate::Bulk),
+}
+
+impl From<Vec<u8>> for Request {
+    fn from(v: Vec<u8>) -> Self {
+        Request::Vec(v)
+    }
+}
+
+impl From<crate::Bulk> for Request {
+    fn from(b: crate::Bulk) -> Self {
+        Request::Bulk(b)
+    }
+}
+
+impl Request {
+    fn outgoing(self) -> Outgoing {
+        match self {
+            Request::Vec(v) => Outgoing::Vec(v),
+            Request::Bulk(bulk) => Outgoing::Bulk { bulk, tail: Vec::new() },
+        }
+    }
 }
 
 /// Dropped with the last clone of a [`Client`]: tells the driver to close the connection.
@@ -163,6 +198,7 @@ impl Client {
         tokio::spawn(drive(OnDriverGone(shared.clone())));
         Ok(Client {
             handle: Arc::new(Handle { shared }),
+            opts: CallOptions::default(),
         })
     }
 
@@ -225,13 +261,48 @@ impl Client {
         self.handle.shared.state.lock().conn.session.held_back_calls()
     }
 
-    /// Calls `method` with `payload`; returns the response bytes.
+    /// A handle on the same connection whose calls all carry `opts` (a deadline, a
+    /// response-size hint). Cheap: clones share the connection.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use rdma_rpc_core::{transport::Device, CallOptions, Client, Config, RpcError, Server};
+    /// let dev = Device::open("tcp")?;
+    /// let server = Server::builder(Config::default())
+    ///     .handler(1, |req: Vec<u8>| async move { Ok::<_, RpcError>(req) })
+    ///     .bind(&dev, "127.0.0.1:0".parse()?)?;
+    /// let addr = server.local_addr()?;
+    /// tokio::spawn(server.serve());
+    /// let client = Client::connect(&dev, addr, Config::default()).await?;
+    /// let within = client.with_options(CallOptions::default().deadline(Duration::from_secs(1)));
+    /// assert_eq!(within.call(1, b"ab".to_vec()).await?, b"ab");
+    /// assert_eq!(within.options().deadline, Some(Duration::from_secs(1)));
+    /// # Ok(()) }
+    /// ```
+    pub fn with_options(&self, opts: CallOptions) -> Client {
+        Client {
+            handle: self.handle.clone(),
+            opts,
+        }
+    }
+
+    /// The options every call of this handle carries.
+    pub fn options(&self) -> &CallOptions {
+        &self.opts
+    }
+
+    /// Calls `method` with `payload` (a `Vec<u8>` or a [`Bulk`](crate::Bulk)); returns the
+    /// response bytes.
     ///
     /// Up to the eager threshold the payload is copied into the request message; above it, it
-    /// is lent for the server to read (rendezvous): as it is where registering memory is cheap
-    /// ([`DeviceCaps::cheap_registration`](crate::transport::DeviceCaps), tcp), else copied into
-    /// a registered buffer first. A large response comes back the same way. To avoid the copies
-    /// on every provider, see [`Client::call_buf`].
+    /// is lent for the server to read (rendezvous): a `Vec` as it is where registering memory
+    /// is cheap ([`DeviceCaps::cheap_registration`](crate::transport::DeviceCaps), tcp), else
+    /// copied into a registered buffer first; a `Bulk` registered with this connection as it
+    /// is whenever it is longer than one message. A large response comes back the same way.
+    /// To avoid the copies on every provider, see [`Client::buffer`], [`Client::call_buf`] and
+    /// [`Client::call_body`].
     ///
     /// # Errors
     /// Any [`RpcError`]: the server's (unknown method, handler panic, application error, ...),
@@ -240,23 +311,18 @@ impl Client {
     /// # Cancel safety
     /// Dropping the future cancels the call: the server is told and aborts the handler. Buffers
     /// the server may still read stay registered and untouched until it is done with them.
-    pub fn call(&self, method: u32, payload: Vec<u8>) -> impl Future<Output = Result<Vec<u8>, RpcError>> + Send + '_ {
-        self.call_with(method, payload, CallOptions::default())
-    }
-
-    /// As [`Client::call`], with a deadline and a response-size hint.
-    ///
-    /// # Errors
-    /// As [`Client::call`].
-    pub fn call_with(
+    pub fn call(
         &self,
         method: u32,
-        payload: Vec<u8>,
-        opts: CallOptions,
+        payload: impl Into<Request>,
     ) -> impl Future<Output = Result<Vec<u8>, RpcError>> + Send + '_ {
-        self.begin(method, Outgoing::Vec(payload), opts, false, |body, _| {
-            Ok(body.into_vec())
-        })
+        self.begin(
+            method,
+            payload.into().outgoing(),
+            self.opts.clone(),
+            false,
+            |body, _| Ok(body.into_vec()),
+        )
     }
 
     /// As [`Client::call`], with the response as a [`Body`], without the copy into a `Vec`: an
@@ -291,15 +357,20 @@ impl Client {
     /// drop(body); // the receive slot goes back to the ring
     /// # Ok(()) }
     /// ```
-    pub fn call_body(&self, method: u32, payload: Vec<u8>) -> impl Future<Output = Result<Body, RpcError>> + Send + '_ {
-        self.call_body_with(method, payload, CallOptions::default())
+    pub fn call_body(
+        &self,
+        method: u32,
+        payload: impl Into<Request>,
+    ) -> impl Future<Output = Result<Body, RpcError>> + Send + '_ {
+        self.begin(method, payload.into().outgoing(), self.opts.clone(), true, |body, _| {
+            Ok(body)
+        })
     }
 
-    /// As [`Client::call_body`], with a deadline and a response-size hint.
-    ///
-    /// # Errors
-    /// As [`Client::call`].
-    pub fn call_body_with(
+    /// What generated code calls: [`Client::call_body`] with `opts` instead of the handle's.
+    /// Not a public API.
+    #[doc(hidden)]
+    pub fn call_body_opts(
         &self,
         method: u32,
         payload: Vec<u8>,
@@ -398,20 +469,7 @@ impl Client {
         method: u32,
         buf: crate::RegisteredBuf,
     ) -> impl Future<Output = Result<(Vec<u8>, crate::RegisteredBuf), RpcError>> + Send + '_ {
-        self.call_buf_with(method, buf, CallOptions::default())
-    }
-
-    /// As [`Client::call_buf`], with a deadline and a response-size hint.
-    ///
-    /// # Errors
-    /// As [`Client::call_buf`].
-    pub fn call_buf_with(
-        &self,
-        method: u32,
-        buf: crate::RegisteredBuf,
-        opts: CallOptions,
-    ) -> impl Future<Output = Result<(Vec<u8>, crate::RegisteredBuf), RpcError>> + Send + '_ {
-        self.begin(method, Outgoing::Buf(buf), opts, false, |body, buf| {
+        self.begin(method, Outgoing::Buf(buf), self.opts.clone(), false, |body, buf| {
             with_buffer(body, buf).map(|(body, buf)| (body.into_vec(), buf))
         })
     }
@@ -460,20 +518,7 @@ impl Client {
         method: u32,
         buf: crate::RegisteredBuf,
     ) -> impl Future<Output = Result<(Body, crate::RegisteredBuf), RpcError>> + Send + '_ {
-        self.call_buf_body_with(method, buf, CallOptions::default())
-    }
-
-    /// As [`Client::call_buf_body`], with a deadline and a response-size hint.
-    ///
-    /// # Errors
-    /// As [`Client::call_buf`].
-    pub fn call_buf_body_with(
-        &self,
-        method: u32,
-        buf: crate::RegisteredBuf,
-        opts: CallOptions,
-    ) -> impl Future<Output = Result<(Body, crate::RegisteredBuf), RpcError>> + Send + '_ {
-        self.begin(method, Outgoing::Buf(buf), opts, true, with_buffer)
+        self.begin(method, Outgoing::Buf(buf), self.opts.clone(), true, with_buffer)
     }
 }
 

@@ -16,7 +16,7 @@
 //! /// its caller set none).
 //! async fn ask(backend: &Client, key: Vec<u8>) -> Result<Vec<u8>, RpcError> {
 //!     let opts = CallOptions::default().deadline(context::remaining());
-//!     backend.call_with(1, key, opts).await
+//!     backend.with_options(opts).call(1, key).await
 //! }
 //!
 //! # #[tokio::main(flavor = "current_thread")]
@@ -44,7 +44,7 @@
 //!
 //! let client = Client::connect(&dev, front_addr, Config::default()).await?;
 //! let hour = CallOptions::default().deadline(Duration::from_secs(3600));
-//! let left = client.call_with(2, b"k".to_vec(), hour).await?;
+//! let left = client.with_options(hour).call(2, b"k".to_vec()).await?;
 //! let secs: u64 = String::from_utf8(left)?.parse()?;
 //! assert!((3000..3600).contains(&secs), "the backend got what was left of the hour: {secs} s");
 //! assert_eq!(client.call(2, b"k".to_vec()).await?, b"none");
@@ -119,7 +119,7 @@ pub fn inherit<F: Future>(fut: F) -> impl Future<Output = F::Output> {
 }
 
 /// The time left until [`deadline`] (zero once it has passed), for a call made on the request's
-/// behalf (`().deadline(context::remaining())`). `None` when the caller set no
+/// behalf (`CallOptions::default().deadline(context::remaining())`). `None` when the caller set no
 /// deadline, or outside a handler.
 pub fn remaining() -> Option<Duration> {
     deadline().map(|d| d.saturating_duration_since(Instant::now()))

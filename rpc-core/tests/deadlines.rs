@@ -50,7 +50,12 @@ async fn calls_whose_deadline_is_under_a_microsecond_fail_unsent_and_never_run()
     let runs = Runs::default();
     let client = serve_and_connect(counting(&runs)).await;
     for id in 0..1000u64 {
-        let r = bounded(client.call_with(COUNT, id.to_le_bytes().to_vec(), within(Duration::from_nanos(1)))).await;
+        let r = bounded(
+            client
+                .with_options(within(Duration::from_nanos(1)))
+                .call(COUNT, id.to_le_bytes().to_vec()),
+        )
+        .await;
         assert_eq!(r, Err(RpcError::Expired), "call {id}");
         assert!(RpcError::Expired.did_not_run());
     }
@@ -82,7 +87,15 @@ async fn across_the_deadline_race_a_call_runs_at_most_once_and_an_expired_one_ne
             let client = client.clone();
             // From nothing to three round trips.
             let d = rtt * 3 * id as u32 / n as u32;
-            tokio::spawn(async move { (id, client.call_with(COUNT, id.to_le_bytes().to_vec(), within(d)).await) })
+            tokio::spawn(async move {
+                (
+                    id,
+                    client
+                        .with_options(within(d))
+                        .call(COUNT, id.to_le_bytes().to_vec())
+                        .await,
+                )
+            })
         })
         .collect();
     let mut results = HashMap::new();
@@ -147,11 +160,9 @@ async fn a_request_past_its_deadline_or_cancelled_before_its_handler_starts_is_n
     });
     tokio::time::sleep(Duration::from_millis(10)).await;
     // `join!` starts them in this order: the slow one is sent first.
+    let within150 = client.with_options(within(Duration::from_millis(150)));
     let (second, late) = bounded(async {
-        tokio::join!(
-            client.call(SLOW, vec![250]),
-            client.call_with(COUNT, vec![1], within(Duration::from_millis(150)))
-        )
+        tokio::join!(client.call(SLOW, vec![250]), within150.call(COUNT, vec![1]))
     })
     .await;
     assert_eq!(late, Err(RpcError::DeadlineExceeded), "the caller's own deadline");

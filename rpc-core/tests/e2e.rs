@@ -162,7 +162,9 @@ async fn payloads_from_zero_to_64_mib_both_ways() {
             let mut req = (n as u64).to_le_bytes().to_vec();
             req.extend_from_slice(b"x");
             let opts = CallOptions::default().response_hint(hint);
-            let got = bounded(client.call_with(SIZED, req, opts)).await.expect("sized");
+            let got = bounded(client.with_options(opts).call(SIZED, req))
+                .await
+                .expect("sized");
             assert!(
                 got == pattern(n, n as u64),
                 "response of {n} bytes (hint {hint:?}) differs"
@@ -478,7 +480,7 @@ async fn deadline_exceeded_fails_the_call_and_stops_the_handler() {
     let (client, probe) = start(config()).await;
     let opts = CallOptions::default().deadline(Duration::from_millis(100));
     let t0 = Instant::now();
-    let r = bounded(client.call_with(SLOW, vec![1; 64], opts)).await;
+    let r = bounded(client.with_options(opts).call(SLOW, vec![1; 64])).await;
     assert_eq!(r, Err(RpcError::DeadlineExceeded));
     assert!(t0.elapsed() < Duration::from_secs(30));
     while probe.dropped.load(Ordering::SeqCst) < 1 {
@@ -564,7 +566,7 @@ async fn handlers_see_their_callers_deadline() {
     for method in [AT_ONCE, LATER, MAKING, BODY, BUF, SPAWNED, SYNC, BUF_SYNC] {
         for len in [8, 4 * THRESHOLD] {
             let what = format!("method {method}, {len}-byte request");
-            let r = bounded(client.call_with(method, vec![3; len], timed.clone())).await;
+            let r = bounded(client.with_options(timed.clone()).call(method, vec![3; len])).await;
             let r = r.unwrap_or_else(|e| panic!("{what}: {e}"));
             assert_eq!(r.len(), 9, "{what}: no deadline seen ({r:?})");
             let left = Duration::from_micros(u64::from_le_bytes(r[1..].try_into().expect("8 bytes")));
@@ -596,12 +598,14 @@ async fn deadlines_beyond_what_the_wire_carries_are_kept_by_the_caller() {
         Duration::from_secs(72 * 60),
     ] {
         let opts = CallOptions::default().deadline(d);
-        let r = bounded(client.call_with(LEFT, vec![1], opts)).await;
+        let r = bounded(client.with_options(opts).call(LEFT, vec![1])).await;
         assert_eq!(r.as_deref(), Ok(&[0u8][..]), "a {d:?} deadline");
     }
     // Just within what the wire carries: the server gets it.
     let opts = CallOptions::default().deadline(Duration::from_secs(70 * 60));
-    let r = bounded(client.call_with(LEFT, vec![1], opts)).await.expect("call");
+    let r = bounded(client.with_options(opts).call(LEFT, vec![1]))
+        .await
+        .expect("call");
     assert_eq!(r.len(), 9, "a 70-minute deadline reaches the handler");
 }
 
@@ -729,7 +733,7 @@ async fn response_hints_of_any_size_are_only_hints() {
     for hint in [0, 1, 4 * THRESHOLD, 64 << 20, usize::MAX - 10, usize::MAX] {
         for len in [10u64, 2 * THRESHOLD as u64, 1 << 20] {
             let opts = CallOptions::default().response_hint(hint);
-            let r = bounded(client.call_with(SIZED, len.to_le_bytes().to_vec(), opts)).await;
+            let r = bounded(client.with_options(opts).call(SIZED, len.to_le_bytes().to_vec())).await;
             let r = r.unwrap_or_else(|e| panic!("hint {hint}, {len}-byte response: {e}"));
             assert!(
                 r == pattern(len as usize, len),
@@ -777,7 +781,7 @@ async fn a_request_budget_counts_from_its_arrival_on_an_old_connection() {
     // The connection grows older than the budget the call will carry.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let opts = CallOptions::default().deadline(Duration::from_millis(1000));
-    let r = bounded(client.call_with(NAP, Vec::new(), opts)).await;
+    let r = bounded(client.with_options(opts).call(NAP, Vec::new())).await;
     assert_eq!(r.as_deref(), Ok(&b"rested"[..]), "the server cut the budget short");
 }
 
@@ -819,7 +823,7 @@ async fn a_deadline_fires_while_another_call_sleeps_and_the_server_is_silent() {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let opts = CallOptions::default().deadline(Duration::from_millis(200));
         let t0 = Instant::now();
-        let r = client.call_with(BLOCK, vec![3; 64], opts).await;
+        let r = client.with_options(opts).call(BLOCK, vec![3; 64]).await;
         let took = t0.elapsed();
         assert_eq!(r, Err(RpcError::DeadlineExceeded), "{mode:?}");
         // The server is blocked for 8 s: only the client's own timer can end the call sooner.
@@ -880,7 +884,7 @@ async fn a_handler_that_panics_before_its_future_fails_only_its_call() {
     .await;
     let timed = CallOptions::default().deadline(Duration::from_secs(600));
     for opts in [CallOptions::default(), timed] {
-        match bounded(client.call_with(EAGER_PANIC, vec![], opts)).await {
+        match bounded(client.with_options(opts).call(EAGER_PANIC, vec![])).await {
             Err(RpcError::HandlerPanic(msg)) => assert!(msg.contains("exploded early"), "{msg}"),
             other => panic!("expected a handler panic, got {other:?}"),
         }

@@ -173,7 +173,7 @@ async fn made_read_and_written(client: &Client, want: &[u8]) -> (Vec<u8>, CallOp
     let got = bounded(client.call(MAKE_BUF, req.clone())).await.expect("read");
     assert!(got == want, "{len} bytes read from the handler's buffer");
     let hinted = CallOptions::default().response_hint(len);
-    let got = bounded(client.call_with(MAKE_BUF, req.clone(), hinted.clone()))
+    let got = bounded(client.with_options(hinted.clone()).call(MAKE_BUF, req.clone()))
         .await
         .expect("written");
     assert!(got == want, "{len} bytes written into the landing buffer");
@@ -614,7 +614,9 @@ async fn large_buffer_responses_are_lent_or_written_and_foreign_ones_copied() {
         fill(&mut want, len as u64);
         // The first client's connection owns the handler's buffers: no copy there.
         let (req, hinted) = made_read_and_written(&s.client, &want).await;
-        let got = bounded(other.call_with(MAKE_BUF, req, hinted)).await.expect("copied");
+        let got = bounded(other.with_options(hinted).call(MAKE_BUF, req))
+            .await
+            .expect("copied");
         assert!(got == want, "{len} bytes from another connection's buffer");
     }
 }

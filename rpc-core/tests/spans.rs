@@ -155,7 +155,7 @@ async fn each_registered_payload_says_whether_it_was_sent_from_its_buffer_lent_o
     let call = |c: &Client, b, opts| {
         let c = c.clone();
         async move {
-            let (r, back) = common::bounded(c.call_buf_body_with(SIZED_BUF, b, opts))
+            let (r, back) = common::bounded(c.with_options(opts).call_buf_body(SIZED_BUF, b))
                 .await
                 .expect("call");
             assert_eq!(r.len(), back.len());
