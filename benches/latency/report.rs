@@ -171,6 +171,11 @@ pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
             "  the typed path (#[service], payload a Bulk; tarpc's a serde_bytes buffer) / tarpc, every size: worst {w:.2}x at {b} B"
         );
     }
+    if let Some((b, w)) = worst(rows, "service", "rpc-body", 1.0, usize::MAX) {
+        println!(
+            "  the typed path (a registered Bulk each way) / the raw one from registered buffers (rpc-body), every size: worst {w:.2}x at {b} B"
+        );
+    }
     spin_event_goodput(rows);
     behind(rows);
     one_thread(rows);
