@@ -154,13 +154,8 @@ pub(crate) fn boxed_with_buffers<F>(
 where
     F: Future + Send + 'static,
 {
-    match deadline {
-        Some(d) => {
-            let fut = DEADLINE.sync_scope(Some(d), make);
-            Box::pin(BUFFERS.scope(bufs.clone(), DEADLINE.scope(Some(d), fut)))
-        }
-        None => Box::pin(BUFFERS.scope(bufs.clone(), make())),
-    }
+    let bufs = bufs.clone();
+    boxed(deadline, move || BUFFERS.scope(bufs, make()))
 }
 
 /// Runs `f` with `deadline` in force (a synchronous handler); without one, as it is.

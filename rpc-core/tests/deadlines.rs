@@ -161,10 +161,8 @@ async fn a_request_past_its_deadline_or_cancelled_before_its_handler_starts_is_n
     tokio::time::sleep(Duration::from_millis(10)).await;
     // `join!` starts them in this order: the slow one is sent first.
     let within150 = client.with_options(within(Duration::from_millis(150)));
-    let (second, late) = bounded(async {
-        tokio::join!(client.call(SLOW, vec![250]), within150.call(COUNT, vec![1]))
-    })
-    .await;
+    let (second, late) =
+        bounded(async { tokio::join!(client.call(SLOW, vec![250]), within150.call(COUNT, vec![1])) }).await;
     assert_eq!(late, Err(RpcError::DeadlineExceeded), "the caller's own deadline");
     assert!(second.is_ok());
     assert!(bounded(first).await.expect("task").is_ok());

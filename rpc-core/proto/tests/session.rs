@@ -510,6 +510,27 @@ fn lent_requests_with_a_tail_arrive_as_the_lent_bytes_then_the_tail() {
     eager_and_rendezvous(Side::new(1000).with_tails(), Side::new(2000).holding_reads());
 }
 
+/// A request of method 1 whose payload is `desc`'s lent bytes, then `tail`.
+fn lent_request(call: u32, desc: RemoteRegion, tail: &[u8]) -> Vec<u8> {
+    let mut body = Vec::new();
+    encode_desc(&desc, &mut body);
+    body.extend_from_slice(tail);
+    let mut m = Vec::new();
+    Header {
+        kind: Kind::Request,
+        flags: FLAG_RENDEZVOUS,
+        call_id: call,
+        method: 1,
+        status: 0,
+        credits: 0,
+        body_len: body.len() as u32,
+        budget_us: 0,
+    }
+    .encode(&mut m);
+    m.extend_from_slice(&body);
+    m
+}
+
 /// A tail is the caller's bytes: bounded like an eager payload, counted in the payload's
 /// length at both ends, and never part of a response.
 #[test]
@@ -540,22 +561,7 @@ fn tails_are_bounded_counted_and_requests_only() {
     ));
     // A hostile caller that claims as much anyway is answered "too large", and nothing is read.
     let mut server = Session::new(c.clone());
-    let mut m = Vec::new();
-    let mut body = Vec::new();
-    encode_desc(&desc(c.max_payload - 2), &mut body);
-    body.extend_from_slice(&[1, 2, 3]);
-    Header {
-        kind: Kind::Request,
-        flags: FLAG_RENDEZVOUS,
-        call_id: 5,
-        method: 1,
-        status: 0,
-        credits: 0,
-        body_len: body.len() as u32,
-        budget_us: 0,
-    }
-    .encode(&mut m);
-    m.extend_from_slice(&body);
+    let m = lent_request(5, desc(c.max_payload - 2), &[1, 2, 3]);
     server.handle_message(&m, now).expect("a well-formed request");
     server.reposted();
     let answer = sent(&mut server);
@@ -565,22 +571,7 @@ fn tails_are_bounded_counted_and_requests_only() {
     // One within the limit is read with its tail, whose bytes count against the server's.
     let mut server = Session::new(c.clone());
     server.limit_serving(4, 1000);
-    let mut m = Vec::new();
-    let mut body = Vec::new();
-    encode_desc(&desc(995), &mut body);
-    body.extend_from_slice(&[1, 2, 3, 4, 5]);
-    Header {
-        kind: Kind::Request,
-        flags: FLAG_RENDEZVOUS,
-        call_id: 6,
-        method: 1,
-        status: 0,
-        credits: 0,
-        body_len: body.len() as u32,
-        budget_us: 0,
-    }
-    .encode(&mut m);
-    m.extend_from_slice(&body);
+    let m = lent_request(6, desc(995), &[1, 2, 3, 4, 5]);
     server.handle_message(&m, now).expect("a request");
     match server.poll_transmit() {
         Some(Transmit::Read { remote, tail, .. }) => assert_eq!((remote.len, tail), (995, vec![1, 2, 3, 4, 5])),
