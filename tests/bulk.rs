@@ -223,3 +223,22 @@ async fn bulks_that_cannot_be_lent_are_copied_and_arrive_whole() {
         assert_eq!(back.to_vec(), want, "a {}-byte Bulk echoed", want.len());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_bulk_results_hold_no_receive_slot() {
+    let dev = Device::open_default().expect("open the provider named by RDMA_RPC_PROVIDER");
+    let (blobs, _conn) = setup(&dev).await;
+    // Twice the ring's worth of 4 KiB results, all kept at once: each arrived in a receive
+    // slot and was copied out of it, so none holds a slot (and calls never wait for credits).
+    let ring = Config::default().ring as usize;
+    let mut kept = Vec::new();
+    for i in 0..2 * ring {
+        let b = blobs.make(4096, i as u8).await.expect("make");
+        assert!(!b.is_registered(), "a small result is not kept in its receive slot");
+        kept.push(b);
+    }
+    assert!(kept
+        .iter()
+        .enumerate()
+        .all(|(i, b)| b.bytes().iter().all(|&x| x == i as u8)));
+}

@@ -125,6 +125,12 @@ impl RegisteredBuf {
         self.bytes().to_vec()
     }
 
+    /// Whether it is a receive slot of its connection's ring (which the peer's credits wait
+    /// for while it is held).
+    pub(crate) fn in_ring(&self) -> bool {
+        matches!(self.home, Home::Ring { .. })
+    }
+
     /// Bytes `range` of it, for reading (a [`Bulk`](crate::Bulk)'s range, always within).
     pub(crate) fn bytes_in(&self, range: std::ops::Range<usize>) -> BufRef<'_> {
         let (off, len) = (self.off + range.start, range.len());

@@ -229,11 +229,13 @@ impl From<RegisteredBuf> for Bulk {
     }
 }
 
-/// A body where it arrived: a registered one stays in its buffer or receive slot (which goes
-/// back to the connection when the last clone is dropped).
+/// A body where it arrived: one read into a registered buffer stays there (which goes back to
+/// the connection when the last clone is dropped). One in a receive slot is copied out (at
+/// most one message): a `Bulk` may live long, and a held slot is a credit the peer waits for.
 impl From<Body> for Bulk {
     fn from(b: Body) -> Self {
         match b {
+            Body::Registered(r) if r.in_ring() => Self::from(&r.bytes()[..]),
             Body::Registered(r) => Self::from(r),
             Body::Bytes(v) => Self::from(v),
             Body::Inline(i) => Self::from(i),
