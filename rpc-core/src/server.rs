@@ -494,7 +494,8 @@ fn answer(conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
             // Lent as it is when registered with this connection and longer than one message,
             // unless it goes into the caller's landing buffer (a Write from the buffer carries
             // a length prefix that a shared value has no room for).
-            let large = conn.session.is_rendezvous(len) || !conn.session.fits_placed(len);
+            let large =
+                conn.session.is_rendezvous(len) || (!conn.session.fits_placed(len) && conn.stash.lends_past_a_piece());
             if large && b.is_registered() && !conn.session.lands(call, len) {
                 if let Some((desc, buf)) = b.registered().and_then(|(r, range)| conn.stash.lend_shared(r, range)) {
                     spans::payload("response", len, How::Lent);

@@ -73,6 +73,14 @@ impl Stash {
         }
     }
 
+    /// Whether a payload longer than one message but below the eager threshold is better lent
+    /// than sent in pieces: where registering costs (shm, verbs) pieces are copied three times
+    /// and a lent payload once (by the peer's Read); where it is cheap (tcp) the pieces are
+    /// quicker than a Read's round trip.
+    pub(crate) fn lends_past_a_piece(&self) -> bool {
+        !self.vectors
+    }
+
     /// Lends bytes `range` of a buffer the application shares, as it is: `None` when it must
     /// be copied instead (another connection's buffer, one peers may not read, or
     /// [`Isolation::Transfer`], whose keys die with each transfer).

@@ -106,11 +106,12 @@ impl State {
                     Payload::Lent { desc, buf }
                 }
                 Outgoing::Vec(v) => Payload::Eager(v),
-                // Registered, lent as it is whenever it does not fit one message (a shared
-                // buffer has no room for a header in front); from a vector, as a `Vec` goes.
+                // Lent above the threshold, and past one message where lending beats pieces
+                // ([`Stash::lends_past_a_piece`](crate::stash::Stash)): a registered one as it is
+                // (a shared buffer has no room for a header in front), else a copy.
                 Outgoing::Bulk { bulk, tail }
                     if conn.session.is_rendezvous(bulk.len() + tail.len())
-                        || !conn.session.fits_placed(bulk.len() + tail.len()) =>
+                        || (!conn.session.fits_placed(bulk.len() + tail.len()) && conn.stash.lends_past_a_piece()) =>
                 {
                     let lent = match bulk.registered() {
                         Some((buf, range)) => conn.stash.lend_shared(buf, range),
