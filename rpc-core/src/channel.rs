@@ -191,7 +191,7 @@ impl Channel {
         let payload = payload.into();
         self.client()
             .await?
-            .with_options(self.opts.clone())
+            .into_with_options(self.opts.clone())
             .call(method, payload)
             .await
     }
@@ -204,7 +204,7 @@ impl Channel {
         let payload = payload.into();
         self.client()
             .await?
-            .with_options(self.opts.clone())
+            .into_with_options(self.opts.clone())
             .call_body(method, payload)
             .await
     }

@@ -288,6 +288,12 @@ impl Client {
         }
     }
 
+    /// This handle, its calls carrying `opts` (no clone of the connection's handle).
+    pub(crate) fn into_with_options(mut self, opts: CallOptions) -> Client {
+        self.opts = opts;
+        self
+    }
+
     /// The options every call of this handle carries.
     pub fn options(&self) -> &CallOptions {
         &self.opts

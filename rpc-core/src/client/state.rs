@@ -135,12 +135,19 @@ impl State {
                     staged[0] = Some(buf);
                     Payload::LentWith { desc, buf, tail }
                 }
-                Outgoing::Bulk { bulk, tail } => {
-                    let mut v = Vec::with_capacity(bulk.len() + tail.len());
-                    v.extend_from_slice(&bulk.bytes());
-                    v.extend_from_slice(&tail);
-                    Payload::Eager(v)
-                }
+                // Small: into the message; a vector the value alone holds is moved, not copied.
+                Outgoing::Bulk { bulk, tail } => match bulk.try_into_whole_vec() {
+                    Ok(mut v) => {
+                        v.extend_from_slice(&tail);
+                        Payload::Eager(v)
+                    }
+                    Err(bulk) => {
+                        let mut v = Vec::with_capacity(bulk.len() + tail.len());
+                        v.extend_from_slice(&bulk.bytes());
+                        v.extend_from_slice(&tail);
+                        Payload::Eager(v)
+                    }
+                },
                 Outgoing::Buf(b) => {
                     let len = b.len();
                     let route = conn.session.registered_route(len, landing_len.is_some());
