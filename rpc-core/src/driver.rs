@@ -248,6 +248,13 @@ impl Conn {
         })
     }
 
+    /// Whether a shared payload ([`Bulk`](crate::Bulk)) of `len` bytes is lent rather than
+    /// sent in messages: above the threshold, and past one message where lending beats pieces
+    /// ([`Stash::lends_past_a_piece`]).
+    pub(crate) fn lends_bulk(&self, len: usize) -> bool {
+        self.session.is_rendezvous(len) || (!self.session.fits_placed(len) && self.stash.lends_past_a_piece())
+    }
+
     pub(crate) fn lose(&mut self, why: Lost) {
         if self.lost.is_none() {
             tracing::debug!(%why, kind = ?why.kind(), "connection lost");

@@ -491,18 +491,17 @@ fn answer(conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
         Ok(Response::Bytes(v)) => Ok(v),
         Ok(Response::Bulk(b)) => {
             let len = b.len();
-            // Lent as it is when registered with this connection and longer than one message,
-            // unless it goes into the caller's landing buffer (a Write from the buffer carries
-            // a length prefix that a shared value has no room for).
-            let large =
-                conn.session.is_rendezvous(len) || (!conn.session.fits_placed(len) && conn.stash.lends_past_a_piece());
-            if large && b.is_registered() && !conn.session.lands(call, len) {
-                if let Some((desc, buf)) = b.registered().and_then(|(r, range)| conn.stash.lend_shared(r, range)) {
-                    spans::payload("response", len, How::Lent);
-                    return conn.session.respond(call, Ok(Payload::Lent { desc, buf }));
-                }
+            // Lent when long, unless it goes into the caller's landing buffer (a Write from the
+            // buffer carries a length prefix that a shared value has no room for).
+            if !conn.lends_bulk(len) || conn.session.lands(call, len) {
+                Ok(b.try_into_whole_vec().unwrap_or_else(|b| b.to_vec()))
+            } else {
+                let staged = conn.stash.lend_bulk(b).map(|(desc, buf, copied)| {
+                    spans::payload("response", len, if copied { How::CopiedAndLent } else { How::Lent });
+                    Payload::Lent { desc, buf }
+                });
+                return conn.session.respond(call, staged.map_err(|e| e.to_wire()));
             }
-            Ok(b.try_into_whole_vec().unwrap_or_else(|b| b.to_vec()))
         }
         Err(e) => Err(e),
     };

@@ -81,6 +81,21 @@ impl Stash {
         !self.vectors
     }
 
+    /// Lends a [`Bulk`](crate::Bulk): as it is when registered with this connection
+    /// ([`Stash::lend_shared`]), the vector itself where registering is cheap and no clone
+    /// shares it, else a copy in a buffer of the free lists. The flag says whether it was
+    /// copied.
+    pub(crate) fn lend_bulk(&mut self, bulk: crate::Bulk) -> Result<(RemoteRegion, BufId, bool), RpcError> {
+        if let Some((desc, id)) = bulk.registered().and_then(|(buf, range)| self.lend_shared(buf, range)) {
+            return Ok((desc, id, false));
+        }
+        let copied = !self.vectors;
+        match bulk.try_into_whole_vec() {
+            Ok(v) => self.lend_vec(v).map(|(desc, id)| (desc, id, copied)),
+            Err(bulk) => self.lend(&bulk.bytes()).map(|(desc, id)| (desc, id, true)),
+        }
+    }
+
     /// Lends bytes `range` of a buffer the application shares, as it is: `None` when it must
     /// be copied instead (another connection's buffer, one peers may not read, or
     /// [`Isolation::Transfer`], whose keys die with each transfer).

@@ -106,32 +106,12 @@ impl State {
                     Payload::Lent { desc, buf }
                 }
                 Outgoing::Vec(v) => Payload::Eager(v),
-                // Lent above the threshold, and past one message where lending beats pieces
-                // ([`Stash::lends_past_a_piece`](crate::stash::Stash)): a registered one as it is
-                // (a shared buffer has no room for a header in front), else a copy.
-                Outgoing::Bulk { bulk, tail }
-                    if conn.session.is_rendezvous(bulk.len() + tail.len())
-                        || (!conn.session.fits_placed(bulk.len() + tail.len()) && conn.stash.lends_past_a_piece()) =>
-                {
-                    let lent = match bulk.registered() {
-                        Some((buf, range)) => conn.stash.lend_shared(buf, range),
-                        None => None,
-                    };
-                    let (desc, buf) = match lent {
-                        Some(x) => {
-                            spans::payload("request", bulk.len(), How::Lent);
-                            x
-                        }
-                        // The vector itself where registering is cheap and no one else holds
-                        // it, else a copy.
-                        None => match bulk.try_into_whole_vec() {
-                            Ok(v) => conn.stash.lend_vec(v)?,
-                            Err(bulk) => {
-                                spans::payload("request", bulk.len(), How::CopiedAndLent);
-                                conn.stash.lend(&bulk.bytes())?
-                            }
-                        },
-                    };
+                // A registered one as it is (a shared buffer has no room for a header in
+                // front), else the vector itself or a copy.
+                Outgoing::Bulk { bulk, tail } if conn.lends_bulk(bulk.len() + tail.len()) => {
+                    let len = bulk.len();
+                    let (desc, buf, copied) = conn.stash.lend_bulk(bulk)?;
+                    spans::payload("request", len, if copied { How::CopiedAndLent } else { How::Lent });
                     staged[0] = Some(buf);
                     Payload::LentWith { desc, buf, tail }
                 }
