@@ -358,7 +358,7 @@ pub struct CallOptions {
 }
 
 /// Builder methods, one per field: `fn field(self, value) -> Self`, each documented as "Sets
-/// [`Type::field`]".
+/// `Type::field`".
 macro_rules! setters {
     ($ty:ident { $($field:ident: $arg:ty => $val:expr),* $(,)? }) => {
         impl $ty {

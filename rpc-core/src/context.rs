@@ -51,8 +51,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! A `#[service]` method reads them the same way (its handler is registered through
-//! [`ServerBuilder::handler`](crate::ServerBuilder::handler)). Outside a handler, or for a
+//! A `#[service]` method reads them the same way, and [`buffers`] besides. Outside a handler, or for a
 //! request without a budget, both are `None`. A task a handler spawns (`tokio::spawn`) is a
 //! task of its own: it sees them only when spawned through [`inherit`].
 

@@ -187,9 +187,10 @@ impl ServerBuilder {
         self
     }
 
-    /// What generated code registers: the request as a [`Body`] where it arrived (read
-    /// into, or in its receive slot), the answer encoded bytes or a [`Bulk`](crate::Bulk),
-    /// lent as it is when it is registered with the connection. [`context::buffers`] gives the handler the
+    /// What generated code registers: the request as a [`Body`], a large one in the buffer it
+    /// was read into and a small one copied out of its receive slot (a typed handler may wait
+    /// long, and holds no slot); the answer encoded bytes or a [`Bulk`](crate::Bulk), lent
+    /// when long ([`Stash::lend_bulk`](crate::stash::Stash)). [`context::buffers`] gives the handler the
     /// connection's buffers. Not a public API.
     #[doc(hidden)]
     pub fn handler_typed<F, Fut>(mut self, method: u32, f: F) -> Self
