@@ -105,9 +105,9 @@ for p in shm tcp; do
     "$bench_bin" --provider "$p" --sizes 64,65536 --iters 30 --rounds 2 \
         --json "$LOG/smoke-$p.json" --plot "$LOG/smoke-$p.svg" > "$LOG/smoke-$p.txt" 2>&1
     rc=$?
-    # 17 modes at both sizes, atomic, send-event, wake and spin-word at one: 38 rows, none empty.
+    # 19 modes at both sizes, atomic, send-event, wake and spin-word at one: 42 rows, none empty.
     rows=$(grep -c '"mode"' "$LOG/smoke-$p.json" 2>/dev/null)
-    if ((rc != 0)) || [[ $rows != 38 ]] || grep -q '"iterations": 0' "$LOG/smoke-$p.json" ||
+    if ((rc != 0)) || [[ $rows != 42 ]] || grep -q '"iterations": 0' "$LOG/smoke-$p.json" ||
         ! grep -q '^=== summary' "$LOG/smoke-$p.txt" || ! grep -q 'round by round' "$LOG/smoke-$p.txt" ||
         ! grep -q '^host: .* (family [0-9]\+, model [0-9]\+), [1-9][0-9]* CPUs\?' "$LOG/smoke-$p.txt" ||
         ! grep -q '"round_p50"' "$LOG/smoke-$p.json" || [[ ! -s $LOG/smoke-$p.svg ]]; then
