@@ -214,6 +214,26 @@ pub struct Config {
     /// for ever: set it on a server that untrusted peers can reach, or they can hold its
     /// [`max_connections`](Config::max_connections) slots by connecting and saying nothing.
     pub idle_timeout: Option<Duration>,
+    /// Largest piece of a message body one Send carries, and so the size of a receive slot:
+    /// [`FRAGMENT`](crate::proto::FRAGMENT) (32 KiB) by default, a power of two within
+    /// [`Config::PIECE_RANGE`]. The two sides of a connection send pieces of the smaller of
+    /// theirs. Smaller slots cost less memory per credit (a server on a
+    /// [`receive_pool`](Config::receive_pool) of many connections) and more Sends per eager
+    /// message.
+    pub piece: usize,
+    /// Server side: the receive slots of all its connections, in one pool on one shared
+    /// receive queue (`None`, the default, gives each connection a ring of its own). The pool
+    /// is registered once, when the server binds, with a server-wide pool of send buffers
+    /// beside it, so a connection costs no registered memory of its own. Each connection is
+    /// granted 2 credits when it comes and more as the pool allows (up to
+    /// [`ring`](Config::ring)), so a client never sends into an empty queue; the pool must
+    /// hold at least 2 x [`max_connections`](Config::max_connections) slots. Its connections
+    /// share one protection domain, so the server lends them nothing: responses above the
+    /// eager threshold travel in pieces (or into a landing buffer the caller offers), requests
+    /// are read into memory no peer can reach, and bodies are copied out of their slots.
+    /// Pair it with a small [`piece`](Config::piece) (4 KiB, say): 2 x 4,096 connections of
+    /// 4 KiB slots are 33 MiB.
+    pub receive_pool: Option<u32>,
 }
 
 /// The switch point verbs suggests, and the one a configuration falls back to where no device
@@ -238,6 +258,8 @@ impl Default for Config {
             max_cached_buffer_bytes: 64 << 20,
             lent_answer_timeout: Duration::from_secs(60),
             idle_timeout: None,
+            piece: crate::proto::FRAGMENT,
+            receive_pool: None,
         }
     }
 }
@@ -259,6 +281,9 @@ impl Config {
     /// Fewest and most receive slots a side may keep posted ([`Config::ring`]).
     pub const RING_RANGE: std::ops::RangeInclusive<u32> = 2..=4096;
 
+    /// Smallest and largest piece of a message body one Send carries ([`Config::piece`]).
+    pub const PIECE_RANGE: std::ops::RangeInclusive<usize> = 1024..=crate::proto::FRAGMENT;
+
     /// Checks what the protocol bounds: the ring's depth, the eager threshold (which the
     /// handshake carries in 32 bits) and a connect timeout that leaves set-up some time.
     pub(crate) fn validate(&self) -> Result<(), crate::RpcError> {
@@ -269,6 +294,24 @@ impl Config {
                 Self::RING_RANGE.start(),
                 Self::RING_RANGE.end()
             )));
+        }
+        if !Self::PIECE_RANGE.contains(&self.piece) || !self.piece.is_power_of_two() {
+            return Err(crate::RpcError::Config(format!(
+                "Config::piece is {}, must be a power of two within {}..={} (bytes of a message one Send carries; 32 KiB by default)",
+                self.piece,
+                Self::PIECE_RANGE.start(),
+                Self::PIECE_RANGE.end()
+            )));
+        }
+        if let Some(pool) = self.receive_pool {
+            let least = u64::from(self.max_connections) * 2;
+            if u64::from(pool) < least {
+                return Err(crate::RpcError::Config(format!(
+                    "Config::receive_pool is {pool} slots, below 2 per connection of Config::max_connections \
+                     ({}): give it at least {least}, or take fewer connections",
+                    self.max_connections
+                )));
+            }
         }
         if self.idle_timeout.is_some_and(|t| t.is_zero()) {
             return Err(crate::RpcError::Config(
@@ -389,6 +432,8 @@ setters!(Config {
     max_cached_buffer_bytes: u64 => max_cached_buffer_bytes,
     lent_answer_timeout: Duration => lent_answer_timeout,
     idle_timeout: impl Into<Option<Duration>> => idle_timeout.into(),
+    piece: usize => piece,
+    receive_pool: impl Into<Option<u32>> => receive_pool.into(),
 });
 
 setters!(CallOptions {
@@ -415,8 +460,10 @@ impl From<&Config> for Hello {
             eager_threshold: c.eager().min(u32::MAX as usize) as u32,
             max_payload: c.max_payload,
             max_requests: c.max_concurrent_requests,
-            flags: Self::TAKES_BATCHES | if c.interleave { Self::TAKES_INTERLEAVED } else { 0 },
             max_request_bytes: c.max_request_bytes_in_flight,
+            credits: 0,
+            piece: c.piece.min(u32::MAX as usize) as u32,
+            flags: Self::TAKES_BATCHES | if c.interleave { Self::TAKES_INTERLEAVED } else { 0 },
         }
     }
 }

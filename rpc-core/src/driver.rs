@@ -28,11 +28,14 @@ use crate::proto::{
 use crate::stash::Stash;
 use crate::{RpcError, TransportError};
 
+mod pool;
 mod post;
 mod rdma;
 mod slots;
 mod task;
 mod wait;
+
+pub(crate) use pool::{ReceivePool, FLOOR as POOL_FLOOR};
 
 use rdma::{rdma_room, Job};
 pub(crate) use task::run;
@@ -147,6 +150,39 @@ pub(crate) struct Conn {
     epoch: Instant,
     /// The peer's side when it is in this process: whether this thread drives it.
     pub(crate) link: Link,
+    /// A Send waited for a buffer of the server's shared send pool: look again soon, as no
+    /// completion of this connection's may come to say one is free.
+    starved: bool,
+    /// The server's receive pool this connection's receives come from. Last, so that it is
+    /// dropped after the QP, the CQ and every slot the connection held ([`Lease`]).
+    lease: Option<Lease>,
+}
+
+/// A connection's share of a [`ReceivePool`]: when the connection is gone (its QP, its CQ
+/// and the slots in them dropped, so back in their pools), the pool posts those slots again,
+/// and then takes back the credits the connection held beyond its floor.
+struct Lease {
+    pool: Arc<ReceivePool>,
+    /// The connection's last window, set as it is dropped.
+    window: u32,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Err(e) = self.pool.refill() {
+            tracing::warn!(%e, "posting the receive pool's slots again");
+        }
+        self.pool.give_spare(self.window.saturating_sub(pool::FLOOR));
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        let window = self.session.credits().window();
+        if let Some(lease) = &mut self.lease {
+            lease.window = window;
+        }
+    }
 }
 
 impl Conn {
@@ -211,11 +247,33 @@ impl Conn {
                     e,
                 ))
             })?;
+        Ok(Self::build(
+            session,
+            pd,
+            qp,
+            cq,
+            send_pool,
+            own_ring,
+            (isolation, cached),
+        ))
+    }
+
+    /// A connection over `qp` that sends from `send_pool`.
+    fn build(
+        session: Session,
+        pd: &ProtectionDomain,
+        qp: QueuePair,
+        cq: CompletionQueue,
+        send_pool: BufferPool,
+        own_ring: u32,
+        (isolation, cached): (crate::Isolation, usize),
+    ) -> Self {
+        let ring = session.config().ring as usize;
         let max_inline = qp.caps().max_inline_data as usize;
         let yield_cpu = qp.pd().device().caps().progress_threads;
         let chunk = qp.pd().device().caps().max_msg_size.clamp(4096, 1 << 30) as usize;
         let room = rdma_room(qp.caps().max_send_wr, ring);
-        Ok(Self {
+        Self {
             session,
             stash: Stash::new(pd, isolation, cached),
             qp,
@@ -245,7 +303,78 @@ impl Conn {
             cut_short: false,
             epoch: Instant::now(),
             link: Link::default(),
-        })
+            starved: false,
+            lease: None,
+        }
+    }
+
+    /// A server's connection over `qp`, whose receives come from `pool` (its shared receive
+    /// queue, which `qp` takes them from) and whose Sends go from the pool's buffers. It holds
+    /// no slot for the application (bodies are copied out) and lends nothing: the pool's
+    /// domain is every connection's.
+    pub(crate) fn pooled(
+        session: Session,
+        qp: QueuePair,
+        cq: CompletionQueue,
+        pool: &Arc<ReceivePool>,
+        config: &crate::Config,
+    ) -> Result<Self, RpcError> {
+        let mut conn = Self::build(
+            session,
+            &pool.pd,
+            qp,
+            cq,
+            pool.send.clone(),
+            0,
+            (config.isolation, config.cached_buffer_bytes()),
+        );
+        conn.stash.private_only();
+        conn.lease = Some(Lease {
+            pool: pool.clone(),
+            window: pool::FLOOR,
+        });
+        Ok(conn)
+    }
+
+    /// Whether the connection's receives come from a server's pool ([`Conn::pooled`]).
+    pub(crate) fn on_pool(&self) -> bool {
+        self.lease.is_some()
+    }
+
+    /// Ends a connection whose QP failed with nothing in flight to tell it: on a shared
+    /// receive queue, a peer that went (closed, crashed, unplugged) flushes no receive of this
+    /// QP's, as a ring of its own would, so a pooled connection looks after each wait.
+    pub(crate) fn check_alive(&mut self) {
+        if self.lease.is_some() && self.lost.is_none() && self.qp.is_error() {
+            self.lose(Lost::new(
+                LostKind::Closed,
+                "the peer closed the connection or went away (its QP is in the error state)",
+            ));
+        }
+    }
+
+    /// Whether a Send waits for a buffer of a shared send pool ([`Conn::pooled`]): the wait
+    /// should end soon to look again.
+    pub(crate) fn starved(&self) -> bool {
+        self.starved
+    }
+
+    /// A message of the peer's took a slot of the pool: when it used its whole window, grant
+    /// it as much again (up to the ring) from the pool's spare credits.
+    fn grow_window(&mut self) {
+        let Some(lease) = &self.lease else { return };
+        let credits = self.session.credits();
+        if !credits.peer_at_window() {
+            return;
+        }
+        let want = credits
+            .window()
+            .min(self.session.config().ring.saturating_sub(credits.window()));
+        let got = lease.pool.take_spare(want);
+        if got > 0 {
+            let granted = self.session.grant_credits(got);
+            lease.pool.give_spare(got - granted);
+        }
     }
 
     /// Whether a shared payload ([`Bulk`](crate::Bulk)) of `len` bytes is lent rather than
@@ -435,6 +564,9 @@ impl Conn {
                     Ok(true) => self.held.push((c.wr_id, buf)),
                     // Reposted after what this message causes is sent (see `flush`).
                     Ok(false) => self.unposted.push(RecvWr::new(c.wr_id, buf)),
+                }
+                if self.lease.is_some() {
+                    self.grow_window();
                 }
             }
             SEND | PLACED => {} // a pool's send buffer returns to its pool as `c` drops

@@ -48,6 +48,10 @@ pub(crate) struct Free {
     cap: usize,
     isolation: Isolation,
     pub(crate) pd: ProtectionDomain,
+    /// Every buffer is registered [`Role::Private`], whatever it is asked for: the domain is
+    /// shared by many connections (a server on a receive pool), and a buffer one peer could
+    /// reach would be within reach of all of them.
+    pub(crate) private: bool,
 }
 
 impl Free {
@@ -58,6 +62,16 @@ impl Free {
             cap,
             isolation,
             pd: pd.clone(),
+            private: false,
+        }
+    }
+
+    /// The role a buffer asked for as `role` is registered with ([`Free::private`]).
+    pub(crate) fn role(&self, role: Role) -> Role {
+        if self.private {
+            Role::Private
+        } else {
+            role
         }
     }
 

@@ -11,7 +11,7 @@ pub(crate) fn slot_size(c: &Config) -> usize {
     SessionConfig {
         ring: c.ring,
         eager_max: c.eager(),
-        fragment: FRAGMENT,
+        fragment: c.piece,
         max_payload: c.max_payload,
     }
     .slot_size()
@@ -35,10 +35,12 @@ pub(crate) fn qp_caps(device: &Device, c: &Config) -> QpCaps {
 pub(crate) fn agree(mine: &Hello, theirs: &Hello) -> SessionConfig {
     let max_payload = mine.max_payload.min(theirs.max_payload);
     let eager = u64::from(mine.eager_threshold.min(theirs.eager_threshold)).min(max_payload);
+    // A piece of 0 is a peer that did not say: the one every build used before.
+    let piece = |h: &Hello| if h.piece == 0 { FRAGMENT } else { h.piece as usize };
     SessionConfig {
         ring: mine.ring.min(theirs.ring),
         eager_max: usize::try_from(eager).unwrap_or(usize::MAX),
-        fragment: FRAGMENT,
+        fragment: piece(mine).min(piece(theirs)).max(1024),
         max_payload,
     }
 }
@@ -50,6 +52,11 @@ pub(crate) fn session(config: &Config, mine: &Hello, theirs: &Hello) -> Session 
     let mut session = Session::new(agree(mine, theirs));
     session.interleave(config.interleave && theirs.flags & Hello::TAKES_INTERLEAVED != 0);
     session.batch(theirs.flags & Hello::TAKES_BATCHES != 0);
+    // 0 is the whole ring; `start_grants` keeps each within 2..=ring.
+    let grant = |h: &Hello| if h.credits == 0 { h.ring } else { h.credits };
+    session.start_grants(grant(mine), grant(theirs));
+    session.lend_nothing(mine.flags & Hello::LENDS_NOTHING != 0);
+    session.peer_lends_nothing(theirs.flags & Hello::LENDS_NOTHING != 0);
     session
 }
 

@@ -14,7 +14,7 @@ use crate::buf::Body;
 use crate::colocate::Link;
 use crate::config::Config;
 use crate::context;
-use crate::driver::{self, Conn, Role, RoleInput};
+use crate::driver::{self, Conn, ReceivePool, Role, RoleInput};
 use crate::handler::{or_panic, CatchUnwind, Handler, Response};
 use crate::handshake::{self, qp_caps, slot_size};
 use crate::proto::Hello;
@@ -71,6 +71,15 @@ impl ServerBuilder {
     /// [`RpcError::Transport`] when the address cannot be bound.
     pub fn bind(self, device: &Device, addr: SocketAddr) -> Result<Server, RpcError> {
         self.config.validate()?;
+        let pool = match self.config.receive_pool {
+            Some(slots) => Some(ReceivePool::new(
+                device,
+                slots,
+                slot_size(&self.config.clone().on(device)),
+                self.config.max_connections,
+            )?),
+            None => None,
+        };
         let listener = Listener::bind(device, addr)
             .map_err(|e| RpcError::Transport(TransportError::with(format!("binding {addr}"), e)))?;
         Ok(Server {
@@ -80,6 +89,7 @@ impl ServerBuilder {
             handlers: Arc::new(self.handlers),
             placement: Arc::new(self.placement),
             connections: Arc::new(AtomicUsize::new(0)),
+            pool,
         })
     }
 }
@@ -93,6 +103,8 @@ pub struct Server {
     placement: Arc<Placement>,
     /// Connections set up or being set up ([`Config::max_connections`]).
     connections: Arc<AtomicUsize>,
+    /// The receive slots and send buffers all connections share ([`Config::receive_pool`]).
+    pool: Option<Arc<ReceivePool>>,
 }
 
 impl Server {
@@ -234,10 +246,15 @@ impl Server {
         };
         let (device, config) = (self.device.clone(), self.config.clone());
         let (handlers, placement) = (self.handlers.clone(), self.placement.clone());
+        let pool = self.pool.clone();
         Some(async move {
             // Counted until the connection's task ends, however it ends (aborted included).
             let _counted = counted;
-            if let Err(e) = serve_connection(device, config, handlers, &placement, req, shutdown).await {
+            let served = match pool {
+                Some(pool) => serve_pooled(device, config, handlers, &pool, req, shutdown).await,
+                None => serve_connection(device, config, handlers, &placement, req, shutdown).await,
+            };
+            if let Err(e) = served {
                 tracing::warn!(%e, "setting up a connection");
             }
         })
@@ -383,14 +400,72 @@ async fn serve_connection(
     let mut session = handshake::session(&config, &mine, &theirs);
     session.serve_in_slot(placement.in_slot.iter().copied());
     session.read_in_place(placement.read_in_place.iter().copied());
+    limit(&mut session, &config);
+    let mut conn = Conn::configured(session, &pd, qp, cq, slot, &config)?;
+    conn.link = link;
+    run(conn, handlers, shutdown, &config).await;
+    Ok(())
+}
+
+/// A connection of a server on a receive pool ([`Config::receive_pool`]): its QP takes its
+/// receives from the pool's shared queue and lives in the pool's protection domain; it is
+/// granted the pool's floor of credits and lends nothing.
+async fn serve_pooled(
+    device: Device,
+    config: Config,
+    handlers: Arc<HashMap<u32, Handler>>,
+    pool: &Arc<ReceivePool>,
+    req: rdma_rpc_transport::ConnectRequest,
+    shutdown: Option<Arc<Shutdown>>,
+) -> Result<(), RpcError> {
+    let config = config.on(&device);
+    let mut mine = Hello::from(&config);
+    mine.credits = driver::POOL_FLOOR;
+    mine.flags |= Hello::LENDS_NOTHING;
+    let Some(theirs) = Hello::decode(req.private_data()) else {
+        req.reject();
+        return Err(RpcError::Protocol("connect request without an rdma-rpc hello".into()));
+    };
+    let cq = match device.create_cq(config.ring * 4 + 64) {
+        Ok(cq) => cq,
+        Err(e) => {
+            let e = RpcError::Transport(TransportError::with("creating a completion queue", e));
+            req.reject_with(&format!("its set-up failed: {}", e.report()));
+            return Err(e);
+        }
+    };
+    let opts = QpOptions::new(&pool.pd, &cq)
+        .srq(&pool.srq)
+        .caps(qp_caps(&device, &config));
+    let mut link = Link::default();
+    let mut hello = mine.encode();
+    if link.pair(req.private_data().get(Hello::LEN..)) {
+        hello.extend_from_slice(&link.offer());
+    }
+    let qp = tokio::task::spawn_blocking(move || req.accept(&opts, &hello))
+        .await
+        .map_err(|e| RpcError::Transport(TransportError::new(format!("the accept task failed: {e}"))))?
+        .map_err(|e| RpcError::Transport(TransportError::with("accepting a connection", e)))?;
+    let mut session = handshake::session(&config, &mine, &theirs);
+    limit(&mut session, &config);
+    let mut conn = Conn::pooled(session, qp, cq, pool, &config)?;
+    conn.link = link;
+    run(conn, handlers, shutdown, &config).await;
+    Ok(())
+}
+
+/// What a server's configuration bounds in each of its sessions.
+fn limit(session: &mut crate::proto::Session, config: &Config) {
     session.limit_serving(
         config.max_concurrent_requests as usize,
         config.max_request_bytes_in_flight,
     );
     session.limit_reading(config.max_request_bytes_reading);
     session.limit_lent(config.lent_answer_timeout);
-    let mut conn = Conn::configured(session, &pd, qp, cq, slot, &config)?;
-    conn.link = link;
+}
+
+/// Serves a set-up connection until it ends.
+async fn run(conn: Conn, handlers: Arc<HashMap<u32, Handler>>, shutdown: Option<Arc<Shutdown>>, config: &Config) {
     let role = ServerRole {
         buffers: conn.stash.buffers(),
         handlers,
@@ -401,7 +476,6 @@ async fn serve_connection(
         last_request: tokio::time::Instant::now(),
     };
     driver::run(conn, role, config.mode).await;
-    Ok(())
 }
 
 type Done = (u32, Result<Response, RpcError>);
@@ -460,6 +534,9 @@ struct Idle;
 /// (or lent as they are, from a buffer of this connection), small ones from a buffer of this
 /// connection are sent from it.
 fn answer(conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
+    if conn.session.lends_nothing() {
+        return answer_unlent(conn, call, result);
+    }
     let bytes = match result {
         Ok(Response::Buf(b)) => {
             let len = b.len();
@@ -515,6 +592,34 @@ fn answer(conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
                 conn.stash.lend_vec(bytes)
             };
             staged.map(|(desc, buf)| Payload::Lent { desc, buf })
+        }
+        Ok(bytes) => Ok(Payload::Eager(bytes)),
+        Err(e) => Err(e),
+    };
+    conn.session.respond(call, result.map_err(|e| e.to_wire()));
+}
+
+/// [`answer`] on a connection that lends nothing (a server on a receive pool): every answer
+/// is copied into the message, and one above the threshold goes in pieces, or is written into
+/// the caller's landing buffer from a buffer no peer can reach.
+fn answer_unlent(conn: &mut Conn, call: u32, result: Result<Response, RpcError>) {
+    let bytes = match result {
+        Ok(Response::Buf(b)) => {
+            spans::payload("response", b.len(), How::Copied);
+            Ok(b.to_vec())
+        }
+        Ok(Response::Bytes(v)) => Ok(v),
+        Ok(Response::Bulk(b)) => {
+            if b.is_registered() {
+                spans::payload("response", b.len(), How::Copied);
+            }
+            Ok(b.try_into_whole_vec().unwrap_or_else(|b| b.to_vec()))
+        }
+        Err(e) => Err(e),
+    };
+    let result = match bytes {
+        Ok(bytes) if conn.session.is_rendezvous(bytes.len()) && conn.session.lands(call, bytes.len()) => {
+            conn.stash.lend(&bytes).map(|(desc, buf)| Payload::Lent { desc, buf })
         }
         Ok(bytes) => Ok(Payload::Eager(bytes)),
         Err(e) => Err(e),

@@ -37,6 +37,8 @@ pub(crate) struct Stash {
     /// are: held here until released, so that none goes back to the free lists while a peer
     /// may still read it, even when the application drops every handle to it.
     pinned: foldhash::HashMap<BufId, Arc<RegisteredBuf>>,
+    /// Nothing is registered for peers to reach ([`Stash::private_only`]).
+    private: bool,
 }
 
 /// A buffer the session knows by id.
@@ -70,7 +72,16 @@ impl Stash {
             vectors: pd.device().caps().cheap_registration,
             pd: pd.clone(),
             pinned: foldhash::HashMap::default(),
+            private: false,
         }
+    }
+
+    /// Registers nothing a peer can reach, for a connection whose domain other connections
+    /// share (a server on a receive pool): every buffer, the application's included, is
+    /// registered for local access only, and nothing the application shares is lent as it is.
+    pub(crate) fn private_only(&mut self) {
+        self.private = true;
+        self.free.lock().private = true;
     }
 
     /// Whether a payload longer than one message but below the eager threshold is better lent
@@ -104,7 +115,7 @@ impl Stash {
         buf: &Arc<RegisteredBuf>,
         range: std::ops::Range<usize>,
     ) -> Option<(RemoteRegion, BufId)> {
-        if self.isolation == Isolation::Transfer || !buf.readable_on(&self.free) {
+        if self.isolation == Isolation::Transfer || self.private || !buf.readable_on(&self.free) {
             return None;
         }
         let id = self.next;
@@ -313,7 +324,7 @@ impl Stash {
     /// Lends `data` for the peer to read: the vector itself where registering is cheap, else
     /// a copy in a buffer of the free lists ([`Stash::lend`]).
     pub(crate) fn lend_vec(&mut self, data: Vec<u8>) -> Result<(RemoteRegion, BufId), RpcError> {
-        if !self.vectors || data.is_empty() {
+        if !self.vectors || data.is_empty() || self.private {
             return self.lend(&data);
         }
         let len = data.len();
@@ -440,12 +451,13 @@ fn fresh(free: &Mutex<Free>, len: usize, role: Role) -> Result<MemoryRegion, Rpc
             "a buffer of {len} bytes cannot be registered"
         )))
     })?;
-    let pd = {
+    let (pd, role) = {
         let mut f = free.lock();
+        let role = f.role(role);
         if let Some(mr) = f.pop(c, role) {
             return Ok(mr);
         }
-        f.pd.clone()
+        (f.pd.clone(), role)
     };
     let n = registered_len(c, len, pd.device().caps().max_mr_size);
     pd.register(n, role.access())

@@ -36,8 +36,8 @@ pub fn hello(data: &[u8]) {
     if let Some(h) = Hello::decode(data) {
         assert!((2..=4096).contains(&h.ring));
         let enc = h.encode();
-        // The optional fields end at 25, 29 and 37 bytes; each is read only when whole.
-        let n = [37, 29, 25, 21]
+        // The optional fields end at 25, 29, 37, 38 and 39 bytes; each is read only when whole.
+        let n = [39, 38, 37, 29, 25, 21]
             .into_iter()
             .find(|&end| data.len() >= end)
             .unwrap_or(21);
@@ -53,6 +53,12 @@ pub fn hello(data: &[u8]) {
                 h.max_request_bytes, 0,
                 "a byte limit decoded from a hello that has none"
             );
+        }
+        if n < 38 {
+            assert_eq!(h.credits, 0, "credits decoded from a hello that has none");
+        }
+        if n < 39 {
+            assert_eq!(h.piece, 0, "a piece size decoded from a hello that has none");
         }
     }
 }

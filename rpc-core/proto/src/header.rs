@@ -5,7 +5,7 @@ use crate::RemoteRegion;
 use super::ProtoError;
 
 /// Protocol version carried in every header.
-pub const VERSION: u8 = 4;
+pub const VERSION: u8 = 5;
 /// Bytes of the fixed header.
 pub const HEADER_LEN: usize = 24;
 /// Bytes of an encoded [`RemoteRegion`] (addr, len, rkey).

@@ -4,8 +4,10 @@ use super::header::VERSION;
 
 /// The handshake: what each side tells the other in the connection's private data
 /// (`"RRPC" | version | ring: u32 | eager threshold: u32 | max payload: u64 | max concurrent
-/// requests: u32 | flags: u32 | max request bytes: u64`, little endian; the last three came
-/// later, and a peer that leaves them out says 0 for each).
+/// requests: u32 | flags: u32 | max request bytes: u64 | credits: u8 | log2 of the piece: u8`,
+/// little endian; the last five came later, and a peer that leaves them out says 0 for each).
+/// It stays within 40 bytes: rdma_cm carries 56 of private data with a connect request, and
+/// a client in the server's process adds 16 of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hello {
     /// Receive ring depth of the sender (2..=4096).
@@ -24,6 +26,16 @@ pub struct Hello {
     /// Bytes of request bodies the sender serves at once
     /// (rdma-rpc-core's `Config::max_request_bytes_in_flight`); 0 when it did not say (no limit).
     pub max_request_bytes: u64,
+    /// Credits the sender grants its peer to start with, within `2..=ring` (at most 255 on
+    /// the wire); 0 when it did not say: the whole ring. A server whose receives come from one pool for all its
+    /// connections grants few and more as its pool allows
+    /// ([`Session::grant_credits`](super::Session::grant_credits)).
+    pub credits: u32,
+    /// Largest piece of a message body the sender's receive slots take
+    /// ([`SessionConfig::fragment`](super::SessionConfig::fragment)): a power of two within
+    /// [`Hello::PIECES`]; both sides send pieces of the smaller. 0 when it did not say:
+    /// [`FRAGMENT`](super::FRAGMENT).
+    pub piece: u32,
 }
 
 const MAGIC: &[u8; 4] = b"RRPC";
@@ -41,9 +53,19 @@ impl Hello {
     /// knows the bit sets it.
     pub const TAKES_BATCHES: u32 = 2;
 
+    /// [`Hello::flags`] bit: the sender lends no memory (its connections share one protection
+    /// domain, where a lent buffer would be within reach of every other connection): its
+    /// responses above the eager threshold come in pieces, up to the largest payload, or by
+    /// Write into a landing buffer the caller offered. A peer that sees it accepts such pieces
+    /// ([`Session::peer_lends_nothing`](super::Session::peer_lends_nothing)).
+    pub const LENDS_NOTHING: u32 = 4;
+
     /// Bytes of an encoded hello ([`Hello::encode`]); a peer's private data may go on after
     /// them.
-    pub const LEN: usize = 37;
+    pub const LEN: usize = 39;
+
+    /// The pieces a hello can name: 1 KiB to 32 KiB.
+    pub const PIECES: std::ops::RangeInclusive<u32> = 1024..=32 * 1024;
 
     /// The private-data bytes.
     pub fn encode(&self) -> Vec<u8> {
@@ -55,13 +77,20 @@ impl Hello {
         v.extend_from_slice(&self.max_requests.to_le_bytes());
         v.extend_from_slice(&self.flags.to_le_bytes());
         v.extend_from_slice(&self.max_request_bytes.to_le_bytes());
+        v.push(self.credits.min(255) as u8);
+        v.push(if Self::PIECES.contains(&self.piece) {
+            self.piece.ilog2() as u8
+        } else {
+            0
+        });
         v
     }
 
     /// Parses a peer's private data: `None` for anything that is not a handshake of this
     /// version with a ring of 2..=4096. The fields after the largest payload may be missing,
-    /// each as a whole (a peer built before them): 0 then, which says no limit and no flags.
-    /// Extra bytes after the 37 are ignored.
+    /// each as a whole (a peer built before them): 0 then, which says no limit, no flags and
+    /// the whole ring. A piece that is not a power of two within [`Hello::PIECES`] is refused.
+    /// Extra bytes after the 39 are ignored.
     ///
     /// # Examples
     /// ```
@@ -73,6 +102,8 @@ impl Hello {
     ///     max_requests: 8,
     ///     flags: Hello::TAKES_INTERLEAVED | Hello::TAKES_BATCHES,
     ///     max_request_bytes: 1 << 30,
+    ///     credits: 2,
+    ///     piece: 4096,
     /// };
     /// let bytes = hello.encode();
     /// assert_eq!(Hello::decode(&bytes), Some(hello));
@@ -100,7 +131,13 @@ impl Hello {
                 .get(29..37)
                 .and_then(|w| <[u8; 8]>::try_from(w).ok())
                 .map_or(0, u64::from_le_bytes),
+            credits: b.get(37).map_or(0, |&c| u32::from(c)),
+            piece: match b.get(38) {
+                None | Some(0) => 0,
+                Some(&n) => 1u32.checked_shl(u32::from(n)).unwrap_or(0),
+            },
         };
-        (h.ring >= 2 && h.ring <= 4096).then_some(h)
+        let piece_ok = h.piece == 0 || Self::PIECES.contains(&h.piece);
+        (h.ring >= 2 && h.ring <= 4096 && piece_ok).then_some(h)
     }
 }

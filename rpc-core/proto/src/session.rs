@@ -533,6 +533,10 @@ pub struct Session {
     deferred: VecDeque<u32>,
     /// How long a lent answer may wait for its caller's ReadDone ([`Session::limit_lent`]).
     lent_timeout: Option<Duration>,
+    /// This side answers in pieces above the threshold, lending nothing
+    /// ([`Session::lend_nothing`]); the peer does ([`Session::peer_lends_nothing`]).
+    lends_nothing: bool,
+    peer_lends_nothing: bool,
     /// Calls of ours the peer serves at once ([`Session::limit_calls`]); calls beyond wait
     /// here, unsent, in the order they were made.
     call_limit: usize,
@@ -605,6 +609,8 @@ impl Session {
             read_limit: u64::MAX,
             deferred: VecDeque::new(),
             lent_timeout: None,
+            lends_nothing: false,
+            peer_lends_nothing: false,
             call_limit: usize::MAX,
             held_back: VecDeque::new(),
             stale_budgets: false,
@@ -644,6 +650,46 @@ impl Session {
     /// held for ever. No bound by default.
     pub fn limit_lent(&mut self, timeout: Duration) {
         self.lent_timeout = Some(timeout);
+    }
+
+    /// This side lends no memory to its peer (it says so in its hello,
+    /// [`Hello::LENDS_NOTHING`](crate::Hello::LENDS_NOTHING)): [`Session::respond`] takes eager
+    /// responses up to the largest payload and sends those above the threshold in pieces.
+    pub fn lend_nothing(&mut self, on: bool) {
+        self.lends_nothing = on;
+    }
+
+    /// The peer lends no memory: a response of it above the threshold comes in pieces, and is
+    /// joined up to the largest payload (requests stay within the threshold).
+    pub fn peer_lends_nothing(&mut self, on: bool) {
+        self.peer_lends_nothing = on;
+    }
+
+    /// Whether this side lends nothing ([`Session::lend_nothing`]).
+    pub fn lends_nothing(&self) -> bool {
+        self.lends_nothing
+    }
+
+    /// Longest body a message of `kind` may be joined to from pieces: a response of a peer
+    /// that lends nothing may carry a whole payload.
+    pub(super) fn joined_max(&self, kind: Kind) -> usize {
+        if self.peer_lends_nothing && kind == Kind::Response {
+            let payload = usize::try_from(self.cfg.max_payload).unwrap_or(usize::MAX);
+            self.cfg.body_max().max(payload.min(u32::MAX as usize))
+        } else {
+            self.cfg.body_max()
+        }
+    }
+
+    /// Longest eager response this side sends: a whole payload (in pieces) when it lends
+    /// nothing, the threshold otherwise.
+    pub(super) fn eager_response_max(&self) -> usize {
+        if self.lends_nothing {
+            let payload = usize::try_from(self.cfg.max_payload).unwrap_or(usize::MAX);
+            self.cfg.eager_max.max(payload.min(u32::MAX as usize - DESC_LEN))
+        } else {
+            self.cfg.eager_max
+        }
     }
 
     /// Bounds how many calls of ours are sent and not answered at once: the peer's
@@ -747,6 +793,27 @@ impl Session {
     /// Credits (for tests and metrics).
     pub fn credits(&self) -> &Credits {
         &self.credits
+    }
+
+    /// Sets the first grants of a new connection, before any message: this side grants the
+    /// peer `mine` credits and the peer granted it `theirs` (each within `2..=ring`; the
+    /// handshake's [`Hello::credits`](crate::Hello::credits)). Without it both are the ring.
+    pub fn start_grants(&mut self, mine: u32, theirs: u32) {
+        self.credits = Credits::with_grants(self.cfg.ring, mine, theirs);
+    }
+
+    /// Grants the peer up to `n` more credits (a receive pool's spare slots); returns how many
+    /// ([`Credits::grant`]). They go out with the next message, or in a Credit message once
+    /// half the peer's window is owed.
+    pub fn grant_credits(&mut self, n: u32) -> u32 {
+        self.credits.grant(n)
+    }
+
+    /// A consumed slot went back to a receive pool rather than to this peer: call instead of
+    /// [`Session::reposted`]. `false` (and nothing changed) at the smallest window, where the
+    /// caller reports the slot reposted as usual ([`Credits::withhold`]).
+    pub fn withhold_credit(&mut self) -> bool {
+        self.credits.withhold()
     }
 
     /// Calls of ours not yet finished, including abandoned ones waiting for the server's word.

@@ -2498,3 +2498,135 @@ fn a_call_that_waited_for_the_servers_limit_carries_the_budget_it_has_left() {
     assert!(a.s.poll_transmit().is_none(), "nothing of it goes out");
     assert_eq!(a.s.pending_calls(), 0);
 }
+
+/// A server on a receive pool: the client's window starts at the pool's floor of 2, grows by
+/// the credits the pool grants when the client sends as fast as its window lets it, and shrinks
+/// back to 2 as the server keeps the slots its messages used. The model's slots for this
+/// connection are its window: a Send beyond them would be an RNR on the shared queue.
+#[test]
+fn a_pooled_window_starts_at_two_grows_by_grants_and_shrinks_by_withheld_slots() {
+    let now = Instant::now();
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    a.s.start_grants(RING, 2);
+    b.s.start_grants(2, RING);
+    b.posted = 2;
+    for _ in 0..40 {
+        a.call(8, None, None, now);
+    }
+    pump(&mut a, &mut b);
+    assert_eq!(b.inbox.len(), 1, "a window of 2: one message, one credit held back");
+    let mut widest = 0;
+    // Grow while the pool has spare credits, then give them all back.
+    for (grow, calls) in [(true, 0), (false, 40)] {
+        for _ in 0..calls {
+            a.call(8, None, None, now);
+        }
+        for _ in 0..1000 {
+            pump(&mut a, &mut b);
+            widest = widest.max(b.inbox.len() as u32);
+            while let Some(Wire::Send(m)) = b.inbox.pop_front() {
+                assert!(b.posted > 0, "a Send beyond the window: RNR on the pool's queue");
+                b.posted -= 1;
+                b.s.handle_message_in(&m, None, now).expect("server accepts");
+                if !grow && b.s.withhold_credit() {
+                    // The slot goes back to the pool, not to this peer.
+                } else {
+                    b.posted += 1;
+                    b.s.reposted();
+                }
+                if grow && b.s.credits().peer_at_window() {
+                    b.posted += b.s.grant_credits(2);
+                }
+            }
+            b.drain_events();
+            serve(&mut b, |_| 8);
+            pump(&mut b, &mut a);
+            while !a.inbox.is_empty() {
+                deliver(&mut a, now).expect("client accepts");
+            }
+            a.drain_events();
+            if a.s.pending_calls() == 0 {
+                break;
+            }
+        }
+        assert_eq!(a.s.pending_calls(), 0, "every call answered");
+        if grow {
+            assert_eq!(b.s.credits().window(), RING, "grants took the window to the ring");
+        }
+    }
+    assert_eq!(a.done.len(), 80);
+    assert!(a.done.values().all(Result::is_ok));
+    assert!(widest > 2, "the grants let more than one message go at once ({widest})");
+    assert_eq!(b.s.credits().window(), 2, "withheld slots took the window back to 2");
+    assert_eq!(b.s.grant_credits(100), RING - 2, "never granted past the ring");
+    assert_eq!((a.rnr, b.rnr), (0, 0));
+}
+
+/// A server that lends nothing answers above the threshold in pieces, up to the largest
+/// payload; its client joins them only because the server said so in its hello.
+#[test]
+fn a_server_that_lends_nothing_answers_large_in_pieces_its_client_alone_takes() {
+    let now = Instant::now();
+    for told in [true, false] {
+        let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+        b.s.lend_nothing(true);
+        a.s.peer_lends_nothing(told);
+        let call = a.call(8, None, None, now);
+        pump(&mut a, &mut b);
+        deliver(&mut b, now).expect("server accepts");
+        b.drain_events();
+        b.requests.clear();
+        let body = pattern(1000, 7);
+        b.s.respond(call, Ok(Payload::Eager(body.clone())));
+        let mut refused = None;
+        for _ in 0..1000 {
+            pump(&mut b, &mut a);
+            match deliver(&mut a, now) {
+                Ok(()) => {}
+                Err(e) => {
+                    refused = Some(e);
+                    break;
+                }
+            }
+            a.drain_events();
+            pump(&mut a, &mut b);
+            while !b.inbox.is_empty() {
+                deliver(&mut b, now).expect("server accepts");
+            }
+            if a.done.contains_key(&call) {
+                break;
+            }
+        }
+        if told {
+            let reply = a.done[&call].as_ref().expect("the answer");
+            assert_eq!(reply_bytes(&a, reply), body, "joined from {} pieces", 1000 / 24 + 1);
+        } else {
+            assert!(
+                matches!(refused, Some(ProtoError::BadFragment(_))),
+                "a client not told takes no answer beyond the threshold: {refused:?}"
+            );
+        }
+    }
+    // Nor beyond the largest payload, and nothing lent without a landing buffer.
+    let (mut a, mut b) = (Side::new(1000), Side::new(2000));
+    b.s.lend_nothing(true);
+    let (big, lent) = (a.call(8, None, None, now), a.call(8, None, None, now));
+    pump(&mut a, &mut b);
+    for _ in 0..2 {
+        deliver(&mut b, now).expect("server accepts");
+    }
+    b.drain_events();
+    b.requests.clear();
+    b.s.respond(big, Ok(Payload::Eager(vec![0; (1 << 20) + 1])));
+    let (desc, buf) = b.stage(vec![1; 100]);
+    b.s.respond(lent, Ok(Payload::Lent { desc, buf }));
+    settle(&mut a, &mut b, now, |_| 8);
+    for call in [big, lent] {
+        assert!(
+            matches!(&a.done[&call], Err(CallError::Remote { .. })),
+            "{:?}",
+            a.done[&call]
+        );
+    }
+    assert!(b.lent.is_empty(), "the buffer refused was released");
+}

@@ -56,16 +56,20 @@ impl Conn {
                     None => return any,
                 },
             };
-            any = true;
-            bytes += match &t {
+            let len = match &t {
                 Transmit::Send(m) => m.len(),
                 Transmit::SendPlaced { len, .. } => *len,
                 _ => 0,
             };
+            // A transmit that waits for a send buffer is no progress: the driver must not
+            // take it for activity and spin, when the buffers it waits for come back through
+            // other connections' completions (a server's shared send pool).
             if let Err(t) = self.post(t) {
                 self.backlog.push_front(t);
                 return any;
             }
+            any = true;
+            bytes += len;
         }
     }
 
@@ -82,8 +86,10 @@ impl Conn {
         let wr = match t {
             Transmit::Send(bytes) => {
                 let Some(mut buf) = self.send_pool.take() else {
+                    self.starved = self.lease.is_some();
                     return Err(Transmit::Send(bytes));
                 };
+                self.starved = false;
                 if !bytes.write_to(&mut buf.bytes_mut()) {
                     self.lose(local_loss(format!(
                         "a {}-byte message does not fit a send buffer",
@@ -98,7 +104,9 @@ impl Conn {
                 // Every Send of a connection shutting down asks for one: its last (Close) must
                 // complete before the connection closes.
                 self.unsignaled += 1;
-                if self.unsignaled < SIGNAL_EVERY && !self.session.is_going_away() {
+                // A shared send pool's buffers come back at once: an unsignaled Send would
+                // keep its buffer from every other connection until this one sends again.
+                if self.unsignaled < SIGNAL_EVERY && !self.session.is_going_away() && self.lease.is_none() {
                     wr = wr.unsignaled();
                 } else {
                     self.unsignaled = 0;

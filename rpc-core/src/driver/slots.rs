@@ -49,11 +49,26 @@ impl Conn {
             if self.lost.is_some() {
                 break;
             }
-            match self.qp.post_recv(wr) {
-                Ok(()) => self.session.reposted(),
+            let posted = match &self.lease {
+                Some(lease) => lease.pool.repost(wr).map(|()| {
+                    // The pool runs short: a slot above this peer's floor goes back to it.
+                    if lease.pool.short() && self.session.withhold_credit() {
+                        lease.pool.give_spare(1);
+                    } else {
+                        self.session.reposted();
+                    }
+                }),
+                None => self
+                    .qp
+                    .post_recv(wr)
+                    .map(|()| self.session.reposted())
+                    .map_err(|e| e.error),
+            };
+            match posted {
+                Ok(()) => {}
                 Err(e) => self.lose(local_loss(format!(
                     "reposting a receive: {}",
-                    rdma_rpc_transport::Report(&e.error)
+                    rdma_rpc_transport::Report(&e)
                 ))),
             }
         }

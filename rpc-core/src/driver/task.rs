@@ -5,6 +5,13 @@ use super::*;
 /// Polls a spinning connection makes between turns through the runtime.
 pub(super) const INNER_SPINS: u32 = 64;
 
+/// How long a connection waiting for a buffer of a shared send pool sleeps before it looks
+/// again.
+const STARVED_RETRY: std::time::Duration = std::time::Duration::from_micros(100);
+
+/// How often an idle connection of a server on a receive pool looks whether its QP failed.
+const POOLED_ALIVE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// How often a connection may move its thread off its peer's CPU at most.
 pub(super) const MOVE_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
 
@@ -92,7 +99,20 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
 
 /// Sleeps until a completion, a command or a deadline.
 pub(super) async fn wait<R: Role>(conn: &mut Conn, role: &mut R) {
-    let deadline = conn.session.poll_timeout();
+    let mut deadline = conn.session.poll_timeout();
+    let soon = if conn.starved() {
+        // No completion of ours may say a shared send buffer is free: look again soon.
+        Some(STARVED_RETRY)
+    } else if conn.on_pool() {
+        // A QP on a shared receive queue has no receives of its own to flush when its peer
+        // goes: nothing may come to the CQ to say so (see `Conn::check_alive`).
+        Some(POOLED_ALIVE)
+    } else {
+        None
+    };
+    if let Some(soon) = soon.map(|s| Instant::now() + s) {
+        deadline = Some(deadline.map_or(soon, |d| d.min(soon)));
+    }
     let sleep = async move {
         match deadline {
             Some(d) => tokio::time::sleep_until(d.into()).await,
@@ -117,4 +137,5 @@ pub(super) async fn wait<R: Role>(conn: &mut Conn, role: &mut R) {
         }
         () = sleep => {}
     }
+    conn.check_alive();
 }

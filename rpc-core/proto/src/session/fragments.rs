@@ -26,7 +26,7 @@ impl Session {
                 if off != 0 || !matches!(h.kind, Kind::Request | Kind::Response) {
                     return Err(ProtoError::BadFragment("not the first piece of a request or response"));
                 }
-                if total <= self.cfg.piece() || total > self.cfg.body_max() {
+                if total <= self.cfg.piece() || total > self.joined_max(h.kind) {
                     return Err(ProtoError::BadFragment("message length"));
                 }
                 let header = Header {

@@ -279,13 +279,17 @@ impl Session {
                     self.reply_error(call, ErrorReply::internal(e.to_string()));
                 }
             },
-            Ok(Payload::Eager(bytes)) if bytes.len() <= self.cfg.eager_max => {
+            Ok(Payload::Eager(bytes)) if bytes.len() <= self.eager_response_max() => {
                 self.answer_msg(call, 0, Status::Ok as u16, bytes);
             }
             Ok(Payload::Eager(bytes)) => {
                 self.reply_error(
                     call,
-                    ErrorReply::internal(format!("eager response of {} bytes above eager_max", bytes.len())),
+                    ErrorReply::internal(format!(
+                        "eager response of {} bytes above {}",
+                        bytes.len(),
+                        self.eager_response_max()
+                    )),
                 );
             }
             Ok(Payload::LentWith { buf, .. }) => {
@@ -317,6 +321,15 @@ impl Session {
                                 },
                                 imm: call,
                             });
+                        }
+                        None if self.lends_nothing => {
+                            self.actions.push_back(Transmit::Release(buf));
+                            self.reply_error(
+                                call,
+                                ErrorReply::internal(
+                                    "this side lends nothing (Session::lend_nothing): answer in pieces, as an eager payload",
+                                ),
+                            );
                         }
                         None => {
                             self.answered(call, Serving::Lent(buf));

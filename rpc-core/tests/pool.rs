@@ -1,0 +1,198 @@
+//! A server on a receive pool (`Config::receive_pool`): every connection's receives come from
+//! one shared receive queue, its Sends from one pool of buffers, and it lends nothing. Over
+//! `RDMA_RPC_PROVIDER` (default `tcp`).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+#[allow(dead_code)]
+mod common;
+
+use common::{bounded, device, test_ip};
+
+use rdma_rpc_core::transport::Device;
+use rdma_rpc_core::{Body, Buffers, Client, Config, RpcError, Server};
+
+/// Echoes the request.
+const ECHO: u32 = 1;
+/// Answers `len` bytes (little-endian u64 in the request) of pattern `len`.
+const MAKE: u32 = 2;
+/// As MAKE, from a registered buffer of the connection's (`handler_buf`).
+const MAKE_BUF: u32 = 3;
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(len as u8))
+        .collect()
+}
+
+fn size_of(req: &[u8]) -> usize {
+    req.get(..8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map_or(0, |b| u64::from_le_bytes(b) as usize)
+}
+
+/// A server on a pool of `slots` receive slots of 4 KiB pieces for `max` connections.
+fn pooled(max: u32, slots: u32) -> Config {
+    Config::default().piece(4096).receive_pool(slots).max_connections(max)
+}
+
+fn serve(dev: &Device, config: Config) -> SocketAddr {
+    let server = Server::builder(config)
+        .handler(ECHO, |req: Vec<u8>| async move { Ok::<_, RpcError>(req) })
+        .handler(
+            MAKE,
+            |req: Vec<u8>| async move { Ok::<_, RpcError>(pattern(size_of(&req))) },
+        )
+        .handler_buf(MAKE_BUF, |req: Body, bufs: Buffers| async move {
+            let len = size_of(&req.bytes());
+            let mut b = bufs.buffer(len)?;
+            b.bytes_mut().copy_from_slice(&pattern(len));
+            Ok(b)
+        })
+        .bind(dev, SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    tokio::spawn(server.serve());
+    addr
+}
+
+/// Calls of every size through one pool: small ones, ones in several 4 KiB pieces, requests
+/// lent to the server, and answers above the threshold (which a server that lends nothing
+/// sends in pieces), `depth` at once on each of `clients` connections.
+async fn load(client_dev: &Device, addr: SocketAddr, clients: usize, depth: usize) {
+    let sizes = [1usize, 3000, 20_000, 300_000];
+    let mut conns = Vec::new();
+    for _ in 0..clients {
+        conns.push(Arc::new(connect_when_free(client_dev, addr).await));
+    }
+    let mut tasks = Vec::new();
+    for (c, client) in conns.iter().enumerate() {
+        for d in 0..depth {
+            let client = client.clone();
+            tasks.push(tokio::spawn(async move {
+                for round in 0..3 {
+                    let len = sizes[(c + d + round) % sizes.len()];
+                    let req = pattern(len);
+                    assert_eq!(
+                        client.call(ECHO, req.clone()).await.expect("echo"),
+                        req,
+                        "echo of {len} B"
+                    );
+                    let ask = (len as u64 * 3).to_le_bytes().to_vec();
+                    let method = if round % 2 == 0 { MAKE } else { MAKE_BUF };
+                    let got = client.call(method, ask).await.expect("make");
+                    assert_eq!(got, pattern(len * 3), "an answer of {} B", len * 3);
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        bounded(t).await.expect("caller");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_connections_share_one_pool_and_every_call_is_answered_byte_for_byte() {
+    let (server_dev, client_dev) = (device(), device());
+    let addr = serve(&server_dev, pooled(24, 24 * 2 + 64));
+    load(&client_dev, addr, 24, 4).await;
+}
+
+/// With exactly two slots per connection there is no spare credit: every connection keeps a
+/// window of 2 (one message at a time) and no Send meets an empty queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_of_two_slots_a_connection_still_answers_every_call() {
+    let (server_dev, client_dev) = (device(), device());
+    let addr = serve(&server_dev, pooled(8, 16));
+    load(&client_dev, addr, 8, 3).await;
+}
+
+/// Connections that come and go, idle or dropped with calls in flight, are noticed going (a
+/// QP on a shared receive queue has no receives of its own to flush, so nothing comes to its
+/// CQ to say so) and give their place back: the server takes as many again, and a full load
+/// after them is answered. (That a dropped connection's slots are posted again is the pool's
+/// own test.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_come_and_go_give_their_slots_and_credits_back() {
+    let (server_dev, client_dev) = (device(), device());
+    let addr = serve(&server_dev, pooled(6, 12 + 24));
+    for round in 0..4 {
+        let mut clients = Vec::new();
+        for _ in 0..6 {
+            clients.push(Arc::new(connect_when_free(&client_dev, addr).await));
+        }
+        let mut tasks = Vec::new();
+        for c in &clients {
+            for _ in 0..8 {
+                let c = c.clone();
+                tasks.push(tokio::spawn(async move {
+                    let _ = c.call(ECHO, pattern(3000 + round)).await;
+                }));
+            }
+        }
+        // Half the rounds end with the calls still in flight.
+        if round % 2 == 0 {
+            for t in tasks {
+                bounded(t).await.expect("caller");
+            }
+        } else {
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+            for t in &tasks {
+                t.abort();
+            }
+        }
+        drop(clients);
+    }
+    // Every connection of the rounds gone: the server takes 6 again.
+    for _ in 0..6 {
+        drop(connect_when_free(&client_dev, addr).await);
+    }
+    load(&client_dev, addr, 6, 4).await;
+}
+
+/// Connects once the server has room: connections of an earlier round may still be going.
+async fn connect_when_free(dev: &Device, addr: SocketAddr) -> Client {
+    for _ in 0..100 {
+        match Client::connect(dev, addr, Config::default()).await {
+            Ok(c) => return c,
+            Err(RpcError::ConnectionRefused) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+            Err(e) => panic!("connect: {e}"),
+        }
+    }
+    panic!("the server never had room again: connections that went are still counted");
+}
+
+/// What a connection costs a pooled server in registered memory: nothing of its own once it
+/// is idle (the pool was registered when the server bound).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_connection_registers_no_memory_of_its_own() {
+    let (server_dev, client_dev) = (device(), device());
+    let addr = serve(&server_dev, pooled(64, 64 * 2));
+    let bound = server_dev.registered_bytes();
+    let mut clients = Vec::new();
+    for _ in 0..32 {
+        let c = Client::connect(&client_dev, addr, Config::default())
+            .await
+            .expect("connect");
+        assert_eq!(c.call(ECHO, vec![7; 100]).await.expect("echo"), vec![7; 100]);
+        clients.push(c);
+    }
+    let grown = server_dev.registered_bytes().saturating_sub(bound);
+    println!("32 idle connections registered {grown} bytes on the server beyond its pool");
+    assert_eq!(grown, 0, "a pooled server's connection registers nothing of its own");
+}
+
+#[test]
+fn a_pool_below_two_slots_a_connection_is_refused_at_bind() {
+    let dev = device();
+    let err = Server::builder(pooled(100, 199))
+        .handler(ECHO, |req: Vec<u8>| async move { Ok::<_, RpcError>(req) })
+        .bind(&dev, SocketAddr::new(test_ip(), 0))
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(&err, RpcError::Config(m) if m.contains("at least 200")),
+        "{err}"
+    );
+}
