@@ -205,9 +205,9 @@ struct Args {
     /// `throughput`: calls in flight on each connection of the rows by connections.
     #[arg(long, default_value_t = 2)]
     conn_in_flight: usize,
-    /// `throughput`: the servers, of rpc (rdma-rpc on the provider), tcp (a tokio TCP echo),
-    /// tarpc.
-    #[arg(long, value_delimiter = ',', default_value = "rpc,tcp,tarpc")]
+    /// `throughput`: the servers, of rpc (rdma-rpc on the provider), rpc-pool (the same on a
+    /// receive pool: `Config::receive_pool`, 4 KiB pieces), tcp (a tokio TCP echo), tarpc.
+    #[arg(long, value_delimiter = ',', default_value = "rpc,rpc-pool,tcp,tarpc")]
     systems: Vec<String>,
     /// `throughput`: run every row without (0) and with (1) a busy process beside it.
     #[arg(long, value_delimiter = ',', default_value = "0")]
@@ -499,7 +499,10 @@ fn throughput_sweep(args: &Args, dev: &Device) -> Result<(), Box<dyn std::error:
     let systems = args
         .systems
         .iter()
-        .map(|s| throughput::server::System::parse(s).ok_or_else(|| format!("unknown system {s}: use rpc,tcp,tarpc")))
+        .map(|s| {
+            throughput::server::System::parse(s)
+                .ok_or_else(|| format!("unknown system {s}: use rpc,rpc-pool,tcp,tarpc"))
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let completions: Vec<String> = args.completion.split(',').map(|c| c.trim().to_owned()).collect();
     if let Some(c) = completions.iter().find(|c| throughput::server::completion(c).is_none()) {

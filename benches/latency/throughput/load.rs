@@ -72,7 +72,7 @@ pub enum Conns {
 pub async fn connect(system: System, dev: &Device, addr: SocketAddr, n: usize, cfg: &Config) -> Result<Conns, String> {
     let err = |i: usize, e: String| format!("connection {} of {n}: {e}", i + 1);
     Ok(match system {
-        System::Rpc => {
+        System::Rpc | System::RpcPool => {
             let mut v = Vec::with_capacity(n);
             for i in 0..n {
                 v.push(

@@ -98,7 +98,7 @@ impl Plan {
         for &busy in &self.busy {
             for &system in &self.systems {
                 let modes: Vec<&str> = match system {
-                    System::Rpc => self.completions.iter().map(String::as_str).collect(),
+                    System::Rpc | System::RpcPool => self.completions.iter().map(String::as_str).collect(),
                     _ => vec!["-"],
                 };
                 for mode in modes {
@@ -239,14 +239,19 @@ fn measure_into(
     let mut remote = Remote::start(s.system, &s.completion, s.conns, plan.server_threads, plan.ip)?;
     let before = remote.stats()?;
     let mode = server::completion(&s.completion).unwrap_or_default();
-    let cfg = server::config(mode, s.conns);
+    let cfg = if s.system == System::RpcPool {
+        server::pool_client_config(mode, s.conns)
+    } else {
+        server::config(mode, s.conns)
+    };
     let conns = rt.block_on(load::connect(s.system, dev, remote.addr, s.conns, &cfg))?;
     // The connections settle (the server's side of the last ones is made after the client's).
     std::thread::sleep(Duration::from_millis(100));
     let idle = remote.stats()?;
     let per_conn = |a: u64, b: u64| a.saturating_sub(b) as f64 / s.conns as f64;
     row.server_rss_kib_per_conn = per_conn(idle.rss_kib, before.rss_kib);
-    row.server_registered_per_conn = per_conn(idle.registered, before.registered);
+    // A receive pool registered as the server bound counts, shared out over the connections.
+    row.server_registered_per_conn = per_conn(idle.registered + before.at_bind, before.registered);
     row.server_threads = idle.threads;
     row.server_threads_before = before.threads;
     let gate = load::Gate::new();

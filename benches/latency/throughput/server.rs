@@ -2,8 +2,9 @@
 //! rdma-rpc echo, a tokio TCP echo or a tarpc echo, on a runtime of `--server-threads` workers.
 //!
 //! The child prints `ADDR <addr>` once it listens, then answers each `STATS` line on its stdin
-//! with `STATS <cpu µs> <RSS KiB> <threads> <registered bytes>` (its whole process), and exits
-//! when its stdin ends.
+//! with `STATS <cpu µs> <RSS KiB> <threads> <registered bytes> <bytes registered at bind>` (its
+//! whole process; the last is a receive pool's, which its connections share), and exits when its
+//! stdin ends.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, SocketAddr};
@@ -35,6 +36,8 @@ pub const ECHO: u32 = 1;
 pub enum System {
     /// rdma-rpc on the run's provider.
     Rpc,
+    /// The same with the server on a receive pool ([`pool_config`]).
+    RpcPool,
     /// A length-prefixed echo over tokio's TCP (TCP_NODELAY).
     Tcp,
     /// tarpc over TCP (bincode).
@@ -45,6 +48,7 @@ impl System {
     pub fn parse(s: &str) -> Option<System> {
         match s {
             "rpc" => Some(System::Rpc),
+            "rpc-pool" => Some(System::RpcPool),
             "tcp" => Some(System::Tcp),
             "tarpc" => Some(System::Tarpc),
             _ => None,
@@ -54,6 +58,7 @@ impl System {
     pub fn name(self) -> &'static str {
         match self {
             System::Rpc => "rpc",
+            System::RpcPool => "rpc-pool",
             System::Tcp => "tcp",
             System::Tarpc => "tarpc",
         }
@@ -76,6 +81,29 @@ pub fn config(mode: CompletionMode, conns: usize) -> Config {
         .mode(mode)
         .max_connections(u32::try_from(conns + 16).unwrap_or(u32::MAX))
         .max_payload(1 << 30)
+}
+
+/// The server's configuration of an `rpc-pool` row: receives of 4 KiB pieces from one pool of
+/// 3 slots per connection it takes (2 each, and as many spare), at most the 16,384 receives a
+/// software device's queue holds.
+pub fn pool_config(mode: CompletionMode, conns: usize) -> Config {
+    let c = config(mode, conns);
+    let slots = (c.max_connections.saturating_mul(3)).clamp(64, 16_384);
+    c.piece(4096).receive_pool(slots)
+}
+
+/// The clients' configuration of an `rpc-pool` row: 4 KiB pieces, as the server's, and a ring
+/// of 16, as a client of many connections keeps (its receive slots and send buffers then cost
+/// 16 x 4 KiB and 24 x 4 KiB a connection, where the default's are 64 x 32 KiB and 72 x 32 KiB).
+pub fn pool_client_config(mode: CompletionMode, conns: usize) -> Config {
+    config(mode, conns).piece(4096).ring(16)
+}
+
+impl System {
+    /// Whether the row's server is rdma-rpc's.
+    pub fn is_rpc(self) -> bool {
+        matches!(self, System::Rpc | System::RpcPool)
+    }
 }
 
 /// The whole process's CPU time (user + system), resident memory and threads.
@@ -103,15 +131,22 @@ pub fn serve_child(what: &str) -> Result<(), Box<dyn std::error::Error>> {
         .thread_name("tput-server")
         .enable_all()
         .build()?;
-    let dev = match system {
-        System::Rpc => Some(Device::open_default()?),
-        _ => None,
+    let dev = if system.is_rpc() {
+        Some(Device::open_default()?)
+    } else {
+        None
     };
+    let unbound = dev.as_ref().map_or(0, Device::registered_bytes);
     let addr = rt.block_on(async {
         match system {
-            System::Rpc => {
+            System::Rpc | System::RpcPool => {
                 let dev = dev.as_ref().ok_or("no device")?;
-                let server = Server::builder(config(mode, conns))
+                let cfg = if system == System::RpcPool {
+                    pool_config(mode, conns)
+                } else {
+                    config(mode, conns)
+                };
+                let server = Server::builder(cfg)
                     .handler(ECHO, |req| async move { Ok(req) })
                     .bind(dev, SocketAddr::new(ip, 0))?;
                 let addr = server.local_addr()?;
@@ -147,6 +182,7 @@ pub fn serve_child(what: &str) -> Result<(), Box<dyn std::error::Error>> {
             }
         }
     })?;
+    let at_bind = dev.as_ref().map_or(0, Device::registered_bytes).saturating_sub(unbound);
     let mut out = std::io::stdout().lock();
     writeln!(out, "ADDR {addr}")?;
     out.flush()?;
@@ -154,7 +190,7 @@ pub fn serve_child(what: &str) -> Result<(), Box<dyn std::error::Error>> {
         if line?.trim() == "STATS" {
             let (cpu, rss, threads) = process_figures();
             let registered = dev.as_ref().map_or(0, Device::registered_bytes);
-            writeln!(out, "STATS {cpu} {rss} {threads} {registered}")?;
+            writeln!(out, "STATS {cpu} {rss} {threads} {registered} {at_bind}")?;
             out.flush()?;
         }
     }
@@ -201,6 +237,8 @@ pub struct Stats {
     pub rss_kib: u64,
     pub threads: usize,
     pub registered: u64,
+    /// Registered by the server as it bound (a receive pool), before any connection.
+    pub at_bind: u64,
 }
 
 impl Remote {
@@ -249,11 +287,12 @@ impl Remote {
             .filter_map(|x| x.parse().ok())
             .collect();
         match f[..] {
-            [cpu_us, rss_kib, threads, registered] => Ok(Stats {
+            [cpu_us, rss_kib, threads, registered, at_bind] => Ok(Stats {
                 cpu_us,
                 rss_kib,
                 threads: threads as usize,
                 registered,
+                at_bind,
             }),
             _ => Err(format!("the server said {line:?}")),
         }

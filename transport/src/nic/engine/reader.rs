@@ -534,6 +534,20 @@ impl Engine {
                 let head = st.outstanding.iter().find(|p| p.seq == *ssn);
                 head.and_then(|p| p.local.as_ref()).is_none_or(|v| free(&v.region))
             }
+            // A Send into a shared receive queue's oldest receive, when that receive's memory
+            // could be locked now: no landing path takes it (another QP may take that receive
+            // between a look and the landing), so it is handled whole, here rather than by a
+            // hand-off to the progress engine (a thread switch per message).
+            Frame::Data {
+                head: DataHead::Send { .. },
+                ..
+            } if self.srq.is_some() => {
+                let st = self.state.lock();
+                st.stalled.is_empty()
+                    && self.srq.as_ref().is_some_and(|srq| {
+                        srq.front_is(|r| r.and_then(|r| r.local.as_ref()).is_none_or(|v| free(&v.region)))
+                    })
+            }
             _ => false,
         }
     }
