@@ -11,6 +11,11 @@ use super::link::Link;
 /// Room for the largest frame decoded here (a frame without a landing place for its payload).
 const CAP: usize = 64 << 10;
 
+/// Room a link starts with: what one read asks for, twice. It grows to [`CAP`] only for a
+/// frame that needs it, so an idle connection holds 8 KiB here, not 64 (a server of
+/// thousands of connections holds one of these per connection).
+const START: usize = 2 * AHEAD;
+
 /// Bytes one read asks for beyond what is needed: several small frames per system call, while
 /// a large payload that follows a header is mostly left in the socket, to be read straight into
 /// its destination rather than through this buffer (one copy fewer).
@@ -27,7 +32,7 @@ impl Inbox {
     pub(crate) fn new(link: Arc<dyn Link>) -> Self {
         Self {
             link,
-            buf: vec![0; CAP].into_boxed_slice(),
+            buf: vec![0; START].into_boxed_slice(),
             start: 0,
             end: 0,
         }
@@ -45,12 +50,17 @@ impl Inbox {
         if self.end - self.start >= k {
             return Ok(true);
         }
-        if self.start + k > CAP {
+        if self.start + k > self.buf.len() {
             self.buf.copy_within(self.start..self.end, 0);
             self.end -= self.start;
             self.start = 0;
+            if k > self.buf.len() {
+                let mut grown = vec![0; k.next_power_of_two().clamp(START, CAP)].into_boxed_slice();
+                grown[..self.end].copy_from_slice(&self.buf[..self.end]);
+                self.buf = grown;
+            }
         }
-        let upto = (self.start + k.max(AHEAD)).min(CAP);
+        let upto = (self.start + k.max(AHEAD)).min(self.buf.len());
         while self.end - self.start < k {
             match self.link.try_read(&mut self.buf[self.end..upto])? {
                 0 => return Ok(false),
