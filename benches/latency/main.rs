@@ -496,6 +496,9 @@ fn scale_sweep(args: &Args, dev: &Device) -> Result<(), Box<dyn std::error::Erro
 
 /// `--sweep throughput`: calls/s under load, by calls in flight and by connections.
 fn throughput_sweep(args: &Args, dev: &Device) -> Result<(), Box<dyn std::error::Error>> {
+    // The clients of thousands of connections hold a few descriptors each (on shm, one per
+    // registration).
+    scale::raise_fd_limit();
     let systems = args
         .systems
         .iter()

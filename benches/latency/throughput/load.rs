@@ -78,7 +78,7 @@ pub async fn connect(system: System, dev: &Device, addr: SocketAddr, n: usize, c
                 v.push(
                     Client::connect(dev, addr, cfg.clone())
                         .await
-                        .map_err(|e| err(i, e.to_string()))?,
+                        .map_err(|e| err(i, e.report().to_string()))?,
                 );
             }
             Conns::Rpc(v)

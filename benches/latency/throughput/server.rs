@@ -94,9 +94,11 @@ pub fn pool_config(mode: CompletionMode, conns: usize) -> Config {
 
 /// The clients' configuration of an `rpc-pool` row: 4 KiB pieces, as the server's, and a ring
 /// of 16, as a client of many connections keeps (its receive slots and send buffers then cost
-/// 16 x 4 KiB and 24 x 4 KiB a connection, where the default's are 64 x 32 KiB and 72 x 32 KiB).
+/// 16 x 4 KiB and 24 x 4 KiB a connection, where the default's are 64 x 32 KiB and 72 x 32 KiB);
+/// of 4 beyond 1,024 connections: on `shm` each receive slot is a mapping of its own, and 4,096
+/// connections of 16 passed Linux's 65,530 mappings a process (`vm.max_map_count`).
 pub fn pool_client_config(mode: CompletionMode, conns: usize) -> Config {
-    config(mode, conns).piece(4096).ring(16)
+    config(mode, conns).piece(4096).ring(if conns > 1024 { 4 } else { 16 })
 }
 
 impl System {
