@@ -116,17 +116,18 @@ for p in shm tcp; do
         echo "provider $p: $rows rows, host line, summary, JSON and SVG written"
     fi
 done
-step "throughput harness smoke run: calls/s by calls in flight and by connections on shm and tcp, two completion modes, idle and beside a busy process, with the TCP echo, tarpc and the raw Send rate (checks it runs, measures nothing)"
+step "throughput harness smoke run: calls/s by calls in flight and by connections on shm and tcp, two completion modes, on rings and on a receive pool, idle and beside a busy process, with the TCP echo, tarpc and the raw Send rate (checks it runs, measures nothing)"
 for p in shm tcp; do
     if [[ -z $bench_bin ]]; then break; fi
     "$bench_bin" --provider "$p" --sweep throughput --sizes 32,4096 --in-flight 1,16 --conns 4 \
         --completion adaptive,event --busy 0,1 --seconds 8 \
         --json "$LOG/tput-$p.json" --plot "$LOG/tput-$p.svg" > "$LOG/tput-$p.txt" 2>&1
     rc=$?
-    # Idle and busy: (rpc in two modes, tcp, tarpc) x (2 sizes x 2 depths + 4 connections),
-    # and the raw Send at 2 sizes x 2 depths: 48 rows, each with calls and no error.
+    # Idle and busy: (rpc and rpc-pool in two modes each, tcp, tarpc) x (2 sizes x 2 depths +
+    # 4 connections), and the raw Send at 2 sizes x 2 depths: 68 rows, each with calls and no
+    # error.
     rows=$(grep -c '"system"' "$LOG/tput-$p.json" 2>/dev/null)
-    if ((rc != 0)) || [[ $rows != 48 ]] || grep -q '"calls": 0,' "$LOG/tput-$p.json" ||
+    if ((rc != 0)) || [[ $rows != 68 ]] || grep -q '"calls": 0,' "$LOG/tput-$p.json" ||
         grep -q '"error": "' "$LOG/tput-$p.json" || ! grep -q '^summary' "$LOG/tput-$p.txt" ||
         [[ ! -s $LOG/tput-$p.svg ]]; then
         echo "the throughput smoke run on $p failed (exit $rc, $rows rows):"; tail -30 "$LOG/tput-$p.txt"; fail=1

@@ -187,6 +187,7 @@ impl Client {
                 driver_until: None,
                 backoff: driver::Backoff::default(),
                 spinner: None,
+                spin_token: None,
                 woken: 0,
                 held_back: 0,
                 epoch: Instant::now(),

@@ -39,7 +39,7 @@ pub(crate) use pool::{ReceivePool, FLOOR as POOL_FLOOR};
 
 use rdma::{rdma_room, Job};
 pub(crate) use task::run;
-pub(crate) use wait::{reschedule, Backoff, Budget};
+pub(crate) use wait::{reschedule, Backoff, Budget, SpinToken};
 
 const KIND_SHIFT: u32 = 60;
 const RECV: u64 = 1 << KIND_SHIFT;
@@ -339,6 +339,19 @@ impl Conn {
     /// Whether the connection's receives come from a server's pool ([`Conn::pooled`]).
     pub(crate) fn on_pool(&self) -> bool {
         self.lease.is_some()
+    }
+
+    /// Whether this connection may spin for completions now in `mode`: in
+    /// [`CompletionMode::Adaptive`], while it holds (or can take) one of the process's few
+    /// leaves to spin (`token`, [`SpinToken`]); [`CompletionMode::Spin`] spins as asked.
+    pub(crate) fn may_spin(mode: CompletionMode, token: &mut Option<SpinToken>) -> bool {
+        if !matches!(mode, CompletionMode::Adaptive { .. }) {
+            return true;
+        }
+        if token.is_none() {
+            *token = SpinToken::take();
+        }
+        token.is_some()
     }
 
     /// Ends a connection whose QP failed with nothing in flight to tell it: on a shared

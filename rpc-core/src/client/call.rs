@@ -165,7 +165,8 @@ impl<T> Call<'_, T> {
             turn && {
                 let st = &mut *st;
                 self.budget.spins(shared.mode, &mut st.backoff)
-            } && !st.conn.peer_on_this_thread(shared.mode);
+            } && !st.conn.peer_on_this_thread(shared.mode)
+                && crate::driver::Conn::may_spin(shared.mode, &mut st.spin_token);
         if spin {
             st.spinner = Some(self.call);
             if self.sleeping {
@@ -219,6 +220,9 @@ impl<T> Call<'_, T> {
             // Out of budget (or the peer needs the core): the turn goes with it.
             st.spinner = None;
         }
+        if st.spinner.is_none() {
+            st.spin_token = None;
+        }
         let Some(slot) = st.calls.get_mut(self.call) else {
             // Only a finished call leaves the table, and only here.
             self.done = true;
@@ -244,6 +248,9 @@ impl<T> Call<'_, T> {
             // The spinner leaving hands its turn on; without a call to take it, whoever sleeps
             // now needs the driver on the CQ.
             let handed = st.pass_turn(self.call);
+            if st.spinner.is_none() {
+                st.spin_token = None;
+            }
             let kick = (!handed && !st.driver_on_cq && st.needs_watch()) || st.driver_must_post();
             drop(st);
             if kick {

@@ -22,6 +22,9 @@ pub(super) struct State {
     /// wakes their calls together, where a spinner per call polled (and locked) once per
     /// call per turn of the runtime, and a busy peer then waited for all of them.
     pub(super) spinner: Option<u32>,
+    /// The spinner's leave to spin, of the process's few ([`SpinToken`](crate::driver::SpinToken)):
+    /// held while the connection has a spinner.
+    pub(super) spin_token: Option<crate::driver::SpinToken>,
     /// Calls woken with their results whose futures have not run since: each may start its
     /// next call when it does, so a spinner posts after them ([`State::may_post`]).
     pub(super) woken: usize,

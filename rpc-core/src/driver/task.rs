@@ -21,6 +21,9 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
     let mut backoff = Backoff::default();
     // When this connection last moved its thread off its peer's CPU.
     let mut moved: Option<Instant> = None;
+    // This connection's leave to spin (adaptive), held while it spins and given back as it
+    // sleeps.
+    let mut token: Option<SpinToken> = None;
     loop {
         conn.link.driven_here();
         let mut busy = role.drain_inputs(&mut conn);
@@ -47,7 +50,7 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
             budget.restart();
             continue;
         }
-        if budget.spins(mode, &mut backoff) && !conn.peer_on_this_thread(mode) {
+        if budget.spins(mode, &mut backoff) && !conn.peer_on_this_thread(mode) && Conn::may_spin(mode, &mut token) {
             // Poll a while before giving way: a turn through the runtime costs more than the
             // polls, and a message usually comes within them.
             let mut found = false;
@@ -80,6 +83,7 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
                     moved = Some(Instant::now());
                     tracing::trace!("moved off the client's CPU");
                 } else {
+                    token = None;
                     wait(&mut conn, &mut role).await;
                 }
                 budget.restart();
@@ -92,6 +96,7 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
             }
             continue;
         }
+        token = None;
         wait(&mut conn, &mut role).await;
         budget.restart();
     }

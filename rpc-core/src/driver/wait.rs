@@ -1,6 +1,7 @@
 //! The wait policy of [`CompletionMode`]: how long a poller spins before it sleeps, and when it
 //! stops spinning because its CPU is wanted elsewhere.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::config::CompletionMode;
@@ -20,6 +21,33 @@ pub(crate) async fn reschedule() {
         std::task::Poll::Pending
     })
     .await;
+}
+
+/// Connections of this process spinning for completions now ([`SpinToken::take`]).
+static SPINNERS: AtomicU32 = AtomicU32::new(0);
+
+/// Leave for one connection to spin for completions, while fewer connections of the process
+/// than it has CPUs spin; given back when dropped. A process of thousands of connections whose
+/// every idle one spun its budget (a server, or a client of many servers) spent its cores
+/// spinning, each connection's turn a trip through the runtime; the others sleep on their CQs
+/// meanwhile, and one connection alone spins as before.
+pub(crate) struct SpinToken(());
+
+impl SpinToken {
+    pub(crate) fn take() -> Option<SpinToken> {
+        static MAX: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+        let max = *MAX.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u32));
+        SPINNERS
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
+            .ok()
+            .map(|_| SpinToken(()))
+    }
+}
+
+impl Drop for SpinToken {
+    fn drop(&mut self) {
+        SPINNERS.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// How often a spinning thread looks at how long it waited for a CPU ([`cpu_contended`]).
