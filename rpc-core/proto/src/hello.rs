@@ -113,6 +113,12 @@ impl Hello {
     /// assert_eq!((old.max_requests, old.flags, old.max_request_bytes), (8, 0, 0));
     /// assert_eq!(Hello::decode(&bytes[..21]).map(|h| h.max_requests), Some(0));
     /// assert_eq!(Hello::decode(&bytes[..20]), None);
+    /// // A piece outside 1 KiB..=32 KiB, or a shift past 31, is refused.
+    /// for log2 in [9, 16, 42] {
+    ///     let mut odd = bytes.clone();
+    ///     odd[38] = log2;
+    ///     assert_eq!(Hello::decode(&odd), None);
+    /// }
     /// ```
     pub fn decode(b: &[u8]) -> Option<Self> {
         if b.len() < 21 || &b[..4] != MAGIC || b[4] != VERSION {
@@ -134,7 +140,8 @@ impl Hello {
             credits: b.get(37).map_or(0, |&c| u32::from(c)),
             piece: match b.get(38) {
                 None | Some(0) => 0,
-                Some(&n) => 1u32.checked_shl(u32::from(n)).unwrap_or(0),
+                // A shift past 31 is no piece at all: refused below, as one out of range is.
+                Some(&n) => 1u32.checked_shl(u32::from(n)).unwrap_or(u32::MAX),
             },
         };
         let piece_ok = h.piece == 0 || Self::PIECES.contains(&h.piece);
