@@ -115,7 +115,7 @@ impl Stash {
         buf: &Arc<RegisteredBuf>,
         range: std::ops::Range<usize>,
     ) -> Option<(RemoteRegion, BufId)> {
-        if self.isolation == Isolation::Transfer || self.private || !buf.readable_on(&self.free) {
+        if self.isolation == Isolation::Transfer || !buf.readable_on(&self.free) {
             return None;
         }
         let id = self.next;
@@ -515,6 +515,46 @@ mod tests {
 
     fn free_count(s: &Stash) -> usize {
         s.free.lock().lists.iter().flatten().map(Vec::len).sum()
+    }
+
+    /// Whether a peer could reach `mr` by any one-sided operation.
+    fn reachable(mr: &MemoryRegion) -> bool {
+        [
+            AccessFlags::REMOTE_READ,
+            AccessFlags::REMOTE_WRITE,
+            AccessFlags::REMOTE_ATOMIC,
+        ]
+        .into_iter()
+        .any(|f| mr.access().contains(f))
+    }
+
+    /// A stash whose domain other connections share (a server on a receive pool) registers
+    /// nothing a peer can reach, whatever role a buffer is asked for, and lends no buffer of the
+    /// application's as it is.
+    #[test]
+    fn a_private_stash_registers_nothing_a_peer_can_reach() {
+        let mut s = stash();
+        s.private_only();
+        let held = |s: &Stash, id: BufId| s.entries.get(id).and_then(|e| e.mr.as_ref()).map(reachable);
+        let (_, lent) = s.lend(&[1; 5000]).expect("lend");
+        let (_, vector) = s.lend_vec(vec![2; 70_000]).expect("lend a vector");
+        let (landing, _) = s.take(100, Role::Land).expect("a landing buffer");
+        let target = s.take_target(3000, Role::Lend).expect("a read target");
+        for (what, id) in [
+            ("lent", lent),
+            ("lent vector", vector),
+            ("landing", landing),
+            ("read target", target),
+        ] {
+            assert_eq!(held(&s, id), Some(false), "{what}: registered for peers to reach");
+        }
+        let user = s.user_buffer(100).expect("a buffer");
+        assert!(
+            !user.readable_on(&s.free),
+            "the application's buffer: readable by peers"
+        );
+        let shared = Arc::new(user);
+        assert!(s.lend_shared(&shared, 0..100).is_none(), "lent as it is");
     }
 
     #[test]
