@@ -270,7 +270,7 @@ fn fault_server() {
         let dev = Device::open("tcp").expect("tcp");
         let stats_dev = dev.clone();
         let server = Server::builder(fault_config())
-            .handler(ECHO, |r| async move { Ok(r) })
+            .handler(ECHO, |r: Vec<u8>| async move { Ok(r) })
             .handler(SLOW, |r: Vec<u8>| async move {
                 let (id, ms) = (u64_of(&r), u64_of(&r[8.min(r.len())..]));
                 println!("RAN {id}");
@@ -286,7 +286,7 @@ fn fault_server() {
                 out.resize(r.len(), 7);
                 Ok(out)
             })
-            .handler(STATS, move |_| {
+            .handler(STATS, move |_: Vec<u8>| {
                 let n = stats_dev.registered_bytes();
                 async move { Ok(n.to_le_bytes().to_vec()) }
             })

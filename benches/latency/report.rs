@@ -140,7 +140,7 @@ pub fn summary(rows: &[Row], provider: &str, raw_ring: u32) {
     }
     if let Some((b, w)) = worst(rows, "rpc-body", "send", 2.0, 4096) {
         println!(
-            "  the RPC with bodies from registered buffers that neither the handler nor the caller reads, left in their receive slots from 512 B, and {raw_ring} receives posted on each side, as in the raw ping-pong (rpc-body: call_buf_body, handler_buf_sync) / the same: worst {w:.2}x at {b} B{}{}",
+            "  the RPC with bodies from registered buffers that neither the handler nor the caller reads, left in their receive slots from 512 B, and {raw_ring} receives posted on each side, as in the raw ping-pong (rpc-body: call_buf_body, handler_sync to a RegisteredBuf) / the same: worst {w:.2}x at {b} B{}{}",
             median_of_sizes(rows, "rpc-body", "send", 2.0),
             by_round(rows, "rpc-body", "send", 2.0)
         );
@@ -469,7 +469,7 @@ fn spin_event_goodput(rows: &[Row]) {
     if let Some(big) = big {
         if let (Some(up), Some(mc)) = (find(rows, "rpc-upload", big), find(rows, "memcpy", big)) {
             println!(
-                "{} KiB request RPC goodput (registered buffers: call_buf, handler_body) {:.0} MB/s / memcpy {:.0} MB/s = {:.0}%",
+                "{} KiB request RPC goodput (registered buffers: call_buf, a handler of a Body) {:.0} MB/s / memcpy {:.0} MB/s = {:.0}%",
                 big >> 10,
                 up.mb_per_s,
                 mc.mb_per_s,

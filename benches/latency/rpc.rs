@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 
 use rdma_rpc::transport::Device;
-use rdma_rpc::{Body, Buffers, Client, CompletionMode, Config, Server};
+use rdma_rpc::{context, Body, Client, CompletionMode, Config, Server};
 
 use crate::sampler::{self, Plan, Samples};
 
@@ -47,14 +47,16 @@ pub async fn connect(
     cfg: Config,
 ) -> (Client, tokio::task::JoinHandle<()>) {
     let server = Server::builder(cfg.clone())
-        .handler(ECHO, |req| async move { Ok(req) })
+        .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
         .handler(SINK, |req: Vec<u8>| async move {
             Ok(Vec::from((req.len() as u64).to_le_bytes()))
         })
-        .handler_body(SINK_BODY, |req: Body| async move {
+        .handler(SINK_BODY, |req: Body| async move {
             Ok(Vec::from((req.len() as u64).to_le_bytes()))
         })
-        .handler_buf_sync(SIZED_BODY, |req: &Body, bufs: &Buffers| bufs.buffer(req.len()))
+        .handler_sync(SIZED_BODY, |req: &Body| {
+            context::buffers().expect("inside a handler").buffer(req.len())
+        })
         .bind(dev, SocketAddr::new(ip, 0))
         .expect("bind the benchmark server");
     let addr = server.local_addr().expect("server address");
@@ -111,7 +113,7 @@ pub async fn behind(client: &Client, size: usize, plan: Plan) -> Samples {
 
 /// `size` bytes each way which neither the handler nor the caller reads, as in the raw Send
 /// ping-pong: the request goes from a registered buffer (`Client::call_buf_body`) to a
-/// synchronous handler (`handler_buf_sync`, as the ping-pong's echo answers at once), which
+/// synchronous handler (`handler_sync` answering a `RegisteredBuf`, as the ping-pong's echo answers at once), which
 /// answers as many bytes from a registered buffer of its own. From
 /// `IN_SLOT_MIN` (512 B with the header) each body stays in the receive slot it landed in;
 /// shorter ones the RPC copies out, which costs less than holding the slot.
@@ -143,7 +145,7 @@ pub async fn upload_vec(client: &Client, size: usize, plan: Plan) -> Samples {
 }
 
 /// A request of `size` bytes from a registered buffer of the connection (`Client::buffer`,
-/// `Client::call_buf`), taken by a `handler_body` in the buffer the server read it into, an
+/// `Client::call_buf`), taken by a handler of a `Body` in the buffer the server read it into, an
 /// 8-byte answer: no copy but the transfer itself.
 pub async fn upload(client: &Client, size: usize, plan: Plan) -> Samples {
     let mut buf = Some(client.buffer(size).expect("a registered buffer"));

@@ -1,7 +1,7 @@
 //! Registered memory an application holds: buffers it fills in place for a large request
 //! ([`Client::buffer`](crate::Client::buffer), [`Client::call_buf`](crate::Client::call_buf))
 //! and the registered buffer a large request was read into, handed to a handler as is
-//! ([`ServerBuilder::handler_body`](crate::ServerBuilder::handler_body)), or the receive slot
+//! (a handler that takes a [`Body`]), or the receive slot
 //! a small request or response arrived in ([`Client::call_body`](crate::Client::call_body)).
 //! No copies: the peer reads from, or the transport reads into, exactly these bytes.
 
@@ -217,7 +217,7 @@ impl std::fmt::Debug for RegisteredBuf {
     }
 }
 
-/// A request's bytes as a [`handler_body`](crate::ServerBuilder::handler_body) gets them, or a
+/// A request's bytes as a [`handler`](crate::ServerBuilder::handler) that takes a `Body` gets them, or a
 /// response's as [`Client::call_body`](crate::Client::call_body) returns them: without a copy,
 /// in the receive slot an eager one arrived in, or in the registered buffer a large request was
 /// read into; copied out where it was joined from pieces, where its message is shorter than

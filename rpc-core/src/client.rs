@@ -49,7 +49,7 @@ use state::{Back, Outgoing, State};
 /// use rdma_rpc_core::{transport::Device, Client, Config, Server, RpcError};
 /// let dev = Device::open("tcp")?;
 /// let server = Server::builder(Config::default())
-///     .handler(1, |req: Vec<u8>| async move { Ok::<_, RpcError>(req.into_iter().rev().collect()) })
+///     .handler(1, |req: Vec<u8>| async move { Ok::<_, RpcError>(req.into_iter().rev().collect::<Vec<u8>>()) })
 ///     .bind(&dev, "127.0.0.1:0".parse()?)?;
 /// let addr = server.local_addr()?;
 /// tokio::spawn(server.serve());
@@ -434,7 +434,7 @@ impl Client {
     /// use rdma_rpc_core::{transport::Device, Body, Client, Config, RpcError, Server};
     /// let dev = Device::open("tcp")?;
     /// let server = Server::builder(Config::default())
-    ///     .handler_body(1, |b: Body| async move { Ok::<_, RpcError>((b.len() as u64).to_le_bytes().to_vec()) })
+    ///     .handler(1, |b: Body| async move { Ok::<_, RpcError>((b.len() as u64).to_le_bytes().to_vec()) })
     ///     .bind(&dev, "127.0.0.1:0".parse()?)?;
     /// let addr = server.local_addr()?;
     /// tokio::spawn(server.serve());
@@ -494,11 +494,12 @@ impl Client {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use rdma_rpc_core::{transport::Device, Body, Buffers, Client, Config, RpcError, Server};
+    /// use rdma_rpc_core::{context, transport::Device, Body, Client, Config, RpcError, Server};
     /// let dev = Device::open("tcp")?;
     /// let server = Server::builder(Config::default())
     ///     // Answers from a registered buffer of its own: no copy on the server either.
-    ///     .handler_buf(1, |req: Body, bufs: Buffers| async move {
+    ///     .handler(1, |req: Body| async move {
+    ///         let bufs = context::buffers().expect("inside a handler");
     ///         let mut out = bufs.buffer(req.len())?;
     ///         out.bytes_mut().copy_from_slice(&req.bytes());
     ///         out.bytes_mut().reverse();

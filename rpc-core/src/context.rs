@@ -24,7 +24,7 @@
 //! let dev = Device::open("tcp")?;
 //! // The backend says how long its caller's deadline leaves it, in whole seconds.
 //! let backend = Server::builder(Config::default())
-//!     .handler(1, |_key| async move {
+//!     .handler(1, |_key: Vec<u8>| async move {
 //!         Ok(context::remaining().map_or(b"none".to_vec(), |d| d.as_secs().to_string().into_bytes()))
 //!     })
 //!     .bind(&dev, "127.0.0.1:0".parse()?)?;
@@ -34,7 +34,7 @@
 //!
 //! // The front end asks the backend on each request's behalf.
 //! let front = Server::builder(Config::default())
-//!     .handler(2, move |key| {
+//!     .handler(2, move |key: Vec<u8>| {
 //!         let backend = to_backend.clone();
 //!         async move { ask(&backend, key).await }
 //!     })
@@ -63,14 +63,14 @@ use crate::Buffers;
 tokio::task_local! {
     /// `None` in force only under [`inherit`] from outside a budget.
     static DEADLINE: Option<Instant>;
-    /// The connection's buffers, in a `#[service]` method.
+    /// The connection's buffers, in a handler.
     static BUFFERS: Buffers;
 }
 
-/// Registered buffers of the connection the request came on, in a `#[service]` method (`None`
-/// elsewhere): a [`Bulk`](crate::Bulk) made from one is answered without a copy on this side
-/// (lent to the caller as it is). A handler registered by hand gets them as an argument
-/// instead ([`ServerBuilder::handler_buf`](crate::ServerBuilder::handler_buf)).
+/// Registered buffers of the connection the request came on, inside a handler (`None`
+/// elsewhere): a [`RegisteredBuf`](crate::RegisteredBuf) of them, or a [`Bulk`](crate::Bulk)
+/// made from one, is answered without a copy on this side (sent from where it is, or lent to
+/// the caller as it is).
 ///
 /// ```
 /// use rdma_rpc_core::{context, Bulk};
@@ -142,9 +142,8 @@ where
     }
 }
 
-/// As [`boxed`], with the connection's buffers in force too ([`buffers`]) while the future
-/// runs (made by `make`, which runs nothing of the handler's: an async block's body waits
-/// for the first poll). One allocation, as [`boxed`] makes.
+/// As [`boxed`], with the connection's buffers in force too ([`buffers`]) while the handler
+/// makes its future and while the future runs. One allocation, as [`boxed`] makes.
 pub(crate) fn boxed_with_buffers<F>(
     deadline: Option<Instant>,
     bufs: &Buffers,
@@ -153,8 +152,15 @@ pub(crate) fn boxed_with_buffers<F>(
 where
     F: Future + Send + 'static,
 {
-    let bufs = bufs.clone();
-    boxed(deadline, move || BUFFERS.scope(bufs, make()))
+    boxed(deadline, move || {
+        let fut = BUFFERS.sync_scope(bufs.clone(), make);
+        BUFFERS.scope(bufs.clone(), fut)
+    })
+}
+
+/// Runs `f` with the connection's buffers in force ([`buffers`]): a synchronous handler.
+pub(crate) fn with_buffers<R>(bufs: &Buffers, f: impl FnOnce() -> R) -> R {
+    BUFFERS.sync_scope(bufs.clone(), f)
 }
 
 /// Runs `f` with `deadline` in force (a synchronous handler); without one, as it is.

@@ -29,8 +29,9 @@ pub(crate) enum Handler {
 }
 
 /// A handler's answer: bytes to copy into the message, a registered buffer to send from, or
-/// a shared value lent as it is where it is registered with the connection.
-pub(crate) enum Response {
+/// a shared value lent as it is where it is registered with the connection. (`pub` for the
+/// sealed [`HandlerOutput`](crate::HandlerOutput); its module is private.)
+pub enum Response {
     Bytes(Vec<u8>),
     Buf(RegisteredBuf),
     Bulk(crate::Bulk),

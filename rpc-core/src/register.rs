@@ -1,166 +1,190 @@
-//! The [`ServerBuilder`] methods that register handlers: bytes in and out, bodies in place,
-//! answers from registered buffers, and synchronous handlers.
+//! The [`ServerBuilder`] methods that register handlers: [`ServerBuilder::handler`] for async
+//! handlers, [`ServerBuilder::handler_sync`] for those that answer at once. What a handler
+//! takes its request as ([`HandlerInput`]) says where the request stays while it runs; what
+//! it answers with ([`HandlerOutput`]) says how the answer leaves.
 
 use std::future::Future;
 
 use crate::buf::{Body, RegisteredBuf};
 use crate::context;
 use crate::handler::{Handler, Response};
-use crate::server::ServerBuilder;
+use crate::server::{Placement, ServerBuilder};
 use crate::stash::Buffers;
-use crate::RpcError;
+use crate::{Bulk, RpcError};
+
+/// What an async handler takes its request as, and so where the request is while it runs:
+///
+/// | type | a request of one message | a larger request |
+/// |---|---|---|
+/// | `Vec<u8>` | copied out | copied out |
+/// | [`Body`] | in its receive slot, from [`IN_SLOT_MIN`](crate::IN_SLOT_MIN) bytes | in the registered buffer it was read into |
+/// | [`Bulk`] | copied out | in the registered buffer it was read into |
+///
+/// A `Body` in a receive slot holds that slot (a credit its caller waits for) until dropped:
+/// a connection's handlers hold at most half of its slots this way (beyond that, requests
+/// come copied), so a handler that waits long should take a `Vec<u8>` or a `Bulk`, or let go
+/// of the body early. Sealed: these three are all.
+pub trait HandlerInput: sealed::Input + Send + Sized + 'static {}
+
+/// What a handler answers with, and so how the answer leaves:
+///
+/// - `Vec<u8>`: copied into the response message (or lent from a registered copy when
+///   longer than one message);
+/// - [`RegisteredBuf`] of the request's connection ([`context::buffers`]): sent from where it
+///   is, with no copy, and given back to the connection once sent (a buffer of another
+///   connection is copied);
+/// - [`Bulk`]: lent as it is when registered with the connection and longer than one
+///   message, copied otherwise.
+///
+/// With a tracing subscriber installed, a DEBUG event `rpc.payload` (`side = "response"`,
+/// `len`, `how`) says which of these happened. Sealed: these three are all.
+pub trait HandlerOutput: sealed::Output + Send + 'static {}
+
+mod sealed {
+    use super::{Body, Bulk, Placement, RegisteredBuf, Response};
+
+    pub trait Input {
+        /// Where the server keeps this method's requests.
+        fn place(placement: &mut Placement, method: u32);
+        fn from_body(body: Body) -> Self;
+    }
+
+    pub trait Output {
+        fn into_response(self) -> Response;
+    }
+
+    impl Input for Vec<u8> {
+        fn place(placement: &mut Placement, method: u32) {
+            placement.copy(method);
+        }
+        fn from_body(body: Body) -> Self {
+            body.into_vec()
+        }
+    }
+
+    impl Input for Body {
+        fn place(placement: &mut Placement, method: u32) {
+            placement.keep(method);
+        }
+        fn from_body(body: Body) -> Self {
+            body
+        }
+    }
+
+    impl Input for Bulk {
+        fn place(placement: &mut Placement, method: u32) {
+            placement.read_only(method);
+        }
+        fn from_body(body: Body) -> Self {
+            Bulk::from(body)
+        }
+    }
+
+    impl Output for Vec<u8> {
+        fn into_response(self) -> Response {
+            Response::Bytes(self)
+        }
+    }
+
+    impl Output for RegisteredBuf {
+        fn into_response(self) -> Response {
+            Response::Buf(self)
+        }
+    }
+
+    impl Output for Bulk {
+        fn into_response(self) -> Response {
+            Response::Bulk(self)
+        }
+    }
+}
+
+impl HandlerInput for Vec<u8> {}
+impl HandlerInput for Body {}
+impl HandlerInput for Bulk {}
+impl HandlerOutput for Vec<u8> {}
+impl HandlerOutput for RegisteredBuf {}
+impl HandlerOutput for Bulk {}
 
 impl ServerBuilder {
-    /// Registers the handler of `method`: request bytes in, response bytes (or an error) out.
-    /// A later registration for the same id replaces the earlier one.
-    pub fn handler<F, Fut>(mut self, method: u32, f: F) -> Self
-    where
-        F: Fn(Vec<u8>) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<Vec<u8>, RpcError>> + Send + 'static,
-    {
-        self.handlers.insert(
-            method,
-            Handler::Async(Box::new(move |req: Body, _: &Buffers, deadline| {
-                context::boxed(deadline, || {
-                    let fut = f(req.into_vec());
-                    async move { fut.await.map(Response::Bytes) }
-                })
-            })),
-        );
-        self.placement.copy(method);
-        self
-    }
-
-    /// As [`ServerBuilder::handler`], with the request as a [`Body`], without the copy into a
-    /// `Vec` ([`Body::into_vec`] makes one when wanted): an eager request stays in the receive
-    /// slot it arrived in (one shorter than [`IN_SLOT_MIN`](crate::IN_SLOT_MIN) bytes with its
-    /// header is copied, which costs less), a large one arrives in the registered buffer the
-    /// server read it into.
-    /// Dropping the body gives the slot or buffer back to the connection: a handler holds at
-    /// most half of its connection's receive slots this way (beyond that, requests come
-    /// copied), and should let go of the body as soon as it is done with it.
+    /// Registers the async handler of `method`: the request in as a `Vec<u8>`, a [`Body`] or a
+    /// [`Bulk`] ([`HandlerInput`] says where each keeps it), the answer out as a `Vec<u8>`, a
+    /// [`RegisteredBuf`] or a `Bulk` ([`HandlerOutput`] says how each leaves), or an error.
+    /// The closure's argument type picks the input: write it out (`|req: Vec<u8>|`).
+    ///
+    /// The handler's future is polled once in the connection's driver as the request arrives,
+    /// and moved to a task of its own if it waits. Inside it, [`context::deadline`] says when
+    /// its caller stops waiting and [`context::buffers`] gives registered buffers of the
+    /// connection to answer from without a copy. A panic fails its call alone, with
+    /// [`RpcError::HandlerPanic`]. A later registration for the same id replaces the earlier one.
     ///
     /// # Examples
     /// ```
-    /// use rdma_rpc_core::{Body, Config, RpcError, Server};
-    /// // Answers with the request's length and first byte, without copying the request.
-    /// let builder = Server::builder(Config::default()).handler_body(7, |body: Body| async move {
-    ///     let first = body.bytes().first().copied().unwrap_or(0);
-    ///     let mut out = (body.len() as u64).to_le_bytes().to_vec();
-    ///     out.push(first);
-    ///     Ok::<_, RpcError>(out)
-    /// });
+    /// use rdma_rpc_core::{context, Body, Config, RegisteredBuf, RpcError, Server};
+    /// let builder = Server::builder(Config::default())
+    ///     // Bytes in, bytes out.
+    ///     .handler(1, |req: Vec<u8>| async move { Ok::<_, RpcError>(req) })
+    ///     // The request where it arrived (no copy): its length and first byte.
+    ///     .handler(2, |body: Body| async move {
+    ///         let first = body.bytes().first().copied().unwrap_or(0);
+    ///         let mut out = (body.len() as u64).to_le_bytes().to_vec();
+    ///         out.push(first);
+    ///         Ok::<_, RpcError>(out)
+    ///     })
+    ///     // 4 KiB of the request's first byte, written in registered memory and sent from it.
+    ///     .handler(3, |req: Body| async move {
+    ///         let bufs = context::buffers().expect("inside a handler");
+    ///         let mut out: RegisteredBuf = bufs.buffer(4096)?;
+    ///         out.bytes_mut().fill(req.bytes().first().copied().unwrap_or(0));
+    ///         Ok::<_, RpcError>(out)
+    ///     });
     /// # drop(builder);
     /// ```
-    pub fn handler_body<F, Fut>(mut self, method: u32, f: F) -> Self
+    pub fn handler<F, Fut, I, O>(mut self, method: u32, f: F) -> Self
     where
-        F: Fn(Body) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<Vec<u8>, RpcError>> + Send + 'static,
-    {
-        self.handlers.insert(
-            method,
-            Handler::Async(Box::new(move |req: Body, _: &Buffers, deadline| {
-                context::boxed(deadline, || {
-                    let fut = f(req);
-                    async move { fut.await.map(Response::Bytes) }
-                })
-            })),
-        );
-        self.placement.keep(method);
-        self
-    }
-
-    /// As [`ServerBuilder::handler_body`], answering from a registered buffer: the handler gets
-    /// the connection's [`Buffers`], fills one and returns it, and the response goes to the
-    /// caller straight from it (sent as it is when small, lent when large), with no copy. A
-    /// buffer of another connection is copied. The buffer goes back to the connection once sent.
-    /// With a tracing subscriber installed, a DEBUG event `rpc.payload` (`side = "response"`,
-    /// `len`, `how`) says which of these happened.
-    ///
-    /// # Examples
-    /// ```
-    /// use rdma_rpc_core::{Body, Buffers, Config, RpcError, Server};
-    /// // Answers with 4 KiB of the request's first byte, written in place.
-    /// let builder = Server::builder(Config::default()).handler_buf(9, |req: Body, bufs: Buffers| async move {
-    ///     let mut out = bufs.buffer(4096)?;
-    ///     out.bytes_mut().fill(req.bytes().first().copied().unwrap_or(0));
-    ///     Ok::<_, RpcError>(out)
-    /// });
-    /// # drop(builder);
-    /// ```
-    pub fn handler_buf<F, Fut>(mut self, method: u32, f: F) -> Self
-    where
-        F: Fn(Body, Buffers) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<RegisteredBuf, RpcError>> + Send + 'static,
+        F: Fn(I) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<O, RpcError>> + Send + 'static,
+        I: HandlerInput,
+        O: HandlerOutput,
     {
         self.handlers.insert(
             method,
             Handler::Async(Box::new(move |req: Body, bufs: &Buffers, deadline| {
-                context::boxed(deadline, || {
-                    let fut = f(req, bufs.clone());
-                    async move { fut.await.map(Response::Buf) }
+                context::boxed_with_buffers(deadline, bufs, || {
+                    let fut = f(I::from_body(req));
+                    async move { fut.await.map(sealed::Output::into_response) }
                 })
             })),
         );
-        self.placement.keep(method);
+        I::place(&mut self.placement, method);
         self
     }
 
-    /// As [`ServerBuilder::handler`], for a handler that answers at once: a plain function,
-    /// run in the connection's driver as the request arrives, with no future to allocate and
-    /// poll. It borrows the request's bytes where they arrived (a request of 512 bytes or more
-    /// with its header in its receive slot, copied by no one; see
-    /// [`IN_SLOT_MIN`](crate::IN_SLOT_MIN)), and the slot goes back to the ring after the
-    /// response is sent. While it runs, the other requests of its connection wait, so it is for
-    /// work that does not wait (in-memory lookups, arithmetic); anything that waits (IO, other
-    /// RPCs) belongs in an async handler. A panic fails its call alone, with
-    /// [`RpcError::HandlerPanic`]; [`context::deadline`] says what it says in an async handler.
-    /// A later registration for the same id replaces the earlier one.
+    /// Registers a handler of `method` that answers at once: a plain function, run in the
+    /// connection's driver as the request arrives, with no future to allocate and poll. It
+    /// borrows the request's [`Body`] where it arrived (a request of
+    /// [`IN_SLOT_MIN`](crate::IN_SLOT_MIN) bytes or more with its header in its receive slot,
+    /// copied by no one), and the slot goes back to the ring after the response is sent. It
+    /// answers as an async handler does ([`HandlerOutput`]); [`context::buffers`] gives it
+    /// registered buffers of the connection, and [`context::deadline`] its caller's deadline.
+    ///
+    /// While it runs, the other requests of its connection wait, so it is for work that does
+    /// not wait (in-memory lookups, arithmetic); anything that waits (IO, other RPCs) belongs
+    /// in an async handler ([`ServerBuilder::handler`]). A panic fails its call alone, with
+    /// [`RpcError::HandlerPanic`]. A later registration for the same id replaces the earlier one.
     ///
     /// # Examples
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use rdma_rpc_core::{transport::Device, Client, Config, RpcError, Server};
+    /// use rdma_rpc_core::{context, transport::Device, Body, Client, Config, RpcError, Server};
     /// let dev = Device::open("tcp")?;
     /// let server = Server::builder(Config::default())
-    ///     .handler_sync(1, |req: &[u8]| Ok::<_, RpcError>(req.iter().rev().copied().collect()))
-    ///     .bind(&dev, "127.0.0.1:0".parse()?)?;
-    /// let addr = server.local_addr()?;
-    /// tokio::spawn(server.serve());
-    /// let client = Client::connect(&dev, addr, Config::default()).await?;
-    /// assert_eq!(client.call(1, b"abc".to_vec()).await?, b"cba");
-    /// # Ok(()) }
-    /// ```
-    pub fn handler_sync<F>(mut self, method: u32, f: F) -> Self
-    where
-        F: Fn(&[u8]) -> Result<Vec<u8>, RpcError> + Send + Sync + 'static,
-    {
-        self.handlers.insert(
-            method,
-            Handler::Sync(Box::new(move |req: &Body, _: &Buffers| {
-                f(&req.bytes()).map(Response::Bytes)
-            })),
-        );
-        self.placement.keep(method);
-        self
-    }
-
-    /// As [`ServerBuilder::handler_buf`], for a handler that answers at once, as
-    /// [`ServerBuilder::handler_sync`] does: it borrows the request's [`Body`] and the
-    /// connection's [`Buffers`], and returns a registered buffer of them, sent as it is. No
-    /// future, no `Buffers` clone per request, the request's slot back to the ring after the
-    /// response is sent: the cheapest path through the server, for handlers that do not wait.
-    ///
-    /// # Examples
-    /// ```
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use rdma_rpc_core::{transport::Device, Body, Buffers, Client, Config, RpcError, Server};
-    /// let dev = Device::open("tcp")?;
-    /// let server = Server::builder(Config::default())
-    ///     // The request's bytes, reversed, in a registered buffer of the connection.
-    ///     .handler_buf_sync(1, |req: &Body, bufs: &Buffers| {
+    ///     // The request's bytes, reversed.
+    ///     .handler_sync(1, |req: &Body| Ok::<_, RpcError>(req.bytes().iter().rev().copied().collect::<Vec<u8>>()))
+    ///     // The same, written in a registered buffer of the connection and sent from it.
+    ///     .handler_sync(2, |req: &Body| {
+    ///         let bufs = context::buffers().expect("inside a handler");
     ///         let mut out = bufs.buffer(req.len())?;
     ///         out.bytes_mut().copy_from_slice(&req.bytes());
     ///         out.bytes_mut().reverse();
@@ -171,16 +195,18 @@ impl ServerBuilder {
     /// tokio::spawn(server.serve());
     /// let client = Client::connect(&dev, addr, Config::default()).await?;
     /// assert_eq!(client.call(1, b"abc".to_vec()).await?, b"cba");
+    /// assert_eq!(client.call(2, b"abc".to_vec()).await?, b"cba");
     /// # Ok(()) }
     /// ```
-    pub fn handler_buf_sync<F>(mut self, method: u32, f: F) -> Self
+    pub fn handler_sync<F, O>(mut self, method: u32, f: F) -> Self
     where
-        F: Fn(&Body, &Buffers) -> Result<RegisteredBuf, RpcError> + Send + Sync + 'static,
+        F: Fn(&Body) -> Result<O, RpcError> + Send + Sync + 'static,
+        O: HandlerOutput,
     {
         self.handlers.insert(
             method,
             Handler::Sync(Box::new(move |req: &Body, bufs: &Buffers| {
-                f(req, bufs).map(Response::Buf)
+                context::with_buffers(bufs, || f(req)).map(sealed::Output::into_response)
             })),
         );
         self.placement.keep(method);

@@ -34,7 +34,7 @@ pub struct ServerBuilder {
 
 /// Which methods' handlers take the request where it arrived.
 #[derive(Default)]
-pub(crate) struct Placement {
+pub struct Placement {
     /// A [`Body`], or borrowed by a synchronous handler: eager requests may stay in their
     /// receive slot, large ones in the buffer they were read into.
     in_slot: HashSet<u32>,

@@ -25,7 +25,7 @@ pub(crate) fn serve(method: u32, call: u32, len: usize, budget: Option<std::time
 }
 
 /// How a payload from a registered buffer ([`Client::call_buf`](crate::Client::call_buf),
-/// [`ServerBuilder::handler_buf`](crate::ServerBuilder::handler_buf)) leaves.
+/// a handler's [`RegisteredBuf`](crate::RegisteredBuf) answer) leaves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum How {
     /// In one Send straight from the buffer, the header in the room in front of its bytes.

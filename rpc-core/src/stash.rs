@@ -477,7 +477,7 @@ fn registered_len(class: usize, len: usize, max_mr: u64) -> usize {
 }
 
 /// Registered buffers of the connection a request came on, for a handler that answers from
-/// one ([`ServerBuilder::handler_buf`](crate::ServerBuilder::handler_buf)): the response then
+/// one ([`context::buffers`](crate::context::buffers)): the response then
 /// goes to the caller straight from it, with no copy on the server. Cheap to clone.
 #[derive(Clone)]
 pub struct Buffers {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 mod common;
 
 use common::{bounded, device, test_ip};
-use rdma_rpc_core::{CallOptions, Client, Config, RpcError, Server, ServerBuilder};
+use rdma_rpc_core::{Body, CallOptions, Client, Config, RpcError, Server, ServerBuilder};
 
 const COUNT: u32 = 1;
 const SLOW: u32 = 2;
@@ -36,7 +36,8 @@ type Runs = Arc<Mutex<HashMap<u64, usize>>>;
 
 fn counting(runs: &Runs) -> ServerBuilder {
     let runs = runs.clone();
-    Server::builder(Config::default()).handler_sync(COUNT, move |req: &[u8]| {
+    Server::builder(Config::default()).handler_sync(COUNT, move |req: &Body| {
+        let req = req.bytes();
         let id = u64::from_le_bytes(req[..8].try_into().map_err(|_| RpcError::BadRequest("an id".into()))?);
         *runs.lock().expect("runs").entry(id).or_default() += 1;
         Ok(req.to_vec())
@@ -140,13 +141,13 @@ async fn a_request_past_its_deadline_or_cancelled_before_its_handler_starts_is_n
     let seen = counted.clone();
     let client = serve_and_connect(
         Server::builder(Config::default())
-            .handler_sync(SLOW, |req: &[u8]| {
-                std::thread::sleep(Duration::from_millis(u64::from(req[0])));
-                Ok(req.to_vec())
+            .handler_sync(SLOW, |req: &Body| {
+                std::thread::sleep(Duration::from_millis(u64::from(req.bytes()[0])));
+                Ok(req.bytes().to_vec())
             })
-            .handler_sync(COUNT, move |req: &[u8]| {
+            .handler_sync(COUNT, move |req: &Body| {
                 seen.fetch_add(1, Ordering::SeqCst);
-                Ok(req.to_vec())
+                Ok(req.bytes().to_vec())
             }),
     )
     .await;

@@ -15,7 +15,7 @@ use common::{bounded, device, test_ip};
 use rdma_rpc_core::proto::HEADER_LEN;
 use rdma_rpc_core::transport::Device;
 use rdma_rpc_core::{
-    context, Body, Buffers, CallOptions, Client, CompletionMode, Config, LostKind, RpcError, Server, ServerBuilder,
+    context, Body, Bulk, CallOptions, Client, CompletionMode, Config, LostKind, RpcError, Server, ServerBuilder,
 };
 
 const ECHO: u32 = 1;
@@ -90,9 +90,9 @@ async fn start(cfg: Config) -> (Client, Arc<Probe>) {
     });
     let (p1, p2) = (probe.clone(), probe.clone());
     let server = Server::builder(cfg.clone())
-        .handler(ECHO, |req| async move { Ok(req) })
+        .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
         // request: [response length u64][anything]; response: pattern(len, len)
-        .handler(SIZED, |req| async move {
+        .handler(SIZED, |req: Vec<u8>| async move {
             let len = u64::from_le_bytes(
                 req.get(..8)
                     .and_then(|b| b.try_into().ok())
@@ -100,7 +100,7 @@ async fn start(cfg: Config) -> (Client, Arc<Probe>) {
             );
             Ok(pattern(len as usize, len))
         })
-        .handler(SLOW, move |_req| {
+        .handler(SLOW, move |_req: Vec<u8>| {
             let p = p1.clone();
             async move {
                 p.started.fetch_add(1, Ordering::SeqCst);
@@ -109,13 +109,13 @@ async fn start(cfg: Config) -> (Client, Arc<Probe>) {
                 Ok(Vec::new())
             }
         })
-        .handler(PANIC, |req| async move {
+        .handler(PANIC, |req: Vec<u8>| async move {
             if req.is_empty() {
                 panic!("handler exploded");
             }
             Ok(req)
         })
-        .handler(CHECK, move |req| {
+        .handler(CHECK, move |req: Vec<u8>| {
             let p = p2.clone();
             async move {
                 if !is_intact(&req) {
@@ -124,10 +124,9 @@ async fn start(cfg: Config) -> (Client, Arc<Probe>) {
                 Ok(req[..8].to_vec())
             }
         })
-        .handler(
-            FAIL,
-            |_req| async move { Err(RpcError::Application("no such key".into())) },
-        )
+        .handler(FAIL, |_req: Vec<u8>| async move {
+            Err::<Vec<u8>, _>(RpcError::Application("no such key".into()))
+        })
         .bind(&dev, SocketAddr::new(test_ip(), 0))
         .expect("bind");
     let addr = server.local_addr().expect("addr");
@@ -230,11 +229,11 @@ async fn a_short_call_goes_between_the_pieces_of_a_long_eager_one() {
         let longs = Arc::new(AtomicUsize::new(0));
         let (l1, l2) = (longs.clone(), longs.clone());
         let builder = Server::builder(cfg.clone())
-            .handler(LONG, move |req| {
+            .handler(LONG, move |req: Vec<u8>| {
                 l1.fetch_add(1, Ordering::SeqCst);
                 async move { Ok(req) }
             })
-            .handler(PROBE, move |_req| {
+            .handler(PROBE, move |_req: Vec<u8>| {
                 let seen = l2.load(Ordering::SeqCst) as u64;
                 async move { Ok(seen.to_le_bytes().to_vec()) }
             });
@@ -371,7 +370,7 @@ fn a_task_calling_in_a_loop_leaves_the_other_tasks_of_its_thread_their_turn() {
         .expect("the server's runtime");
     let dev = device();
     let server = Server::builder(config())
-        .handler(ECHO, |req| async move { Ok(req) })
+        .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
         .bind(&dev, SocketAddr::new(test_ip(), 0))
         .expect("bind");
     let addr = server.local_addr().expect("addr");
@@ -523,33 +522,40 @@ async fn handlers_see_their_callers_deadline() {
     const SPAWNED: u32 = 6;
     const SYNC: u32 = 7;
     const BUF_SYNC: u32 = 8;
+    const BULK: u32 = 9;
     let (client, _) = serve_and_connect(
         Server::builder(config())
-            .handler(AT_ONCE, |_req| async move { Ok(left_now()) })
-            .handler(LATER, |_req| async move {
+            .handler(AT_ONCE, |_req: Vec<u8>| async move { Ok(left_now()) })
+            .handler(LATER, |_req: Vec<u8>| async move {
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 Ok(left_now())
             })
-            .handler(MAKING, |_req| {
+            .handler(MAKING, |_req: Vec<u8>| {
+                assert!(context::buffers().is_some(), "buffers while the future is made");
                 let seen = left_now();
                 async move { Ok(seen) }
             })
-            .handler_body(BODY, |_body| async move { Ok(left_now()) })
-            .handler_buf(BUF, |_body, bufs| async move {
+            .handler(BODY, |_body: Body| async move { Ok(left_now()) })
+            .handler(BULK, |_bulk: Bulk| async move { Ok(Bulk::from(left_now())) })
+            .handler(BUF, |_body: Body| async move {
                 let seen = left_now();
-                let mut out = bufs.buffer(seen.len())?;
+                let mut out = context::buffers()
+                    .expect("buffers in an async handler")
+                    .buffer(seen.len())?;
                 out.bytes_mut().copy_from_slice(&seen);
                 Ok(out)
             })
-            .handler_sync(SYNC, |_req| Ok(left_now()))
-            .handler_buf_sync(BUF_SYNC, |_body, bufs| {
+            .handler_sync(SYNC, |_req: &Body| Ok(left_now()))
+            .handler_sync(BUF_SYNC, |_body: &Body| {
                 let seen = left_now();
-                let mut out = bufs.buffer(seen.len())?;
+                let mut out = context::buffers()
+                    .expect("buffers in a sync handler")
+                    .buffer(seen.len())?;
                 out.bytes_mut().copy_from_slice(&seen);
                 Ok(out)
             })
             // A task of its own sees the deadline only when spawned through `inherit`.
-            .handler(SPAWNED, |_req| async move {
+            .handler(SPAWNED, |_req: Vec<u8>| async move {
                 let plain = tokio::spawn(async { left_now() }).await.ok();
                 assert_eq!(plain.as_deref(), Some(&[0u8][..]), "a plain task inherits nothing");
                 let task = tokio::spawn(context::inherit(async {
@@ -563,7 +569,7 @@ async fn handlers_see_their_callers_deadline() {
     .await;
     let budget = Duration::from_secs(600);
     let timed = CallOptions::default().deadline(budget);
-    for method in [AT_ONCE, LATER, MAKING, BODY, BUF, SPAWNED, SYNC, BUF_SYNC] {
+    for method in [AT_ONCE, LATER, MAKING, BODY, BULK, BUF, SPAWNED, SYNC, BUF_SYNC] {
         for len in [8, 4 * THRESHOLD] {
             let what = format!("method {method}, {len}-byte request");
             let r = bounded(client.with_options(timed.clone()).call(method, vec![3; len])).await;
@@ -588,7 +594,7 @@ async fn handlers_see_their_callers_deadline() {
 async fn deadlines_beyond_what_the_wire_carries_are_kept_by_the_caller() {
     const LEFT: u32 = 1;
     let (client, _) = serve_and_connect(
-        Server::builder(config()).handler(LEFT, |_req| async move { Ok(left_now()) }),
+        Server::builder(config()).handler(LEFT, |_req: Vec<u8>| async move { Ok(left_now()) }),
         config(),
     )
     .await;
@@ -621,7 +627,7 @@ async fn rings_of_different_depths_serve_every_call() {
     for (server_cfg, client_cfg) in [(base.clone(), shallow.clone()), (shallow, base)] {
         let what = format!("server ring {}, client ring {}", server_cfg.ring, client_cfg.ring);
         let server = Server::builder(server_cfg)
-            .handler(ECHO, |req| async move { Ok(req) })
+            .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
             .bind(&dev, SocketAddr::new(test_ip(), 0))
             .expect("bind");
         let addr = server.local_addr().expect("addr");
@@ -664,7 +670,7 @@ async fn rings_of_different_depths_serve_every_call() {
 async fn configurations_outside_the_protocol_are_refused_naming_the_field() {
     let dev = device();
     let server = Server::builder(config())
-        .handler(ECHO, |req| async move { Ok(req) })
+        .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
         .bind(&dev, SocketAddr::new(test_ip(), 0))
         .expect("bind");
     let addr = server.local_addr().expect("addr");
@@ -749,8 +755,8 @@ async fn response_hints_of_any_size_are_only_hints() {
 async fn long_error_messages_are_cut_at_a_character() {
     const LONG: u32 = 1;
     let (client, _) = serve_and_connect(
-        Server::builder(config()).handler(LONG, |_req| async move {
-            Err(RpcError::Application("€".repeat(3 * THRESHOLD)))
+        Server::builder(config()).handler(LONG, |_req: Vec<u8>| async move {
+            Err::<Vec<u8>, _>(RpcError::Application("€".repeat(3 * THRESHOLD)))
         }),
         config(),
     )
@@ -771,7 +777,7 @@ async fn long_error_messages_are_cut_at_a_character() {
 async fn a_request_budget_counts_from_its_arrival_on_an_old_connection() {
     const NAP: u32 = 1;
     let (client, _) = serve_and_connect(
-        Server::builder(config()).handler(NAP, |_req| async move {
+        Server::builder(config()).handler(NAP, |_req: Vec<u8>| async move {
             tokio::time::sleep(Duration::from_millis(300)).await;
             Ok(b"rested".to_vec())
         }),
@@ -798,12 +804,12 @@ async fn a_deadline_fires_while_another_call_sleeps_and_the_server_is_silent() {
         let cfg = config().mode(mode);
         let dev = device();
         let server = Server::builder(cfg.clone())
-            .handler(BLOCK, |req| async move {
+            .handler(BLOCK, |req: Vec<u8>| async move {
                 // Blocks the server's only thread: its driver cannot answer anything meanwhile.
                 std::thread::sleep(Duration::from_secs(8));
                 Ok(req)
             })
-            .handler(HANG, |_req| async move {
+            .handler(HANG, |_req: Vec<u8>| async move {
                 tokio::time::sleep(Duration::from_secs(3600)).await;
                 Ok(Vec::new())
             })
@@ -893,7 +899,7 @@ async fn a_handler_that_panics_before_its_future_fails_only_its_call() {
     }
 }
 
-/// Synchronous handlers (`handler_sync`, `handler_buf_sync`) answer every size, eager, kept in
+/// Synchronous handlers (`handler_sync`, answering a `Vec` or a `RegisteredBuf`) answer every size, eager, kept in
 /// the receive slot and rendezvous, from many callers at once; the slots they borrow go back to
 /// the ring (a ring of four would stall after four calls otherwise); a panic fails its call
 /// alone and the connection serves on.
@@ -908,10 +914,10 @@ async fn synchronous_handlers_answer_borrow_and_fail_alone() {
     let cfg = config().ring(4);
     let (client, _) = serve_and_connect(
         Server::builder(cfg.clone())
-            .handler_sync(REVERSE, move |req| Ok(reverse(req)))
-            .handler_buf_sync(REVERSE_BUF, move |req: &Body, bufs: &Buffers| {
+            .handler_sync(REVERSE, move |req: &Body| Ok(reverse(&req.bytes())))
+            .handler_sync(REVERSE_BUF, move |req: &Body| {
                 let rev = reverse(&req.bytes());
-                let mut out = bufs.buffer(rev.len())?;
+                let mut out = context::buffers().expect("inside a handler").buffer(rev.len())?;
                 out.bytes_mut().copy_from_slice(&rev);
                 Ok(out)
             }),
@@ -1043,11 +1049,11 @@ fn child_server() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(async {
         let server = Server::builder(config())
-            .handler(SLOW, |_| async {
+            .handler(SLOW, |_: Vec<u8>| async {
                 tokio::time::sleep(Duration::from_secs(3600)).await;
                 Ok(Vec::new())
             })
-            .handler(ECHO, |r| async move { Ok(r) })
+            .handler(ECHO, |r: Vec<u8>| async move { Ok(r) })
             .bind(&device(), SocketAddr::new(test_ip(), 0))
             .expect("bind");
         println!("LISTEN {}", server.local_addr().expect("addr"));
@@ -1114,7 +1120,7 @@ async fn a_dead_server_fails_every_pending_call() {
 /// A client of an echo server of its own on `dev`, both with [`config`].
 async fn echo_client(dev: &Device) -> Client {
     let server = Server::builder(config())
-        .handler(ECHO, |req| async move { Ok(req) })
+        .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
         .bind(dev, SocketAddr::new(test_ip(), 0))
         .expect("bind");
     let addr = server.local_addr().expect("addr");
@@ -1221,7 +1227,7 @@ async fn free_buffers_kept_for_reuse_stay_within_the_configured_bytes() {
         let cfg = config().max_cached_buffer_bytes(cache);
         let dev = device();
         let server = Server::builder(cfg.clone())
-            .handler(ECHO, |req| async move { Ok(req) })
+            .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
             .bind(&dev, SocketAddr::new(test_ip(), 0))
             .expect("bind");
         let addr = server.local_addr().expect("addr");
@@ -1356,7 +1362,7 @@ async fn calls_beyond_the_servers_limit_wait_their_turn_in_the_client() {
     let gauge = Arc::new(Gauge::default());
     let g = gauge.clone();
     let cfg = config().max_concurrent_requests(3);
-    let builder = Server::builder(cfg.clone()).handler(SLOW, move |req| {
+    let builder = Server::builder(cfg.clone()).handler(SLOW, move |req: Vec<u8>| {
         let g = g.clone();
         async move {
             g.run_for(Duration::from_millis(20), 3).await;
@@ -1401,7 +1407,7 @@ async fn rendezvous_requests_beyond_the_byte_limit_wait_unread() {
     let body = THRESHOLD * 4;
     // Room for two bodies at once, not three.
     let cfg = config().max_request_bytes_in_flight((body * 2 + body / 2) as u64);
-    let builder = Server::builder(cfg).handler(SLOW, move |req| {
+    let builder = Server::builder(cfg).handler(SLOW, move |req: Vec<u8>| {
         let g = g.clone();
         async move {
             g.run_for(Duration::from_millis(20), 2).await;
@@ -1462,7 +1468,7 @@ fn a_client_whose_runtime_shut_down_fails_its_calls_at_once_saying_why() {
     let server = serving
         .block_on(async {
             Server::builder(config())
-                .handler(ECHO, |req| async move { Ok(req) })
+                .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
                 .bind(&dev, SocketAddr::new(test_ip(), 0))
         })
         .expect("bind");
@@ -1537,7 +1543,7 @@ async fn a_connect_where_nothing_listens_names_the_address_and_the_refusal() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_beyond_the_servers_limit_are_refused_until_one_closes() {
     let cfg = config().max_connections(2);
-    let builder = Server::builder(cfg).handler(ECHO, |req| async move { Ok(req) });
+    let builder = Server::builder(cfg).handler(ECHO, |req: Vec<u8>| async move { Ok(req) });
     let (first, addr) = serve_and_connect(builder, config()).await;
     let dev = device();
     let second = bounded(Client::connect(&dev, addr, config())).await.expect("second");
@@ -1571,8 +1577,12 @@ async fn connections_beyond_the_servers_limit_are_refused_until_one_closes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_passes_on_a_not_run_error_is_not_taken_for_unrun() {
     let builder = Server::builder(config())
-        .handler(FAIL, |_req| async move { Err(RpcError::Overloaded { limit: 5 }) })
-        .handler(ECHO, |_req| async move { Err(RpcError::ShuttingDown) });
+        .handler(FAIL, |_req: Vec<u8>| async move {
+            Err::<Vec<u8>, _>(RpcError::Overloaded { limit: 5 })
+        })
+        .handler(ECHO, |_req: Vec<u8>| async move {
+            Err::<Vec<u8>, _>(RpcError::ShuttingDown)
+        });
     let (client, _) = serve_and_connect(builder, config()).await;
     for method in [FAIL, ECHO] {
         match bounded(client.call(method, b"x".to_vec())).await {

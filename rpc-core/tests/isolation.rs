@@ -47,7 +47,7 @@ async fn server(isolation: Isolation) -> SocketAddr {
         .handler(BIG, |req: Vec<u8>| async move {
             Ok(response(req.first().copied().unwrap_or(0)))
         })
-        .handler(ECHO, |req| async move { Ok::<_, RpcError>(req) })
+        .handler(ECHO, |req: Vec<u8>| async move { Ok::<_, RpcError>(req) })
         .bind(&device(), SocketAddr::new(test_ip(), 0))
         .expect("bind");
     let addr = server.local_addr().expect("addr");
@@ -451,7 +451,7 @@ async fn idle_connections_give_their_slots_back() {
         .max_connections(2)
         .idle_timeout(Duration::from_secs(3));
     let server = Server::builder(config)
-        .handler(ECHO, |req| async move { Ok::<_, RpcError>(req) })
+        .handler(ECHO, |req: Vec<u8>| async move { Ok::<_, RpcError>(req) })
         .bind(&device(), SocketAddr::new(test_ip(), 0))
         .expect("bind");
     let addr = server.local_addr().expect("addr");

@@ -1,8 +1,8 @@
 //! Registered buffers held by the application: `Client::buffer` / `Client::call_buf` lend a
-//! buffer to the server as it is, `ServerBuilder::handler_body` hands a large request to the
+//! buffer to the server as it is, a handler that takes a `Body` gets a large request to the
 //! handler in the buffer it was read into and a small one in its receive slot, and
 //! `Client::call_body` returns a small response in its receive slot; a small registered request
-//! is sent from its buffer, and `ServerBuilder::handler_buf` answers from one. Over
+//! is sent from its buffer, and a handler answers from one (a `RegisteredBuf` of `context::buffers`). Over
 //! `RDMA_RPC_PROVIDER` (default `tcp`).
 
 use std::net::SocketAddr;
@@ -17,7 +17,9 @@ use common::{bounded, device, test_ip};
 use parking_lot::Mutex;
 use rdma_rpc_core::proto::{FRAGMENT, HEADER_LEN};
 use rdma_rpc_core::transport::Device;
-use rdma_rpc_core::{Body, Buffers, Bulk, CallOptions, Client, Config, Isolation, RpcError, Server, IN_SLOT_MIN};
+use rdma_rpc_core::{
+    context, Body, Buffers, Bulk, CallOptions, Client, Config, Isolation, RpcError, Server, IN_SLOT_MIN,
+};
 
 /// Answers [len u64][checksum u64][1 if the body came in a registered buffer].
 const SUM: u32 = 1;
@@ -27,9 +29,9 @@ const SLOW_SUM: u32 = 2;
 const KEEP_SUM: u32 = 3;
 /// Answers `len` bytes (little-endian u64 in the request) of pattern `len`.
 const MAKE: u32 = 4;
-/// `handler_buf`: answers the request reversed, from a buffer of the connection's.
+/// Answers the request reversed, from a buffer of the connection's.
 const REVERSE_BUF: u32 = 5;
-/// `handler_buf`: answers `len` bytes (little-endian u64 in the request) of pattern `len`, from
+/// Answers `len` bytes (little-endian u64 in the request) of pattern `len`, from
 /// a buffer of the first connection that called it (so a copy on any other).
 const MAKE_BUF: u32 = 6;
 const THRESHOLD: usize = 16 * 1024;
@@ -38,6 +40,11 @@ fn checksum(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
         (h ^ u64::from(x)).wrapping_mul(0x0100_0000_01b3)
     })
+}
+
+/// The buffers of the connection whose request a handler serves.
+fn handler_buffers() -> Buffers {
+    context::buffers().expect("inside a handler")
 }
 
 fn answer(body: &Body) -> Vec<u8> {
@@ -79,7 +86,7 @@ async fn setup(cfg: Config) -> (Setup, tokio::sync::MutexGuard<'static, ()>) {
     let k = kept.clone();
     let first: Arc<Mutex<Option<Buffers>>> = Arc::default();
     let server = Server::builder(cfg.clone())
-        .handler_body(KEEP_SUM, move |body: Body| {
+        .handler(KEEP_SUM, move |body: Body| {
             let out = answer(&body);
             k.lock().push(body);
             async move { Ok(out) }
@@ -90,15 +97,15 @@ async fn setup(cfg: Config) -> (Setup, tokio::sync::MutexGuard<'static, ()>) {
             fill(&mut out, len);
             Ok(out)
         })
-        .handler_body(SUM, |body: Body| async move { Ok::<_, RpcError>(answer(&body)) })
-        .handler_buf(REVERSE_BUF, |body: Body, bufs: Buffers| async move {
-            let mut out = bufs.buffer(body.len())?;
+        .handler(SUM, |body: Body| async move { Ok::<_, RpcError>(answer(&body)) })
+        .handler(REVERSE_BUF, |body: Body| async move {
+            let mut out = handler_buffers().buffer(body.len())?;
             out.bytes_mut().copy_from_slice(&body.bytes());
             out.bytes_mut().reverse();
             Ok(out)
         })
-        .handler_buf(MAKE_BUF, move |body: Body, bufs: Buffers| {
-            let first = first.lock().get_or_insert(bufs).clone();
+        .handler(MAKE_BUF, move |body: Body| {
+            let first = first.lock().get_or_insert_with(handler_buffers).clone();
             async move {
                 let len = u64::from_le_bytes(
                     body.bytes()[..]
@@ -110,7 +117,7 @@ async fn setup(cfg: Config) -> (Setup, tokio::sync::MutexGuard<'static, ()>) {
                 Ok(out)
             }
         })
-        .handler_body(SLOW_SUM, move |body: Body| {
+        .handler(SLOW_SUM, move |body: Body| {
             let h = h.clone();
             async move {
                 tokio::time::sleep(Duration::from_millis(2)).await;
@@ -241,7 +248,7 @@ async fn large_bodies_reach_the_handler_in_a_registered_buffer() {
     }
 }
 
-/// Small requests reach a `handler_body`, and small responses a `call_body` caller, in the
+/// Small requests reach a handler taking a `Body`, and small responses a `call_body` caller, in the
 /// receive slot they arrived in; large ones in the buffer they were read into (or a vector,
 /// on tcp); those joined from pieces are copied; the bytes are right either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -375,7 +382,7 @@ fn reading_a_body_in_place_blocks_no_other_call() {
         .expect("calls go on while a body's bytes are held");
 }
 
-/// Whether a request of `len` bytes reaches a `handler_body` in registered memory: above the
+/// Whether a request of `len` bytes reaches a handler taking a `Body` in registered memory: above the
 /// threshold in the buffer it was read into, else in its receive slot unless it came in pieces
 /// or is too short to be worth it (while the handlers hold fewer than half the ring's slots, as
 /// in these tests).
@@ -571,7 +578,7 @@ async fn dropped_calls_never_expose_a_lent_buffer_and_leak_nothing() {
 }
 
 /// Small registered requests go from their buffer (`call_buf_body`), and responses from the
-/// handler's (`handler_buf`), at every size up to one piece: the bytes are right both ways, the
+/// handler's (a `RegisteredBuf`), at every size up to one piece: the bytes are right both ways, the
 /// request's buffer comes back unchanged, and after warm-up no call registers memory (every
 /// buffer sent from goes back where it came from).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -602,7 +609,7 @@ async fn small_bodies_go_straight_from_registered_buffers_both_ways() {
     }
 }
 
-/// A `handler_buf` response above the threshold is lent as it is: read by the caller, or
+/// A `RegisteredBuf` response above the threshold is lent as it is: read by the caller, or
 /// written into its landing buffer when it advertised one (`response_hint`); a buffer of
 /// another connection is copied. The bytes are right every way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

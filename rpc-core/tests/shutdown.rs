@@ -40,7 +40,9 @@ fn server(dev: &Device, runs: Arc<AtomicUsize>) -> Server {
                 Ok(req)
             }
         })
-        .handler(STUCK, |_req: Vec<u8>| std::future::pending())
+        .handler(STUCK, |_req: Vec<u8>| {
+            std::future::pending::<Result<Vec<u8>, RpcError>>()
+        })
         .bind(dev, SocketAddr::new(test_ip(), 0))
         .expect("bind")
 }

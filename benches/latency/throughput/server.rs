@@ -149,7 +149,7 @@ pub fn serve_child(what: &str) -> Result<(), Box<dyn std::error::Error>> {
                     config(mode, conns)
                 };
                 let server = Server::builder(cfg)
-                    .handler(ECHO, |req| async move { Ok(req) })
+                    .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
                     .bind(dev, SocketAddr::new(ip, 0))?;
                 let addr = server.local_addr()?;
                 tokio::spawn(async move {

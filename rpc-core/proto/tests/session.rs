@@ -51,7 +51,7 @@ struct Side {
     /// what a message causes is sent first), not as soon as the message is decoded.
     defer_reposts: bool,
     unposted: u32,
-    /// Requests and responses stay in their receive slots (as `handler_body` and `call_body`
+    /// Requests and responses stay in their receive slots (as a handler of a `Body` and `call_body`
     /// take them), offered while fewer than half the ring is held, as the driver does.
     in_slot: bool,
     /// Receive slots held for the application, with the message in each.
