@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 
 use rdma_rpc::transport::Device;
-use rdma_rpc::{context, Body, Client, CompletionMode, Config, Server};
+use rdma_rpc::{Body, Buffers, Client, CompletionMode, Config, Server};
 
 use crate::sampler::{self, Plan, Samples};
 
@@ -54,9 +54,7 @@ pub async fn connect(
         .handler(SINK_BODY, |req: Body| async move {
             Ok(Vec::from((req.len() as u64).to_le_bytes()))
         })
-        .handler_sync(SIZED_BODY, |req: &Body| {
-            context::buffers().expect("inside a handler").buffer(req.len())
-        })
+        .handler_sync(SIZED_BODY, |req: &Body, bufs: &Buffers| bufs.buffer(req.len()))
         .bind(dev, SocketAddr::new(ip, 0))
         .expect("bind the benchmark server");
     let addr = server.local_addr().expect("server address");

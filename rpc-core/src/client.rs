@@ -494,12 +494,11 @@ impl Client {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use rdma_rpc_core::{context, transport::Device, Body, Client, Config, RpcError, Server};
+    /// use rdma_rpc_core::{transport::Device, Body, Buffers, Client, Config, RpcError, Server};
     /// let dev = Device::open("tcp")?;
     /// let server = Server::builder(Config::default())
     ///     // Answers from a registered buffer of its own: no copy on the server either.
-    ///     .handler(1, |req: Body| async move {
-    ///         let bufs = context::buffers().expect("inside a handler");
+    ///     .handler(1, |req: Body, bufs: Buffers| async move {
     ///         let mut out = bufs.buffer(req.len())?;
     ///         out.bytes_mut().copy_from_slice(&req.bytes());
     ///         out.bytes_mut().reverse();

@@ -63,14 +63,14 @@ use crate::Buffers;
 tokio::task_local! {
     /// `None` in force only under [`inherit`] from outside a budget.
     static DEADLINE: Option<Instant>;
-    /// The connection's buffers, in a handler.
+    /// The connection's buffers, in a `#[service]` method.
     static BUFFERS: Buffers;
 }
 
-/// Registered buffers of the connection the request came on, inside a handler (`None`
-/// elsewhere): a [`RegisteredBuf`](crate::RegisteredBuf) of them, or a [`Bulk`](crate::Bulk)
-/// made from one, is answered without a copy on this side (sent from where it is, or lent to
-/// the caller as it is).
+/// Registered buffers of the connection the request came on, in a `#[service]` method (`None`
+/// elsewhere): a [`Bulk`](crate::Bulk) made from one is answered without a copy on this side
+/// (lent to the caller as it is). A handler registered by hand takes them as its second
+/// argument instead, which costs nothing per request ([`ServerBuilder::handler`](crate::ServerBuilder::handler)).
 ///
 /// ```
 /// use rdma_rpc_core::{context, Bulk};
@@ -142,8 +142,9 @@ where
     }
 }
 
-/// As [`boxed`], with the connection's buffers in force too ([`buffers`]) while the handler
-/// makes its future and while the future runs. One allocation, as [`boxed`] makes.
+/// As [`boxed`], with the connection's buffers in force too ([`buffers`]) while the future
+/// runs (made by `make`, which runs nothing of the handler's: an async block's body waits
+/// for the first poll). One allocation, as [`boxed`] makes.
 pub(crate) fn boxed_with_buffers<F>(
     deadline: Option<Instant>,
     bufs: &Buffers,
@@ -152,15 +153,8 @@ pub(crate) fn boxed_with_buffers<F>(
 where
     F: Future + Send + 'static,
 {
-    boxed(deadline, move || {
-        let fut = BUFFERS.sync_scope(bufs.clone(), make);
-        BUFFERS.scope(bufs.clone(), fut)
-    })
-}
-
-/// Runs `f` with the connection's buffers in force ([`buffers`]): a synchronous handler.
-pub(crate) fn with_buffers<R>(bufs: &Buffers, f: impl FnOnce() -> R) -> R {
-    BUFFERS.sync_scope(bufs.clone(), f)
+    let bufs = bufs.clone();
+    boxed(deadline, move || BUFFERS.scope(bufs, make()))
 }
 
 /// Runs `f` with `deadline` in force (a synchronous handler); without one, as it is.

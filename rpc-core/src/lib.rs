@@ -36,6 +36,6 @@ pub use rdma_rpc_proto::{Lost, LostKind, Status};
 pub use rdma_rpc_transport as transport;
 #[doc(hidden)]
 pub use register::TypedAnswer;
-pub use register::{HandlerInput, HandlerOutput};
+pub use register::{AsyncHandler, HandlerInput, HandlerOutput, SyncHandler};
 pub use server::{Server, ServerBuilder};
 pub use stash::Buffers;

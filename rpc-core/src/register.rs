@@ -1,7 +1,8 @@
 //! The [`ServerBuilder`] methods that register handlers: [`ServerBuilder::handler`] for async
-//! handlers, [`ServerBuilder::handler_sync`] for those that answer at once. What a handler
-//! takes its request as ([`HandlerInput`]) says where the request stays while it runs; what
-//! it answers with ([`HandlerOutput`]) says how the answer leaves.
+//! handlers, [`ServerBuilder::handler_sync`] for those that answer at once, each taking the
+//! request alone or with the connection's [`Buffers`]. What a handler takes its request as
+//! ([`HandlerInput`]) says where the request stays while it runs; what it answers with
+//! ([`HandlerOutput`]) says how the answer leaves.
 
 use std::future::Future;
 
@@ -30,8 +31,8 @@ pub trait HandlerInput: sealed::Input + Send + Sized + 'static {}
 ///
 /// - `Vec<u8>`: copied into the response message (or lent from a registered copy when
 ///   longer than one message);
-/// - [`RegisteredBuf`] of the request's connection ([`context::buffers`]): sent from where it
-///   is, with no copy, and given back to the connection once sent (a buffer of another
+/// - [`RegisteredBuf`] of the request's connection (from the [`Buffers`] a handler takes as
+///   its second argument): sent from where it is, with no copy, and given back to the connection once sent (a buffer of another
 ///   connection is copied);
 /// - [`Bulk`]: lent as it is when registered with the connection and longer than one
 ///   message, copied otherwise.
@@ -106,21 +107,132 @@ impl HandlerOutput for Vec<u8> {}
 impl HandlerOutput for RegisteredBuf {}
 impl HandlerOutput for Bulk {}
 
+/// A closure [`ServerBuilder::handler`] takes: `Fn(I) -> Fut` or, to answer from registered
+/// memory, `Fn(I, Buffers) -> Fut`, where `I` is a [`HandlerInput`] and `Fut` a future of
+/// `Result<O, RpcError>` with `O` a [`HandlerOutput`]. `M` only tells the two shapes apart:
+/// the compiler picks it. Sealed.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an async handler",
+    label = "expected `Fn(I) -> Fut` or `Fn(I, Buffers) -> Fut` with the argument types written out",
+    note = "`I` is `Vec<u8>`, `Body` or `Bulk`; `Fut` outputs `Result<O, RpcError>` with `O` one of `Vec<u8>`, `RegisteredBuf`, `Bulk`"
+)]
+pub trait AsyncHandler<M>: Send + Sync + Sized + 'static {
+    #[doc(hidden)]
+    fn register(self, builder: &mut ServerBuilder, method: u32);
+}
+
+/// A closure [`ServerBuilder::handler_sync`] takes: `Fn(&Body) -> Result<O, RpcError>` or, to
+/// answer from registered memory, `Fn(&Body, &Buffers) -> Result<O, RpcError>`, with `O` a
+/// [`HandlerOutput`]. `M` only tells the two shapes apart: the compiler picks it. Sealed.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a synchronous handler",
+    label = "expected `Fn(&Body) -> Result<O, RpcError>` or `Fn(&Body, &Buffers) -> Result<O, RpcError>` with the argument types written out",
+    note = "`O` is one of `Vec<u8>`, `RegisteredBuf`, `Bulk`"
+)]
+pub trait SyncHandler<M>: Send + Sync + Sized + 'static {
+    #[doc(hidden)]
+    fn register(self, builder: &mut ServerBuilder, method: u32);
+}
+
+/// The shapes of handler closures ([`AsyncHandler`], [`SyncHandler`]): the request alone, or
+/// with the connection's buffers. Not a public API.
+#[doc(hidden)]
+pub mod shape {
+    /// `Fn(I)`: the request alone.
+    pub struct Alone<I, O>(std::marker::PhantomData<fn(I) -> O>);
+    /// `Fn(I, Buffers)`: the request and the connection's buffers.
+    pub struct WithBuffers<I, O>(std::marker::PhantomData<fn(I) -> O>);
+}
+
+impl<F, Fut, I, O> AsyncHandler<shape::Alone<I, O>> for F
+where
+    F: Fn(I) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<O, RpcError>> + Send + 'static,
+    I: HandlerInput,
+    O: HandlerOutput,
+{
+    fn register(self, builder: &mut ServerBuilder, method: u32) {
+        builder.handlers.insert(
+            method,
+            Handler::Async(Box::new(move |req: Body, _: &Buffers, deadline| {
+                context::boxed(deadline, || {
+                    let fut = self(I::from_body(req));
+                    async move { fut.await.map(sealed::Output::into_response) }
+                })
+            })),
+        );
+        I::place(&mut builder.placement, method);
+    }
+}
+
+impl<F, Fut, I, O> AsyncHandler<shape::WithBuffers<I, O>> for F
+where
+    F: Fn(I, Buffers) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<O, RpcError>> + Send + 'static,
+    I: HandlerInput,
+    O: HandlerOutput,
+{
+    fn register(self, builder: &mut ServerBuilder, method: u32) {
+        builder.handlers.insert(
+            method,
+            Handler::Async(Box::new(move |req: Body, bufs: &Buffers, deadline| {
+                context::boxed(deadline, || {
+                    let fut = self(I::from_body(req), bufs.clone());
+                    async move { fut.await.map(sealed::Output::into_response) }
+                })
+            })),
+        );
+        I::place(&mut builder.placement, method);
+    }
+}
+
+impl<F, O> SyncHandler<shape::Alone<Body, O>> for F
+where
+    F: Fn(&Body) -> Result<O, RpcError> + Send + Sync + 'static,
+    O: HandlerOutput,
+{
+    fn register(self, builder: &mut ServerBuilder, method: u32) {
+        builder.handlers.insert(
+            method,
+            Handler::Sync(Box::new(move |req: &Body, _: &Buffers| {
+                self(req).map(sealed::Output::into_response)
+            })),
+        );
+        builder.placement.keep(method);
+    }
+}
+
+impl<F, O> SyncHandler<shape::WithBuffers<Body, O>> for F
+where
+    F: Fn(&Body, &Buffers) -> Result<O, RpcError> + Send + Sync + 'static,
+    O: HandlerOutput,
+{
+    fn register(self, builder: &mut ServerBuilder, method: u32) {
+        builder.handlers.insert(
+            method,
+            Handler::Sync(Box::new(move |req: &Body, bufs: &Buffers| {
+                self(req, bufs).map(sealed::Output::into_response)
+            })),
+        );
+        builder.placement.keep(method);
+    }
+}
+
 impl ServerBuilder {
     /// Registers the async handler of `method`: the request in as a `Vec<u8>`, a [`Body`] or a
     /// [`Bulk`] ([`HandlerInput`] says where each keeps it), the answer out as a `Vec<u8>`, a
-    /// [`RegisteredBuf`] or a `Bulk` ([`HandlerOutput`] says how each leaves), or an error.
-    /// The closure's argument type picks the input: write it out (`|req: Vec<u8>|`).
+    /// [`RegisteredBuf`] or a `Bulk` ([`HandlerOutput`] says how each leaves), or an error. A
+    /// handler that answers from registered memory takes the connection's [`Buffers`] as a
+    /// second argument. Write the arguments' types out (`|req: Vec<u8>|`): they pick the input.
     ///
     /// The handler's future is polled once in the connection's driver as the request arrives,
     /// and moved to a task of its own if it waits. Inside it, [`context::deadline`] says when
-    /// its caller stops waiting and [`context::buffers`] gives registered buffers of the
-    /// connection to answer from without a copy. A panic fails its call alone, with
+    /// its caller stops waiting. A panic fails its call alone, with
     /// [`RpcError::HandlerPanic`]. A later registration for the same id replaces the earlier one.
     ///
     /// # Examples
     /// ```
-    /// use rdma_rpc_core::{context, Body, Config, RegisteredBuf, RpcError, Server};
+    /// use rdma_rpc_core::{Body, Buffers, Config, RpcError, Server};
     /// let builder = Server::builder(Config::default())
     ///     // Bytes in, bytes out.
     ///     .handler(1, |req: Vec<u8>| async move { Ok::<_, RpcError>(req) })
@@ -132,31 +244,15 @@ impl ServerBuilder {
     ///         Ok::<_, RpcError>(out)
     ///     })
     ///     // 4 KiB of the request's first byte, written in registered memory and sent from it.
-    ///     .handler(3, |req: Body| async move {
-    ///         let bufs = context::buffers().expect("inside a handler");
-    ///         let mut out: RegisteredBuf = bufs.buffer(4096)?;
+    ///     .handler(3, |req: Body, bufs: Buffers| async move {
+    ///         let mut out = bufs.buffer(4096)?;
     ///         out.bytes_mut().fill(req.bytes().first().copied().unwrap_or(0));
     ///         Ok::<_, RpcError>(out)
     ///     });
     /// # drop(builder);
     /// ```
-    pub fn handler<F, Fut, I, O>(mut self, method: u32, f: F) -> Self
-    where
-        F: Fn(I) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<O, RpcError>> + Send + 'static,
-        I: HandlerInput,
-        O: HandlerOutput,
-    {
-        self.handlers.insert(
-            method,
-            Handler::Async(Box::new(move |req: Body, bufs: &Buffers, deadline| {
-                context::boxed_with_buffers(deadline, bufs, || {
-                    let fut = f(I::from_body(req));
-                    async move { fut.await.map(sealed::Output::into_response) }
-                })
-            })),
-        );
-        I::place(&mut self.placement, method);
+    pub fn handler<M>(mut self, method: u32, f: impl AsyncHandler<M>) -> Self {
+        f.register(&mut self, method);
         self
     }
 
@@ -165,8 +261,9 @@ impl ServerBuilder {
     /// borrows the request's [`Body`] where it arrived (a request of
     /// [`IN_SLOT_MIN`](crate::IN_SLOT_MIN) bytes or more with its header in its receive slot,
     /// copied by no one), and the slot goes back to the ring after the response is sent. It
-    /// answers as an async handler does ([`HandlerOutput`]); [`context::buffers`] gives it
-    /// registered buffers of the connection, and [`context::deadline`] its caller's deadline.
+    /// answers as an async handler does ([`HandlerOutput`]), and takes the connection's
+    /// [`Buffers`] as a second argument to answer from registered memory;
+    /// [`context::deadline`] says its caller's deadline.
     ///
     /// While it runs, the other requests of its connection wait, so it is for work that does
     /// not wait (in-memory lookups, arithmetic); anything that waits (IO, other RPCs) belongs
@@ -177,14 +274,13 @@ impl ServerBuilder {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use rdma_rpc_core::{context, transport::Device, Body, Client, Config, RpcError, Server};
+    /// use rdma_rpc_core::{transport::Device, Body, Buffers, Client, Config, RpcError, Server};
     /// let dev = Device::open("tcp")?;
     /// let server = Server::builder(Config::default())
     ///     // The request's bytes, reversed.
     ///     .handler_sync(1, |req: &Body| Ok::<_, RpcError>(req.bytes().iter().rev().copied().collect::<Vec<u8>>()))
     ///     // The same, written in a registered buffer of the connection and sent from it.
-    ///     .handler_sync(2, |req: &Body| {
-    ///         let bufs = context::buffers().expect("inside a handler");
+    ///     .handler_sync(2, |req: &Body, bufs: &Buffers| {
     ///         let mut out = bufs.buffer(req.len())?;
     ///         out.bytes_mut().copy_from_slice(&req.bytes());
     ///         out.bytes_mut().reverse();
@@ -198,18 +294,8 @@ impl ServerBuilder {
     /// assert_eq!(client.call(2, b"abc".to_vec()).await?, b"cba");
     /// # Ok(()) }
     /// ```
-    pub fn handler_sync<F, O>(mut self, method: u32, f: F) -> Self
-    where
-        F: Fn(&Body) -> Result<O, RpcError> + Send + Sync + 'static,
-        O: HandlerOutput,
-    {
-        self.handlers.insert(
-            method,
-            Handler::Sync(Box::new(move |req: &Body, bufs: &Buffers| {
-                context::with_buffers(bufs, || f(req)).map(sealed::Output::into_response)
-            })),
-        );
-        self.placement.keep(method);
+    pub fn handler_sync<M>(mut self, method: u32, f: impl SyncHandler<M>) -> Self {
+        f.register(&mut self, method);
         self
     }
 

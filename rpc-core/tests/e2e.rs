@@ -15,7 +15,8 @@ use common::{bounded, device, test_ip};
 use rdma_rpc_core::proto::HEADER_LEN;
 use rdma_rpc_core::transport::Device;
 use rdma_rpc_core::{
-    context, Body, Bulk, CallOptions, Client, CompletionMode, Config, LostKind, RpcError, Server, ServerBuilder,
+    context, Body, Buffers, Bulk, CallOptions, Client, CompletionMode, Config, LostKind, RpcError, Server,
+    ServerBuilder,
 };
 
 const ECHO: u32 = 1;
@@ -531,26 +532,21 @@ async fn handlers_see_their_callers_deadline() {
                 Ok(left_now())
             })
             .handler(MAKING, |_req: Vec<u8>| {
-                assert!(context::buffers().is_some(), "buffers while the future is made");
                 let seen = left_now();
                 async move { Ok(seen) }
             })
             .handler(BODY, |_body: Body| async move { Ok(left_now()) })
             .handler(BULK, |_bulk: Bulk| async move { Ok(Bulk::from(left_now())) })
-            .handler(BUF, |_body: Body| async move {
+            .handler(BUF, |_body: Body, bufs: Buffers| async move {
                 let seen = left_now();
-                let mut out = context::buffers()
-                    .expect("buffers in an async handler")
-                    .buffer(seen.len())?;
+                let mut out = bufs.buffer(seen.len())?;
                 out.bytes_mut().copy_from_slice(&seen);
                 Ok(out)
             })
             .handler_sync(SYNC, |_req: &Body| Ok(left_now()))
-            .handler_sync(BUF_SYNC, |_body: &Body| {
+            .handler_sync(BUF_SYNC, |_body: &Body, bufs: &Buffers| {
                 let seen = left_now();
-                let mut out = context::buffers()
-                    .expect("buffers in a sync handler")
-                    .buffer(seen.len())?;
+                let mut out = bufs.buffer(seen.len())?;
                 out.bytes_mut().copy_from_slice(&seen);
                 Ok(out)
             })
@@ -915,9 +911,9 @@ async fn synchronous_handlers_answer_borrow_and_fail_alone() {
     let (client, _) = serve_and_connect(
         Server::builder(cfg.clone())
             .handler_sync(REVERSE, move |req: &Body| Ok(reverse(&req.bytes())))
-            .handler_sync(REVERSE_BUF, move |req: &Body| {
+            .handler_sync(REVERSE_BUF, move |req: &Body, bufs: &Buffers| {
                 let rev = reverse(&req.bytes());
-                let mut out = context::buffers().expect("inside a handler").buffer(rev.len())?;
+                let mut out = bufs.buffer(rev.len())?;
                 out.bytes_mut().copy_from_slice(&rev);
                 Ok(out)
             }),

@@ -11,13 +11,13 @@ mod common;
 use common::{bounded, device, test_ip};
 
 use rdma_rpc_core::transport::Device;
-use rdma_rpc_core::{context, Body, Client, Config, RpcError, Server};
+use rdma_rpc_core::{Body, Buffers, Client, Config, RpcError, Server};
 
 /// Echoes the request.
 const ECHO: u32 = 1;
 /// Answers `len` bytes (little-endian u64 in the request) of pattern `len`.
 const MAKE: u32 = 2;
-/// As MAKE, from a registered buffer of the connection's (a `RegisteredBuf` of `context::buffers`).
+/// As MAKE, from a registered buffer of the connection's (a `RegisteredBuf` of the `Buffers` it takes).
 const MAKE_BUF: u32 = 3;
 
 fn pattern(len: usize) -> Vec<u8> {
@@ -44,8 +44,7 @@ fn serve(dev: &Device, config: Config) -> SocketAddr {
             MAKE,
             |req: Vec<u8>| async move { Ok::<_, RpcError>(pattern(size_of(&req))) },
         )
-        .handler(MAKE_BUF, |req: Body| async move {
-            let bufs = context::buffers().expect("inside a handler");
+        .handler(MAKE_BUF, |req: Body, bufs: Buffers| async move {
             let len = size_of(&req.bytes());
             let mut b = bufs.buffer(len)?;
             b.bytes_mut().copy_from_slice(&pattern(len));

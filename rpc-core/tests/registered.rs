@@ -17,9 +17,7 @@ use common::{bounded, device, test_ip};
 use parking_lot::Mutex;
 use rdma_rpc_core::proto::{FRAGMENT, HEADER_LEN};
 use rdma_rpc_core::transport::Device;
-use rdma_rpc_core::{
-    context, Body, Buffers, Bulk, CallOptions, Client, Config, Isolation, RpcError, Server, IN_SLOT_MIN,
-};
+use rdma_rpc_core::{Body, Buffers, Bulk, CallOptions, Client, Config, Isolation, RpcError, Server, IN_SLOT_MIN};
 
 /// Answers [len u64][checksum u64][1 if the body came in a registered buffer].
 const SUM: u32 = 1;
@@ -40,11 +38,6 @@ fn checksum(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
         (h ^ u64::from(x)).wrapping_mul(0x0100_0000_01b3)
     })
-}
-
-/// The buffers of the connection whose request a handler serves.
-fn handler_buffers() -> Buffers {
-    context::buffers().expect("inside a handler")
 }
 
 fn answer(body: &Body) -> Vec<u8> {
@@ -98,14 +91,14 @@ async fn setup(cfg: Config) -> (Setup, tokio::sync::MutexGuard<'static, ()>) {
             Ok(out)
         })
         .handler(SUM, |body: Body| async move { Ok::<_, RpcError>(answer(&body)) })
-        .handler(REVERSE_BUF, |body: Body| async move {
-            let mut out = handler_buffers().buffer(body.len())?;
+        .handler(REVERSE_BUF, |body: Body, bufs: Buffers| async move {
+            let mut out = bufs.buffer(body.len())?;
             out.bytes_mut().copy_from_slice(&body.bytes());
             out.bytes_mut().reverse();
             Ok(out)
         })
-        .handler(MAKE_BUF, move |body: Body| {
-            let first = first.lock().get_or_insert_with(handler_buffers).clone();
+        .handler(MAKE_BUF, move |body: Body, bufs: Buffers| {
+            let first = first.lock().get_or_insert(bufs).clone();
             async move {
                 let len = u64::from_le_bytes(
                     body.bytes()[..]

@@ -13,7 +13,7 @@ mod common;
 use common::test_ip;
 
 use rdma_rpc_core::transport::Device;
-use rdma_rpc_core::{context, Body, Buffers, CallOptions, Client, Config, RpcError, Server};
+use rdma_rpc_core::{Body, Buffers, CallOptions, Client, Config, RpcError, Server};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
@@ -139,9 +139,8 @@ async fn each_registered_payload_says_whether_it_was_sent_from_its_buffer_lent_o
     let cfg = Config::default().eager_threshold(THRESHOLD);
     let first: Arc<Mutex<Option<Buffers>>> = Arc::default();
     let server = Server::builder(cfg.clone())
-        .handler(SIZED_BUF, move |body: Body| {
-            let here = || context::buffers().expect("inside a handler");
-            let first = first.lock().expect("lock").get_or_insert_with(here).clone();
+        .handler(SIZED_BUF, move |body: Body, bufs: Buffers| {
+            let first = first.lock().expect("lock").get_or_insert(bufs).clone();
             async move { first.buffer(body.len()) }
         })
         .bind(&dev, SocketAddr::new(test_ip(), 0))

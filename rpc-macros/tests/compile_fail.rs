@@ -1,4 +1,5 @@
-//! Every misuse of `#[service]` is a compile error with a readable message at the right span:
+//! Every misuse of `#[service]`, and a raw handler of the wrong shape, is a compile error with a
+//! readable message at the right span:
 //! tests/ui/*.rs, each with its committed `.stderr` (regenerate with `TRYBUILD=overwrite`).
 
 #[test]
