@@ -214,6 +214,16 @@ pub struct Config {
     /// for ever: set it on a server that untrusted peers can reach, or they can hold its
     /// [`max_connections`](Config::max_connections) slots by connecting and saying nothing.
     pub idle_timeout: Option<Duration>,
+    /// How long a connection may see no completion before it proves its peer with a keepalive
+    /// probe: a zero-length RDMA Write, which the peer's NIC acknowledges without its CPU. A
+    /// peer whose host is gone (or whose link dropped) acknowledges nothing, so once the QP's
+    /// retries run out the connection ends, and every call on it fails with
+    /// [`RpcError::ConnectionLost`](crate::RpcError) ("the peer is unreachable"), with or
+    /// without a deadline, within about 2 x this plus the transport's retry time
+    /// (the repository's `docs/guarantees.md`, "A dead peer").
+    /// 5 s by default; `None` never probes (a call whose request the peer acknowledged then
+    /// waits for its deadline, or for ever without one).
+    pub keepalive: Option<Duration>,
     /// Largest piece of a message body one Send carries, and so the size of a receive slot:
     /// [`FRAGMENT`](crate::proto::FRAGMENT) (32 KiB) by default, a power of two within
     /// [`Config::PIECE_RANGE`]. The two sides of a connection send pieces of the smaller of
@@ -258,6 +268,7 @@ impl Default for Config {
             max_cached_buffer_bytes: 64 << 20,
             lent_answer_timeout: Duration::from_secs(60),
             idle_timeout: None,
+            keepalive: Some(Duration::from_secs(5)),
             piece: crate::proto::FRAGMENT,
             receive_pool: None,
         }
@@ -317,6 +328,11 @@ impl Config {
             return Err(crate::RpcError::Config(
                 "Config::idle_timeout is zero: give clients some time between calls, or None to keep idle connections"
                     .into(),
+            ));
+        }
+        if self.keepalive.is_some_and(|t| t.is_zero()) {
+            return Err(crate::RpcError::Config(
+                "Config::keepalive is zero: give it some seconds (5 s by default), or None to never probe".into(),
             ));
         }
         if self.lent_answer_timeout.is_zero() {
@@ -432,6 +448,7 @@ setters!(Config {
     max_cached_buffer_bytes: u64 => max_cached_buffer_bytes,
     lent_answer_timeout: Duration => lent_answer_timeout,
     idle_timeout: impl Into<Option<Duration>> => idle_timeout.into(),
+    keepalive: impl Into<Option<Duration>> => keepalive.into(),
     piece: usize => piece,
     receive_pool: impl Into<Option<u32>> => receive_pool.into(),
 });

@@ -28,6 +28,7 @@ use crate::proto::{
 use crate::stash::Stash;
 use crate::{RpcError, TransportError};
 
+mod keepalive;
 mod pool;
 mod post;
 mod rdma;
@@ -37,6 +38,7 @@ mod wait;
 
 pub(crate) use pool::{ReceivePool, FLOOR as POOL_FLOOR};
 
+use keepalive::Keepalive;
 use rdma::{rdma_room, Job};
 pub(crate) use task::run;
 pub(crate) use wait::{reschedule, Backoff, Budget, SpinToken};
@@ -48,6 +50,8 @@ const READ: u64 = 3 << KIND_SHIFT;
 const WRITE: u64 = 4 << KIND_SHIFT;
 /// A Send straight from a stash buffer ([`Transmit::SendPlaced`]); the id is the buffer's.
 const PLACED: u64 = 5 << KIND_SHIFT;
+/// A keepalive's zero-length Write ([`keepalive`]).
+const PROBE: u64 = 6 << KIND_SHIFT;
 const ID_MASK: u64 = (1 << KIND_SHIFT) - 1;
 
 /// Messages (header included) shorter than this are copied out of their receive slot even for
@@ -80,6 +84,12 @@ fn failed(status: WcStatus, provider: &str) -> Lost {
         );
     }
     let hint = status.hint_on(provider).map(|h| format!(" ({h})")).unwrap_or_default();
+    if status == WcStatus::RetryExcErr {
+        return Lost::new(
+            LostKind::Transport,
+            format!("the peer is unreachable: it acknowledged nothing through every retry: {status}{hint}"),
+        );
+    }
     Lost::new(LostKind::Transport, format!("work request failed: {status}{hint}"))
 }
 
@@ -153,6 +163,10 @@ pub(crate) struct Conn {
     /// A Send waited for a buffer of the server's shared send pool: look again soon, as no
     /// completion of this connection's may come to say one is free.
     starved: bool,
+    /// Completions seen, of every kind: what the keepalive looks at.
+    completions: u64,
+    /// Probes a quiet peer now and then (`Config::keepalive`); `None` never does.
+    keepalive: Option<Keepalive>,
     /// The server's receive pool this connection's receives come from. Last, so that it is
     /// dropped after the QP, the CQ and every slot the connection held ([`Lease`]).
     lease: Option<Lease>,
@@ -219,14 +233,16 @@ impl Conn {
         slot: usize,
         config: &crate::Config,
     ) -> Result<Self, RpcError> {
-        Self::new(
+        let mut conn = Self::new(
             session,
             pd,
             qp,
             cq,
             (slot, config.ring),
             (config.isolation, config.cached_buffer_bytes()),
-        )
+        )?;
+        conn.keepalive = config.keepalive.map(Keepalive::new);
+        Ok(conn)
     }
 
     /// A connection over `qp`, whose receive ring holds `own_ring` slots of `slot` bytes and
@@ -304,6 +320,8 @@ impl Conn {
             epoch: Instant::now(),
             link: Link::default(),
             starved: false,
+            completions: 0,
+            keepalive: None,
             lease: None,
         }
     }
@@ -329,6 +347,7 @@ impl Conn {
             (config.isolation, config.cached_buffer_bytes()),
         );
         conn.stash.private_only();
+        conn.keepalive = config.keepalive.map(Keepalive::new);
         conn.lease = Some(Lease {
             pool: pool.clone(),
             window: pool::FLOOR,
@@ -517,14 +536,18 @@ impl Conn {
     }
 
     fn on_completion(&mut self, mut c: Completion) {
+        self.completions = self.completions.wrapping_add(1);
         if c.wr_id & !ID_MASK == PLACED {
             // The buffer is the stash's again, whatever the status (flushed after a loss too).
             if let Some(mr) = c.buf.take() {
                 self.placed_back(c.wr_id & ID_MASK, mr);
             }
         }
-        if matches!(c.wr_id & !ID_MASK, READ | WRITE) {
+        if matches!(c.wr_id & !ID_MASK, READ | WRITE | PROBE) {
             self.rdma_posted = self.rdma_posted.saturating_sub(1);
+        }
+        if c.wr_id == PROBE {
+            self.keepalive_answered();
         }
         if !c.status.is_success() {
             let provider = self.qp.pd().device().provider();
@@ -583,6 +606,7 @@ impl Conn {
                 }
             }
             SEND | PLACED => {} // a pool's send buffer returns to its pool as `c` drops
+            PROBE => {}         // the peer's NIC answered: `completions` counted it
             READ => {
                 let Some(job) = Job::piece_done(&mut self.reads, id, c.buf) else {
                     return;
@@ -622,8 +646,6 @@ impl Conn {
         }
     }
 }
-
-impl Conn {}
 
 #[cfg(test)]
 mod tests {
@@ -684,6 +706,54 @@ mod tests {
         .expect("connect");
         let peer_qp = peer.join().expect("the peer's thread");
         (pd, qp, cq, peer_qp, ppd, pcq)
+    }
+
+    /// A connection quiet for its keepalive's time probes its peer once (a zero-length Write,
+    /// no key), the peer's NIC answers without a receive or a message, and the connection
+    /// lives on; one that sees completions between two looks does not probe.
+    #[test]
+    fn a_quiet_connection_probes_its_peer_and_a_busy_one_does_not() {
+        let cfg = SessionConfig {
+            ring: 16,
+            eager_max: 1 << 16,
+            fragment: FRAGMENT,
+            max_payload: 1 << 20,
+        };
+        let (pd, qp, cq, _peer_qp, _ppd, pcq) = raw_pair(&cfg);
+        let mut conn = test_conn(Session::new(cfg.clone()), &pd, qp, cq, cfg.slot_size()).expect("conn");
+        let every = Duration::from_millis(10);
+        conn.keepalive = Some(Keepalive::new(every));
+        let probing = |c: &Conn| c.keepalive.as_ref().is_some_and(|k| k.probing());
+        // A completion between two looks: busy, no probe.
+        let t0 = Instant::now();
+        conn.completions += 1;
+        conn.keepalive_look(t0 + every);
+        assert!(
+            !probing(&conn),
+            "a connection with completions since its last look probed"
+        );
+        // Before its time, a look does nothing.
+        conn.keepalive_look(t0 + every + every / 2);
+        assert!(!probing(&conn), "a look before its time probed");
+        // Quiet since: the next look probes.
+        conn.keepalive_look(t0 + 3 * every);
+        assert!(probing(&conn), "a quiet connection did not probe");
+        let before = conn.completions;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while probing(&conn) {
+            assert!(Instant::now() < deadline, "the probe was not answered");
+            conn.poll_cq();
+        }
+        assert_eq!(conn.completions, before + 1, "one completion: the probe's");
+        assert!(conn.lost.is_none(), "{:?}", conn.lost);
+        // A probe is no message: nothing arrived at the peer.
+        let mut out = Vec::new();
+        pcq.poll(&mut out, 16).expect("poll");
+        assert!(out.is_empty(), "the probe raised {} completions at the peer", out.len());
+        // Looks go on: one probe per quiet interval, never two at once.
+        conn.keepalive_look(t0 + 4 * every);
+        conn.keepalive_look(t0 + 5 * every);
+        assert!(probing(&conn), "a second quiet interval probes again");
     }
 
     /// The order a short call and the pieces of a long eager one leave a connection in, when

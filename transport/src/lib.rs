@@ -84,7 +84,7 @@ pub use head::{Head, HEAD_MAX};
 pub use mr::{BufMut, BufRef, MemoryRegion, RemoteAddr, RemoteRegion};
 pub use pd::ProtectionDomain;
 pub use pool::BufferPool;
-pub use qp::{PostError, QpCaps, QpOptions, QueuePair};
+pub use qp::{PathAttrs, PostError, QpCaps, QpOptions, QueuePair};
 pub use srq::SharedReceiveQueue;
 pub use wc::{WcOpcode, WcStatus};
 pub use wr::{RecvWr, SendOp, SendWr};

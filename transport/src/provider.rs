@@ -124,6 +124,10 @@ pub(crate) trait QpOps: Send + Sync + 'static {
     fn post_send(&self, descs: &[SendDesc<'_>]) -> std::result::Result<(), (usize, Error)>;
     fn post_recv(&self, descs: &[RecvDesc<'_>]) -> std::result::Result<(), (usize, Error)>;
     fn is_error(&self) -> bool;
+    /// See [`QueuePair::path_attrs`](crate::QueuePair::path_attrs).
+    fn path_attrs(&self) -> Option<crate::PathAttrs> {
+        None
+    }
     /// See [`QueuePair::peer_shares_cpu`](crate::QueuePair::peer_shares_cpu).
     fn peer_shares_cpu(&self) -> bool {
         false

@@ -291,6 +291,13 @@ impl QueuePair {
         self.imp.is_error()
     }
 
+    /// What the connection's set-up agreed on a device that has these attributes (`verbs`):
+    /// the path MTU rdma_cm found, the RDMA Read depths both sides agreed, the ACK timeout and
+    /// the retry counts. `None` on the software providers, whose links have none of them.
+    pub fn path_attrs(&self) -> Option<PathAttrs> {
+        self.imp.path_attrs()
+    }
+
     /// Whether the peer's poller last ran on the CPU this thread runs on now, as far as the
     /// provider can tell: a hint for a thread about to spin for a completion only the peer can
     /// cause. While the two share a core, spinning only keeps the peer from running; sleep on
@@ -636,3 +643,24 @@ fn srq_attached() -> Error {
 
 /// The completion status a flushed request gets.
 pub(crate) const FLUSH: WcStatus = WcStatus::WrFlushErr;
+
+/// A connected QP's path and retry attributes ([`QueuePair::path_attrs`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PathAttrs {
+    /// Path MTU in bytes (256 to 4096), from rdma_cm's route.
+    pub path_mtu: u32,
+    /// RDMA Reads and atomics this side may have outstanding at the peer (`max_rd_atomic`):
+    /// at most the peer's responder resources.
+    pub read_depth: u8,
+    /// The peer's RDMA Reads and atomics this side serves at once (`max_dest_rd_atomic`): at
+    /// most the peer's initiator depth.
+    pub read_responder: u8,
+    /// Local ACK timeout exponent: 4.096 µs x 2^this per try.
+    pub ack_timeout: u8,
+    /// Transport retries before a request fails with `RETRY_EXC_ERR` (7 means for ever on
+    /// some devices, so it is never 7 here).
+    pub retry_count: u8,
+    /// RNR retries (7 means for ever).
+    pub rnr_retry: u8,
+}

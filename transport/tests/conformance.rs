@@ -243,6 +243,69 @@ async fn rdma_write_lands_silently() {
     quiet(&s.cq).await; // a plain Write raises nothing at the target
 }
 
+/// On a device with path attributes (verbs), both sides of a connection agree: the same path
+/// MTU from rdma_cm, Read depths that fit the other side's (each side's reads in flight at
+/// most what the other serves), the ACK timeout on both sides, and retry counts that end
+/// (never 7, "for ever" on rxe). The software providers have none.
+#[tokio::test]
+async fn both_sides_agree_the_path() {
+    let (c, s) = pair();
+    let (ca, sa) = (c.qp.path_attrs(), s.qp.path_attrs());
+    if device().provider() != "verbs" {
+        assert_eq!((ca, sa), (None, None), "a software provider reported path attributes");
+        return;
+    }
+    let (ca, sa) = (
+        ca.expect("the client's attributes"),
+        sa.expect("the server's attributes"),
+    );
+    assert_eq!(ca.path_mtu, sa.path_mtu, "{ca:?} / {sa:?}");
+    assert!((256..=4096).contains(&ca.path_mtu), "{ca:?}");
+    assert!(
+        ca.read_depth <= sa.read_responder && sa.read_depth <= ca.read_responder,
+        "{ca:?} / {sa:?}"
+    );
+    assert!(ca.read_depth > 0 && sa.read_depth > 0, "{ca:?} / {sa:?}");
+    for a in [ca, sa] {
+        assert_eq!((a.ack_timeout, a.retry_count, a.rnr_retry), (18, 6, 6), "{a:?}");
+    }
+}
+
+/// A Write of no bytes touches no memory, so the target checks no key or address (IBA C9-88):
+/// it completes with any rkey, raises nothing at the target, and proves the peer's NIC
+/// answered (the keepalive probe of rdma-rpc's driver).
+#[tokio::test]
+async fn a_zero_length_write_needs_no_key() {
+    let (c, s) = pair();
+    for (id, rkey) in [(1, 0), (2, 0xdead_beef)] {
+        c.post(SendWr::new(
+            id,
+            SendOp::Write {
+                remote: RemoteAddr { addr: 0, rkey },
+                imm: None,
+            },
+        ));
+        let wc = c.one().await;
+        ok(&wc);
+        assert_eq!((wc.wr_id, wc.opcode, wc.byte_len), (id, WcOpcode::RdmaWrite, 0));
+    }
+    quiet(&s.cq).await;
+    // The QP is still usable: a real Write after the probes lands.
+    let target = s.reg(64, RW);
+    c.post(
+        SendWr::new(
+            3,
+            SendOp::Write {
+                remote: target.remote().at(0),
+                imm: None,
+            },
+        )
+        .buf(c.filled(b"after", AccessFlags::NONE)),
+    );
+    ok(&c.one().await);
+    assert_eq!(&target.bytes()[..5], b"after");
+}
+
 #[tokio::test]
 async fn rdma_write_with_immediate_consumes_a_receive() {
     let (c, s) = pair();

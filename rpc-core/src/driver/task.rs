@@ -89,6 +89,7 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
                 budget.restart();
             } else {
                 budget.idle_round(mode);
+                conn.keepalive_spun();
                 if conn.yield_cpu {
                     std::thread::yield_now();
                 }
@@ -118,6 +119,9 @@ pub(super) async fn wait<R: Role>(conn: &mut Conn, role: &mut R) {
     if let Some(soon) = soon.map(|s| Instant::now() + s) {
         deadline = Some(deadline.map_or(soon, |d| d.min(soon)));
     }
+    if let Some(k) = conn.keepalive_due() {
+        deadline = Some(deadline.map_or(k, |d| d.min(k)));
+    }
     let sleep = async move {
         match deadline {
             Some(d) => tokio::time::sleep_until(d.into()).await,
@@ -143,4 +147,7 @@ pub(super) async fn wait<R: Role>(conn: &mut Conn, role: &mut R) {
         () = sleep => {}
     }
     conn.check_alive();
+    if conn.keepalive_due().is_some() {
+        conn.keepalive_look(Instant::now());
+    }
 }

@@ -14,11 +14,13 @@ use crate::{Error, QpOptions, Result};
 const RDMA_OPTION_ID: i32 = 0;
 const RDMA_OPTION_ID_ACK_TIMEOUT: i32 = 3;
 /// Local ACK timeout exponent: 4.096 µs × 2^18 ≈ 1.07 s per try (a 16 MiB RDMA Read on
-/// soft-RoCE under emulation needs more than 2^14 ≈ 67 ms). With `RETRY_COUNT` 7 a ConnectX
-/// NIC declares a silent peer dead (RETRY_EXC_ERR) after about 8 s; rxe treats 7 as
-/// "retry forever".
+/// soft-RoCE under emulation needs more than 2^14 ≈ 67 ms). Set on both sides.
 const ACK_TIMEOUT: u8 = 18;
-const RETRY_COUNT: u8 = 7;
+/// Transport retries after the first try: 7 tries of about 1.07 s, so a request the peer
+/// never acknowledges fails with RETRY_EXC_ERR after about 7.5 s (ConnectX and rxe alike).
+/// Not 7: rxe (and the IBA for RNR) read 7 as "retry for ever", and a peer whose host is
+/// gone then hung its callers for good.
+const RETRY_COUNT: u8 = 6;
 /// RNR retries: 6 (7 would mean "forever").
 const RNR_RETRY: u8 = 6;
 
@@ -102,6 +104,9 @@ pub(super) struct Event {
     pub(super) status: i32,
     id: *mut rdma_cm_id,
     pub(super) private_data: Vec<u8>,
+    /// A connect request's Read depths, seen from this side (the kernel swaps the peer's):
+    /// the responder resources it asks of us and the initiator depth it grants us.
+    pub(super) rd_atom: (u8, u8),
 }
 
 // SAFETY: `id` is only compared and handed back to the thread that owns the listener.
@@ -128,6 +133,11 @@ pub(super) unsafe fn copy_event(ev: *const rdma_cm_event) -> Event {
                 | RDMA_CM_EVENT_ESTABLISHED
                 | RDMA_CM_EVENT_REJECTED
         );
+        let rd_atom = if with_conn {
+            (e.param.conn.responder_resources, e.param.conn.initiator_depth)
+        } else {
+            (0, 0)
+        };
         let private_data = if with_conn {
             let conn = e.param.conn;
             if conn.private_data.is_null() {
@@ -143,6 +153,7 @@ pub(super) unsafe fn copy_event(ev: *const rdma_cm_event) -> Event {
             status: e.status,
             id: e.id,
             private_data,
+            rd_atom,
         }
     }
 }
@@ -258,6 +269,13 @@ fn create_qp(id: &Id, opts: &QpOptions) -> Result<()> {
     check("rdma_create_qp", unsafe {
         rdma_create_qp(id.raw(), pd.raw(), &mut init)
     })
+}
+
+/// The Read depths an accepting side answers with: its own device's limits (responder
+/// resources, initiator depth), each no more than the connecting side offered for it (as the
+/// connect request shows them from this side). The connecting side takes the answer's.
+fn agree_rd_atom(own: (u8, u8), offered: (u8, u8)) -> (u8, u8) {
+    (own.0.min(offered.0), own.1.min(offered.1))
 }
 
 fn set_ack_timeout(id: &Id) {
@@ -549,11 +567,14 @@ impl Listener {
             };
             // SAFETY: the child id is live; its route holds the peer's address.
             let peer = unsafe { socket_addr(rdma_get_peer_addr(&*child.raw()) as *const libc::sockaddr) };
+            // This side's retries time out as the connecting side's do.
+            set_ack_timeout(&child);
             return Ok(Request {
                 id: Some(child),
                 ch: Some(ch),
                 private_data: unframe(&ev.private_data),
                 peer,
+                offered: ev.rd_atom,
             });
         }
     }
@@ -565,6 +586,8 @@ pub(crate) struct Request {
     ch: Option<Channel>,
     private_data: Vec<u8>,
     peer: Option<SocketAddr>,
+    /// The Read depths the connecting side offered ([`Event::rd_atom`]).
+    offered: (u8, u8),
 }
 
 // SAFETY: the id and channel are usable from any thread and owned by this value alone.
@@ -601,7 +624,7 @@ impl Request {
             id: raw,
             connect: false,
             peer: None,
-            rd_atom: (ctx.max_rd_atom, ctx.max_init_rd_atom),
+            rd_atom: agree_rd_atom((ctx.max_rd_atom, ctx.max_init_rd_atom), self.offered),
             setup,
             deadline: Instant::now() + Duration::from_secs(30),
         };
@@ -624,5 +647,18 @@ impl Drop for Request {
             unsafe { rdma_reject(id.raw(), std::ptr::null(), 0) };
         }
         // Then `id` (already None or dropped above) goes before `ch`, by field order.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::agree_rd_atom;
+
+    /// Each depth is the smaller of this side's limit and what the connecting side offered.
+    #[test]
+    fn the_read_depths_are_the_smaller_of_both_sides() {
+        assert_eq!(agree_rd_atom((16, 16), (4, 8)), (4, 8));
+        assert_eq!(agree_rd_atom((2, 128), (16, 16)), (2, 16));
+        assert_eq!(agree_rd_atom((16, 16), (0, 0)), (0, 0));
     }
 }

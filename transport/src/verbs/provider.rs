@@ -138,6 +138,10 @@ impl QpOps for Qp {
         Qp::is_error(self)
     }
 
+    fn path_attrs(&self) -> Option<crate::PathAttrs> {
+        Qp::path_attrs(self)
+    }
+
     fn destroy(&mut self) {
         Qp::destroy(self);
     }

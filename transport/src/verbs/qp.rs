@@ -131,6 +131,30 @@ impl Qp {
         rc != 0 || attr.qp_state == ibv_qp_state::IBV_QPS_ERR
     }
 
+    /// What the connection's transitions set: rdma_cm's path MTU, the Read depths the two
+    /// sides agreed, the ACK timeout and the retry counts.
+    pub(crate) fn path_attrs(&self) -> Option<crate::PathAttrs> {
+        // SAFETY: ibv_qp_attr and ibv_qp_init_attr are plain old data.
+        let (mut attr, mut init): (ibv_qp_attr, ibv_qp_init_attr) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+        let mask = ibv_qp_attr_mask::IBV_QP_PATH_MTU.0
+            | ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC.0
+            | ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC.0
+            | ibv_qp_attr_mask::IBV_QP_TIMEOUT.0
+            | ibv_qp_attr_mask::IBV_QP_RETRY_CNT.0
+            | ibv_qp_attr_mask::IBV_QP_RNR_RETRY.0;
+        // SAFETY: the QP is live; both out-pointers are valid.
+        let rc = unsafe { ibv_query_qp(self.inner.qp(), &mut attr, mask as i32, &mut init) };
+        (rc == 0).then(|| crate::PathAttrs {
+            // enum ibv_mtu: 1 = 256 bytes ... 5 = 4096.
+            path_mtu: 128u32 << attr.path_mtu.min(5),
+            read_depth: attr.max_rd_atomic,
+            read_responder: attr.max_dest_rd_atomic,
+            ack_timeout: attr.timeout,
+            retry_count: attr.retry_cnt,
+            rnr_retry: attr.rnr_retry,
+        })
+    }
+
     pub(crate) fn post_send(&self, descs: &[SendDesc<'_>]) -> Result<(), (usize, Error)> {
         if descs.is_empty() {
             return Ok(());
