@@ -4,8 +4,9 @@
 # every relative link in the Markdown resolving, tests/docs.rs), the same
 # provider-neutral suites on the shared-memory provider (shm), then the
 # transport conformance suite and the RPC end-to-end suite on real verbs: soft-RoCE (rdma_rxe,
-# device rxe0) inside a qemu VM booted from Debian's kernel (scripts/rxe-vm.sh), and a smoke run
-# of every latency-harness mode on shm and tcp. Installs missing apt packages first.
+# device rxe0) inside a qemu VM booted from Debian's kernel (scripts/rxe-vm.sh), two such VMs on a
+# wire as two hosts (scripts/rxe-wire.sh), and a smoke run of every latency-harness mode on shm
+# and tcp. Installs missing apt packages first.
 # Prints the tests passed per provider and ends with "N passed, N failed".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -94,6 +95,23 @@ else
     grep -A400 '=== running conformance' "$LOG/verbs.log" | grep -m1 '^test result:' > "$LOG/verbs-conf.log"
     read -r vconf_pass vconf_fail < <(count "$LOG/verbs-conf.log")
     ((verbs_pass > 0)) || { echo "the VM lane ran no test"; fail=1; }
+fi
+
+step "two hosts over a wire (verbs): two VMs, each with rxe0 on a virtio-net NIC, joined by a qemu stream socket; calls across it, 2% packet loss, a link flap, and a pulled link that ends every call within the keepalive's bound (rpc-core/tests/wire.rs)"
+# A VM that does not boot, or a wire that does not come up, fails the lane: it never skips.
+wire_bin=$(cargo test --profile vm -p rdma-rpc-core --test wire --no-run --message-format=json 2>/dev/null |
+      sed -n 's/.*"executable":"\([^"]*\/deps\/wire-[0-9a-f]*\)".*/\1/p' | tail -1)
+wire_ok=0
+if [[ -z $wire_bin ]]; then
+    echo "could not build the two-host test"; fail=1
+else
+    RXE_VM_TIMEOUT=300 scripts/rxe-wire.sh "$wire_bin" 2>&1 | tee "$LOG/wire.log"
+    if [[ ${PIPESTATUS[0]} == 0 ]] && grep -q '^B|wire: client: ok' "$LOG/wire.log" &&
+        grep -q '^A|wire: server: ok' "$LOG/wire.log"; then
+        wire_ok=1
+    else
+        fail=1
+    fi
 fi
 
 bench_bin=$(cargo bench --bench latency --no-run --message-format=json 2>/dev/null |
@@ -277,6 +295,7 @@ printf 'provider shm:   conformance %d passed, %d failed; with the RPC end-to-en
     "$shmc_pass" "$shmc_fail" "$shm_pass" "$shm_fail"
 printf 'provider verbs: conformance %d passed, %d failed; with the RPC end-to-end, registered buffers, shutdown, isolation, receive pool, #[service] and examples suites %d passed, %d failed (rxe0, soft-RoCE in qemu)\n' \
     "$vconf_pass" "${vconf_fail:-0}" "$verbs_pass" "$verbs_fail"
+printf 'two hosts:      verbs across a wire between two VMs: %s\n' "$( ((wire_ok)) && echo "passed" || echo "FAILED (see the lane's output above)")"
 ((tcpc_pass == vconf_pass && tcpc_pass == shmc_pass)) || { echo "the providers passed different numbers of conformance cases"; fail=1; }
 # shm and verbs run the same suites: fewer tests on verbs means a binary that never finished
 # (the VM's timeout, a crash), whatever the counts of failures say.
@@ -285,5 +304,5 @@ if ((verbs_pass + verbs_fail != shm_pass + shm_fail)); then
     grep -m1 'run-rxe-vm: timeout' "$LOG/verbs.log" || true
     fail=1
 fi
-echo "$((tcp_pass + shm_pass + verbs_pass)) passed, $((tcp_fail + shm_fail + verbs_fail)) failed"
+echo "$((tcp_pass + shm_pass + verbs_pass + wire_ok)) passed, $((tcp_fail + shm_fail + verbs_fail + 1 - wire_ok)) failed"
 exit $fail

@@ -9,11 +9,16 @@ pub(super) async fn drive(gone: OnDriverGone) {
     // The guard is the future's from its making: dropped with it even if it never ran.
     let shared = &gone.0;
     let cq = shared.state.lock().conn.cq().clone();
+    // The last wait ended at its deadline: the keepalive may be due.
+    let mut timed_out = false;
     loop {
         let next = {
             let mut st = shared.state.lock();
             st.conn.link.driven_here();
             st.progress();
+            if std::mem::take(&mut timed_out) {
+                st.conn.keepalive_look(std::time::Instant::now());
+            }
             let lost = st.conn.lost().is_some();
             if st.closed && (lost || !st.conn.has_work()) {
                 return;
@@ -24,7 +29,15 @@ pub(super) async fn drive(gone: OnDriverGone) {
                 None
             } else {
                 let watch = st.needs_watch();
-                let deadline = if lost { None } else { st.conn.session.poll_timeout() };
+                let deadline = if lost {
+                    None
+                } else {
+                    let timeout = st.conn.session.poll_timeout();
+                    match (timeout, st.conn.keepalive_due()) {
+                        (Some(t), Some(k)) => Some(t.min(k)),
+                        (t, k) => t.or(k),
+                    }
+                };
                 st.driver_on_cq = watch;
                 st.driver_until = deadline;
                 Some((watch, deadline))
@@ -49,7 +62,7 @@ pub(super) async fn drive(gone: OnDriverGone) {
                 }
             }
             () = shared.kick.notified() => {}
-            () = sleep => {}
+            () = sleep => timed_out = true,
         }
     }
 }

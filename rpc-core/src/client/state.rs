@@ -306,7 +306,7 @@ impl State {
 
     /// True when no call polls by itself, so the driver must watch the CQ for them.
     pub(super) fn needs_watch(&self) -> bool {
-        self.conn.lost().is_none() && self.conn.has_work() && self.calls.len() <= self.sleeping
+        self.conn.lost().is_none() && (self.conn.has_work() || self.conn.probing()) && self.calls.len() <= self.sleeping
     }
 
     /// True when what a flush left ([`Conn::more_to_post`]) is the driver's to post: no call

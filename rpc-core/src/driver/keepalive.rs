@@ -29,12 +29,6 @@ pub(crate) struct Keepalive {
 }
 
 impl Keepalive {
-    /// Whether a probe is out.
-    #[cfg(test)]
-    pub(crate) fn probing(&self) -> bool {
-        self.probing
-    }
-
     pub(crate) fn new(every: Duration) -> Self {
         Self {
             every,
@@ -100,6 +94,11 @@ impl Conn {
                 rdma_rpc_transport::Report(&e.error)
             ))),
         }
+    }
+
+    /// Whether a probe is out: its completion (a failure above all) is worth waiting for.
+    pub(crate) fn probing(&self) -> bool {
+        self.keepalive.as_ref().is_some_and(|k| k.probing)
     }
 
     /// The probe completed (either way: a failure ends the connection as any failed work
