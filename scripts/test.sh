@@ -275,6 +275,15 @@ if [[ -n $bench_bin ]]; then
     fi
 fi
 
+step "benchmark lane across two hosts: the RPC's latency with its server on one VM (--serve) and its client on the other (--connect), beside ib_send_lat across the same wire, same boot (a report, not a test)"
+if [[ -z $bench_bin ]]; then
+    echo "could not build the latency harness"; fail=1
+else
+    RXE_VM_TIMEOUT=300 scripts/rxe-wire.sh -f "$bench_bin" scripts/wire-bench.sh "$(basename "$bench_bin")" 64,4096 500 2>&1 |
+        tee "$LOG/wire-bench.log" | sed -n '/^B|=== comparison with perftest/,$s/^B|//p'
+    [[ ${PIPESTATUS[0]} == 0 ]] || { echo "the two-host benchmark lane failed:"; tail -30 "$LOG/wire-bench.log"; fail=1; }
+fi
+
 step "benchmark lane: a short sweep on verbs (rxe0) beside perftest, same boot (a report, not a test)"
 if [[ -z $bench_bin ]]; then
     echo "could not build the latency harness"; fail=1

@@ -24,7 +24,7 @@ mod service;
 mod stats;
 mod throughput;
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use clap::Parser;
@@ -141,6 +141,18 @@ struct Args {
     /// IP to listen on (loopback for tcp; the rxe netdev's address for verbs).
     #[arg(long, default_value = "127.0.0.1")]
     ip: IpAddr,
+    /// Serve the RPC modes' server at this address (another host runs `--connect` to it) until
+    /// a client stops it (`--stop-server`); measures nothing.
+    #[arg(long, conflicts_with = "connect")]
+    serve: Option<SocketAddr>,
+    /// Measure the RPC modes against the server at this address (`--serve` on another host or
+    /// process) instead of one started here: only rpc, rpc-body, rpc-spin, rpc-event,
+    /// rpc-upload and rpc-upload-vec.
+    #[arg(long)]
+    connect: Option<SocketAddr>,
+    /// With `--connect`: stop the server once the sweep is done.
+    #[arg(long, requires = "connect")]
+    stop_server: bool,
     /// Completion mode of the RPC driver: spin, event, adaptive (`throughput`: a list).
     #[arg(long, default_value = "adaptive")]
     completion: String,
@@ -288,6 +300,19 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let provider = args.provider.clone().or(from_env).unwrap_or_else(|| "shm".to_owned());
     std::env::set_var(rdma_rpc::transport::PROVIDER_ENV, &provider);
     let dev = Device::open_default()?;
+    if let Some(addr) = args.serve {
+        let completion = match args.completion.as_str() {
+            "spin" => CompletionMode::Spin,
+            "event" => CompletionMode::Event,
+            "adaptive" => CompletionMode::default(),
+            other => return Err(format!("unknown completion mode {other}").into()),
+        };
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()?;
+        return rt.block_on(rpc::serve(&dev, addr, rdma_rpc::Config::default().mode(completion)));
+    }
     match args.sweep {
         Sweep::Latency => {}
         Sweep::Rate => return rate_sweep(&args, &dev),
@@ -304,12 +329,23 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         if !ALL_MODES.contains(&m.as_str()) {
             return Err(format!("unknown mode {m}: use {}", ALL_MODES.join(",")).into());
         }
+        if args.connect.is_some() && !rpc::REMOTE_MODES.contains(&m.as_str()) {
+            return Err(format!(
+                "mode {m} needs its server in this process: with --connect, use {}",
+                rpc::REMOTE_MODES.join(",")
+            )
+            .into());
+        }
     }
     let completion = match args.completion.as_str() {
         "spin" => CompletionMode::Spin,
         "event" => CompletionMode::Event,
         "adaptive" => CompletionMode::default(),
         other => return Err(format!("unknown completion mode {other}").into()),
+    };
+    let peer = match args.connect {
+        Some(addr) => rpc::Peer::There(addr),
+        None => rpc::Peer::Here(args.ip),
     };
     let knobs = Knobs {
         completion,
@@ -374,7 +410,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     for round in 0..rounds {
         for (k, &(mode, size)) in order.iter().enumerate() {
             bar.set_message(format!("{mode} {size} B (round {}/{rounds})", round + 1));
-            let (conv, moved, mut s) = rt.block_on(measure(&srv, &dev, args.ip, mode, size, plan, knobs));
+            let (conv, moved, mut s) = rt.block_on(measure(&srv, &dev, peer, mode, size, plan, knobs));
             s.xcore_ns.extend(rt.block_on(baseline::cross_core(&srv)));
             match merged.get_mut(k) {
                 Some(m) => m.4.absorb(s),
@@ -397,6 +433,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     report::summary(&rows, dev.provider(), args.raw_ring);
     if !args.perftest.is_empty() {
         perftest::compare(&rows, &perftest_files(&args.perftest));
+    }
+    if let (Some(addr), true) = (args.connect, args.stop_server) {
+        rt.block_on(async {
+            let client = rdma_rpc::Client::connect(&dev, addr, rdma_rpc::Config::default()).await?;
+            client.call(rpc::STOP, Vec::new()).await.map(drop)
+        })
+        .map_err(|e| format!("stopping the server at {addr}: {}", e.report()))?;
+        println!("the server at {addr} is stopped");
     }
     for p in [&args.json, &args.plot].into_iter().flatten() {
         if let Some(dir) = std::path::Path::new(p).parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -574,22 +618,23 @@ struct Knobs {
 async fn measure(
     srv: &tokio::runtime::Handle,
     dev: &Device,
-    ip: IpAddr,
+    peer: rpc::Peer,
     mode: &str,
     size: usize,
     plan: Plan,
     knobs: Knobs,
 ) -> (Convention, usize, sampler::Samples) {
     let Knobs { completion, raw_ring } = knobs;
+    let ip = peer.ip();
     match mode {
         "rpc" | "rpc-eager" | "rpc-rendezvous" | "rpc-spin" | "rpc-event" => {
-            let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion, raw_ring)).await;
+            let (client, serving) = rpc::connect(srv, dev, peer, rpc::config(mode, size, completion, raw_ring)).await;
             let s = rpc::measure(&client, size, plan).await;
             serving.abort();
             (Convention::Rtt, 2 * size, s)
         }
         "rpc-body" => {
-            let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion, raw_ring)).await;
+            let (client, serving) = rpc::connect(srv, dev, peer, rpc::config(mode, size, completion, raw_ring)).await;
             let s = rpc::in_place(&client, size, plan).await;
             serving.abort();
             (Convention::Rtt, 2 * size, s)
@@ -598,19 +643,19 @@ async fn measure(
             // The server on the client's own runtime, so on its thread: a test's or a small
             // tool's layout.
             let here = tokio::runtime::Handle::current();
-            let (client, serving) = rpc::connect(&here, dev, ip, rpc::config(mode, size, completion, raw_ring)).await;
+            let (client, serving) = rpc::connect(&here, dev, peer, rpc::config(mode, size, completion, raw_ring)).await;
             let s = rpc::measure(&client, size, plan).await;
             serving.abort();
             (Convention::Rtt, 2 * size, s)
         }
         "rpc-behind" | "rpc-behind-fifo" => {
-            let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion, raw_ring)).await;
+            let (client, serving) = rpc::connect(srv, dev, peer, rpc::config(mode, size, completion, raw_ring)).await;
             let s = rpc::behind(&client, size, plan).await;
             serving.abort();
             (Convention::Rtt, 2 * rpc::SHORT, s)
         }
         "rpc-upload" | "rpc-upload-vec" => {
-            let (client, serving) = rpc::connect(srv, dev, ip, rpc::config(mode, size, completion, raw_ring)).await;
+            let (client, serving) = rpc::connect(srv, dev, peer, rpc::config(mode, size, completion, raw_ring)).await;
             let s = if mode == "rpc-upload" {
                 rpc::upload(&client, size, plan).await
             } else {

@@ -39,14 +39,41 @@ pub fn config(mode: &str, size: usize, completion: CompletionMode, raw_ring: u32
     }
 }
 
-/// A server and a client connected to it; abort the handle to stop the server's accept loop.
-pub async fn connect(
-    srv: &tokio::runtime::Handle,
-    dev: &Device,
-    ip: std::net::IpAddr,
-    cfg: Config,
-) -> (Client, tokio::task::JoinHandle<()>) {
-    let server = Server::builder(cfg.clone())
+/// Ends a `--serve` server (`--stop-server`): answered, then the server shuts down.
+pub const STOP: u32 = 9;
+
+/// The modes `--connect` measures against a server of another process or host (`--serve`):
+/// those whose server is the RPC server below with a default configuration.
+pub const REMOTE_MODES: &[&str] = &[
+    "rpc",
+    "rpc-body",
+    "rpc-spin",
+    "rpc-event",
+    "rpc-upload",
+    "rpc-upload-vec",
+];
+
+/// Where the RPC modes' server is: started here for each row on this IP, or running at an
+/// address (`--connect`).
+#[derive(Clone, Copy, Debug)]
+pub enum Peer {
+    Here(std::net::IpAddr),
+    There(SocketAddr),
+}
+
+impl Peer {
+    /// The IP this host's own servers (the modes `--connect` does not take) listen on.
+    pub fn ip(self) -> std::net::IpAddr {
+        match self {
+            Peer::Here(ip) => ip,
+            Peer::There(a) => a.ip(),
+        }
+    }
+}
+
+/// The RPC modes' server: every handler they call.
+pub fn server(cfg: Config) -> rdma_rpc::ServerBuilder {
+    Server::builder(cfg)
         .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
         .handler(SINK, |req: Vec<u8>| async move {
             Ok(Vec::from((req.len() as u64).to_le_bytes()))
@@ -55,16 +82,78 @@ pub async fn connect(
             Ok(Vec::from((req.len() as u64).to_le_bytes()))
         })
         .handler_sync(SIZED_BODY, |req: &Body, bufs: &Buffers| bufs.buffer(req.len()))
-        .bind(dev, SocketAddr::new(ip, 0))
-        .expect("bind the benchmark server");
-    let addr = server.local_addr().expect("server address");
-    let serving = srv.spawn(async move {
-        let _ = server.serve().await;
-    });
+}
+
+/// The server of a row, when this process started one: aborting it stops its accept loop.
+pub struct Serving(Option<tokio::task::JoinHandle<()>>);
+
+impl Serving {
+    pub fn abort(self) {
+        if let Some(h) = self.0 {
+            h.abort();
+        }
+    }
+}
+
+/// A client of the RPC modes' server at `peer`: one started for it here, or the one there.
+pub async fn connect(srv: &tokio::runtime::Handle, dev: &Device, peer: Peer, cfg: Config) -> (Client, Serving) {
+    let (addr, serving) = match peer {
+        Peer::Here(ip) => {
+            let server = server(cfg.clone())
+                .bind(dev, SocketAddr::new(ip, 0))
+                .expect("bind the benchmark server");
+            let addr = server.local_addr().expect("server address");
+            let serving = srv.spawn(async move {
+                let _ = server.serve().await;
+            });
+            (addr, Serving(Some(serving)))
+        }
+        Peer::There(addr) => {
+            // The server of another host may still be starting: retried for 30 s.
+            let start = std::time::Instant::now();
+            loop {
+                match Client::connect(dev, addr, cfg.clone()).await {
+                    Ok(c) => return (c, Serving(None)),
+                    Err(e) if start.elapsed() < std::time::Duration::from_secs(30) => {
+                        eprintln!("connecting to {addr}: {} (retrying)", e.report());
+                        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                    }
+                    Err(e) => panic!("connecting to the server at {addr}: {}", e.report()),
+                }
+            }
+        }
+    };
     let client = Client::connect(dev, addr, cfg)
         .await
         .expect("connect the benchmark client");
     (client, serving)
+}
+
+/// `--serve ADDR`: the RPC modes' server at `addr` (with `cfg`), until a client sends [`STOP`].
+pub async fn serve(dev: &Device, addr: SocketAddr, cfg: Config) -> Result<(), Box<dyn std::error::Error>> {
+    let stop = std::sync::Arc::new(tokio::sync::Notify::new());
+    let stopper = stop.clone();
+    let server = server(cfg)
+        .handler(STOP, move |_: Vec<u8>| {
+            let stop = stopper.clone();
+            async move {
+                stop.notify_one();
+                Ok(Vec::new())
+            }
+        })
+        .bind(dev, addr)
+        .map_err(|e| format!("binding {addr}: {}", e.report()))?;
+    println!(
+        "serving the RPC modes ({}) at {} on provider {}: stop with --connect {} --stop-server",
+        REMOTE_MODES.join(","),
+        server.local_addr()?,
+        dev.provider(),
+        server.local_addr()?
+    );
+    server
+        .serve_with_shutdown(async move { stop.notified().await })
+        .await
+        .map_err(|e| format!("serving: {}", e.report()).into())
 }
 
 pub async fn measure(client: &Client, size: usize, plan: Plan) -> Samples {

@@ -85,10 +85,7 @@ fn failed(status: WcStatus, provider: &str) -> Lost {
     }
     let hint = status.hint_on(provider).map(|h| format!(" ({h})")).unwrap_or_default();
     if status == WcStatus::RetryExcErr {
-        return Lost::new(
-            LostKind::Transport,
-            format!("the peer is unreachable: {status}{hint}"),
-        );
+        return Lost::new(LostKind::Transport, format!("the peer is unreachable: {status}{hint}"));
     }
     Lost::new(LostKind::Transport, format!("work request failed: {status}{hint}"))
 }
