@@ -97,7 +97,7 @@ else
     ((verbs_pass > 0)) || { echo "the VM lane ran no test"; fail=1; }
 fi
 
-step "two hosts over a wire (verbs): two VMs, each with rxe0 on a virtio-net NIC, joined by a qemu stream socket; calls across it, 2% packet loss, a link flap, and a pulled link that ends every call within the keepalive's bound (rpc-core/tests/wire.rs)"
+step "two hosts over a wire (verbs): two VMs, each with rxe0 on a virtio-net NIC, joined by a qemu stream socket; calls across it, 2% packet loss, a link flap, and a pulled link that ends every call within the keepalive's bound (rpc-core/tests/wire.rs); the examples with server and clients on different hosts"
 # A VM that does not boot, or a wire that does not come up, fails the lane: it never skips.
 wire_bin=$(cargo test --profile vm -p rdma-rpc-core --test wire --no-run --message-format=json 2>/dev/null |
       sed -n 's/.*"executable":"\([^"]*\/deps\/wire-[0-9a-f]*\)".*/\1/p' | tail -1)
@@ -106,8 +106,16 @@ if [[ -z $wire_bin ]]; then
     echo "could not build the two-host test"; fail=1
 else
     RXE_VM_TIMEOUT=300 scripts/rxe-wire.sh "$wire_bin" 2>&1 | tee "$LOG/wire.log"
-    if [[ ${PIPESTATUS[0]} == 0 ]] && grep -q '^B|wire: client: ok' "$LOG/wire.log" &&
-        grep -q '^A|wire: server: ok' "$LOG/wire.log"; then
+    wire_rc=${PIPESTATUS[0]}
+    # The examples with their servers on one host and their clients on the other, each result
+    # checked (scripts/wire-examples.sh; the examples were built for the VM lane above).
+    ex_files=()
+    for e in echo logsync kv lock; do ex_files+=(-f "target/vm/examples/$e:/examples/$e"); done
+    RXE_VM_TIMEOUT=300 scripts/rxe-wire.sh "${ex_files[@]}" scripts/wire-examples.sh 2>&1 | tee "$LOG/wire-examples.log"
+    ex_rc=${PIPESTATUS[0]}
+    if ((wire_rc == 0 && ex_rc == 0)) && grep -q '^B|wire: client: ok' "$LOG/wire.log" &&
+        grep -q '^A|wire: server: ok' "$LOG/wire.log" && grep -q '^B|wire-examples: client: ok' "$LOG/wire-examples.log" &&
+        grep -q '^A|wire-examples: server: ok' "$LOG/wire-examples.log"; then
         wire_ok=1
     else
         fail=1
@@ -304,7 +312,7 @@ printf 'provider shm:   conformance %d passed, %d failed; with the RPC end-to-en
     "$shmc_pass" "$shmc_fail" "$shm_pass" "$shm_fail"
 printf 'provider verbs: conformance %d passed, %d failed; with the RPC end-to-end, registered buffers, shutdown, isolation, receive pool, #[service] and examples suites %d passed, %d failed (rxe0, soft-RoCE in qemu)\n' \
     "$vconf_pass" "${vconf_fail:-0}" "$verbs_pass" "$verbs_fail"
-printf 'two hosts:      verbs across a wire between two VMs: %s\n' "$( ((wire_ok)) && echo "passed" || echo "FAILED (see the lane's output above)")"
+printf 'two hosts:      verbs across a wire between two VMs (wire suite, examples): %s\n' "$( ((wire_ok)) && echo "passed" || echo "FAILED (see the lane's output above)")"
 ((tcpc_pass == vconf_pass && tcpc_pass == shmc_pass)) || { echo "the providers passed different numbers of conformance cases"; fail=1; }
 # shm and verbs run the same suites: fewer tests on verbs means a binary that never finished
 # (the VM's timeout, a crash), whatever the counts of failures say.
