@@ -10,7 +10,9 @@ mod common;
 
 use common::{bounded, device, test_ip};
 
-use rdma_rpc_core::transport::Device;
+use rdma_rpc_core::transport::{
+    AccessFlags, BufferPool, CompletionQueue, Device, QpOptions, QueuePair, RecvWr, SendWr,
+};
 use rdma_rpc_core::{Body, Buffers, Client, Config, RpcError, Server};
 
 /// Echoes the request.
@@ -195,4 +197,108 @@ fn a_pool_below_two_slots_a_connection_is_refused_at_bind() {
         matches!(&err, RpcError::Config(m) if m.contains("at least 200")),
         "{err}"
     );
+}
+
+/// A client that ignores its credits: it says hello as a client does, then sends `n` echo
+/// requests at once, whatever the server granted (2). Returns its QP and CQ, to watch.
+async fn flooder(dev: &Device, addr: SocketAddr, n: usize) -> (QueuePair, CompletionQueue) {
+    use rdma_rpc_core::proto::{Header, Hello, Kind};
+    let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(1024).expect("cq"));
+    let ring = BufferPool::new(&pd, 64 << 10, 16, AccessFlags::LOCAL_WRITE).expect("ring");
+    let recvs = (0..16u64).map(|i| RecvWr::new(i, ring.take().expect("slot"))).collect();
+    let hello = Hello::from(&Config::default()).encode();
+    let opts = QpOptions::new(&pd, &cq);
+    let (qp, reply) = tokio::task::spawn_blocking(move || {
+        rdma_rpc_core::transport::connect_with_recvs(addr, &opts, &hello, std::time::Duration::from_secs(30), recvs)
+    })
+    .await
+    .expect("task")
+    .expect("connect");
+    let theirs = Hello::decode(&reply).expect("an rdma-rpc server");
+    assert_eq!(theirs.credits, 2, "a pooled server grants 2 credits first");
+    let sends = BufferPool::new(&pd, 256, n, AccessFlags::LOCAL_WRITE).expect("sends");
+    for i in 0..n {
+        let mut msg = Vec::new();
+        Header {
+            kind: Kind::Request,
+            flags: 0,
+            call_id: i as u32 + 1,
+            method: ECHO,
+            status: 0,
+            credits: 0,
+            body_len: 8,
+            budget_us: 0,
+        }
+        .encode(&mut msg);
+        msg.extend_from_slice(&(i as u64).to_le_bytes());
+        let mut buf = sends.take().expect("a send buffer");
+        buf.bytes_mut()[..msg.len()].copy_from_slice(&msg);
+        qp.post_send(SendWr::send(1000 + i as u64, buf).len(msg.len()))
+            .map_err(|e| e.error)
+            .expect("post a send");
+    }
+    (qp, cq)
+}
+
+/// A client that ignores its credits floods a pool (with room for the flood): the server drops
+/// it at its first message beyond them, a well-behaved client's calls made meanwhile all
+/// complete, and every slot the flood took comes back, so the server then takes its whole
+/// `max_connections` again, each connection answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_ignores_its_credits_is_dropped_and_the_others_are_served() {
+    let (server_dev, client_dev) = (device(), device());
+    let max = 8;
+    let addr = serve(&server_dev, pooled(max, 256));
+    let good = Client::connect(&client_dev, addr, Config::default())
+        .await
+        .expect("connect");
+    let calls = tokio::spawn(async move {
+        for i in 0..30u8 {
+            let r = good.call(ECHO, vec![i; 100]).await;
+            assert_eq!(r.as_deref(), Ok(&[i; 100][..]), "call {i} of the well-behaved client");
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        good
+    });
+    let (qp, cq) = flooder(&client_dev, addr, 64).await;
+    // The server ends the flooder's connection: its QP goes to the error state (its sends
+    // unreceived, its receives flushed).
+    let start = std::time::Instant::now();
+    let mut out = Vec::new();
+    while !qp.is_error()
+        && !out
+            .iter()
+            .any(|c: &rdma_rpc_core::transport::Completion| !c.status.is_success())
+    {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(30),
+            "the flooding client was not dropped"
+        );
+        cq.poll(&mut out, 64).expect("poll");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let answered = out.iter().filter(|c| c.status.is_success() && c.wr_id < 1000).count();
+    println!(
+        "the flooder was dropped after {:?}; {answered} of its requests answered",
+        start.elapsed()
+    );
+    assert!(
+        answered <= 2,
+        "the server answered {answered} requests beyond the 2 credits it granted"
+    );
+    drop((qp, cq));
+    let good = bounded(calls).await.expect("the well-behaved client's calls");
+    // Every slot and credit came back: the whole `max_connections` again, each answered.
+    let mut clients = vec![good];
+    for _ in 1..max {
+        clients.push(connect_when_free(&client_dev, addr).await);
+    }
+    for (i, c) in clients.iter().enumerate() {
+        let want = pattern(3000 + i);
+        assert_eq!(
+            bounded(c.call(ECHO, want.clone())).await.as_deref(),
+            Ok(&want[..]),
+            "client {i}"
+        );
+    }
 }
