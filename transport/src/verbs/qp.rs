@@ -116,35 +116,32 @@ impl Qp {
         ))
     }
 
-    pub(crate) fn is_error(&self) -> bool {
+    /// The QP's attributes named by `mask` (`ibv_query_qp`); `None` when the query fails.
+    fn query(&self, mask: ibv_qp_attr_mask) -> Option<ibv_qp_attr> {
         // SAFETY: ibv_qp_attr and ibv_qp_init_attr are plain old data.
         let (mut attr, mut init): (ibv_qp_attr, ibv_qp_init_attr) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
         // SAFETY: the QP is live; both out-pointers are valid.
-        let rc = unsafe {
-            ibv_query_qp(
-                self.inner.qp(),
-                &mut attr,
-                ibv_qp_attr_mask::IBV_QP_STATE.0 as i32,
-                &mut init,
-            )
-        };
-        rc != 0 || attr.qp_state == ibv_qp_state::IBV_QPS_ERR
+        let rc = unsafe { ibv_query_qp(self.inner.qp(), &mut attr, mask.0 as i32, &mut init) };
+        (rc == 0).then_some(attr)
+    }
+
+    pub(crate) fn is_error(&self) -> bool {
+        self.query(ibv_qp_attr_mask::IBV_QP_STATE)
+            .is_none_or(|a| a.qp_state == ibv_qp_state::IBV_QPS_ERR)
     }
 
     /// What the connection's transitions set: rdma_cm's path MTU, the Read depths the two
     /// sides agreed, the ACK timeout and the retry counts.
     pub(crate) fn path_attrs(&self) -> Option<crate::PathAttrs> {
-        // SAFETY: ibv_qp_attr and ibv_qp_init_attr are plain old data.
-        let (mut attr, mut init): (ibv_qp_attr, ibv_qp_init_attr) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
-        let mask = ibv_qp_attr_mask::IBV_QP_PATH_MTU.0
-            | ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC.0
-            | ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC.0
-            | ibv_qp_attr_mask::IBV_QP_TIMEOUT.0
-            | ibv_qp_attr_mask::IBV_QP_RETRY_CNT.0
-            | ibv_qp_attr_mask::IBV_QP_RNR_RETRY.0;
-        // SAFETY: the QP is live; both out-pointers are valid.
-        let rc = unsafe { ibv_query_qp(self.inner.qp(), &mut attr, mask as i32, &mut init) };
-        (rc == 0).then(|| crate::PathAttrs {
+        let attr = self.query(
+            ibv_qp_attr_mask::IBV_QP_PATH_MTU
+                | ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC
+                | ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC
+                | ibv_qp_attr_mask::IBV_QP_TIMEOUT
+                | ibv_qp_attr_mask::IBV_QP_RETRY_CNT
+                | ibv_qp_attr_mask::IBV_QP_RNR_RETRY,
+        )?;
+        Some(crate::PathAttrs {
             // enum ibv_mtu: 1 = 256 bytes ... 5 = 4096.
             path_mtu: 128u32 << attr.path_mtu.min(5),
             read_depth: attr.max_rd_atomic,
