@@ -144,6 +144,43 @@ pub mod shape {
     pub struct WithBuffers<I, O>(std::marker::PhantomData<fn(I) -> O>);
 }
 
+/// Registers `call` as `method`'s async handler, its requests placed as `I` asks.
+fn register_async<I, O, Fut>(
+    builder: &mut ServerBuilder,
+    method: u32,
+    call: impl Fn(I, &Buffers) -> Fut + Send + Sync + 'static,
+) where
+    I: HandlerInput,
+    O: HandlerOutput,
+    Fut: Future<Output = Result<O, RpcError>> + Send + 'static,
+{
+    builder.handlers.insert(
+        method,
+        Handler::Async(Box::new(move |req: Body, bufs: &Buffers, deadline| {
+            context::boxed(deadline, || {
+                let fut = call(I::from_body(req), bufs);
+                async move { fut.await.map(sealed::Output::into_response) }
+            })
+        })),
+    );
+    I::place(&mut builder.placement, method);
+}
+
+/// Registers `call` as `method`'s synchronous handler (its requests kept where they arrive).
+fn register_sync<O: HandlerOutput>(
+    builder: &mut ServerBuilder,
+    method: u32,
+    call: impl Fn(&Body, &Buffers) -> Result<O, RpcError> + Send + Sync + 'static,
+) {
+    builder.handlers.insert(
+        method,
+        Handler::Sync(Box::new(move |req: &Body, bufs: &Buffers| {
+            call(req, bufs).map(sealed::Output::into_response)
+        })),
+    );
+    builder.placement.keep(method);
+}
+
 impl<F, Fut, I, O> AsyncHandler<shape::Alone<I, O>> for F
 where
     F: Fn(I) -> Fut + Send + Sync + 'static,
@@ -152,16 +189,7 @@ where
     O: HandlerOutput,
 {
     fn register(self, builder: &mut ServerBuilder, method: u32) {
-        builder.handlers.insert(
-            method,
-            Handler::Async(Box::new(move |req: Body, _: &Buffers, deadline| {
-                context::boxed(deadline, || {
-                    let fut = self(I::from_body(req));
-                    async move { fut.await.map(sealed::Output::into_response) }
-                })
-            })),
-        );
-        I::place(&mut builder.placement, method);
+        register_async(builder, method, move |req: I, _: &Buffers| self(req));
     }
 }
 
@@ -173,16 +201,7 @@ where
     O: HandlerOutput,
 {
     fn register(self, builder: &mut ServerBuilder, method: u32) {
-        builder.handlers.insert(
-            method,
-            Handler::Async(Box::new(move |req: Body, bufs: &Buffers, deadline| {
-                context::boxed(deadline, || {
-                    let fut = self(I::from_body(req), bufs.clone());
-                    async move { fut.await.map(sealed::Output::into_response) }
-                })
-            })),
-        );
-        I::place(&mut builder.placement, method);
+        register_async(builder, method, move |req: I, bufs: &Buffers| self(req, bufs.clone()));
     }
 }
 
@@ -192,13 +211,7 @@ where
     O: HandlerOutput,
 {
     fn register(self, builder: &mut ServerBuilder, method: u32) {
-        builder.handlers.insert(
-            method,
-            Handler::Sync(Box::new(move |req: &Body, _: &Buffers| {
-                self(req).map(sealed::Output::into_response)
-            })),
-        );
-        builder.placement.keep(method);
+        register_sync(builder, method, move |req: &Body, _: &Buffers| self(req));
     }
 }
 
@@ -208,13 +221,7 @@ where
     O: HandlerOutput,
 {
     fn register(self, builder: &mut ServerBuilder, method: u32) {
-        builder.handlers.insert(
-            method,
-            Handler::Sync(Box::new(move |req: &Body, bufs: &Buffers| {
-                self(req, bufs).map(sealed::Output::into_response)
-            })),
-        );
-        builder.placement.keep(method);
+        register_sync(builder, method, self);
     }
 }
 
