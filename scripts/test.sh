@@ -97,11 +97,11 @@ else
     ((verbs_pass > 0)) || { echo "the VM lane ran no test"; fail=1; }
 fi
 
-step "two hosts over a wire (verbs): two VMs, each with rxe0 on a virtio-net NIC, joined by a qemu stream socket; calls across it, 2% packet loss, a link flap, and a pulled link that ends every call within the keepalive's bound (rpc-core/tests/wire.rs); the examples with server and clients on different hosts"
+step "two hosts over a wire (verbs): two VMs, each with rxe0 on a virtio-net NIC, joined by a qemu stream socket; calls across it, 2% packet loss, a link flap, and a pulled link that ends every call within the keepalive's bound (rpc-core/tests/wire.rs); the examples, the RPC end-to-end and #[service] suites and the conformance cases about the wire, with server and clients on different hosts"
 # A VM that does not boot, or a wire that does not come up, fails the lane: it never skips.
 wire_bin=$(cargo test --profile vm -p rdma-rpc-core --test wire --no-run --message-format=json 2>/dev/null |
       sed -n 's/.*"executable":"\([^"]*\/deps\/wire-[0-9a-f]*\)".*/\1/p' | tail -1)
-wire_ok=0
+wire_ok=0 split_pass=0 split_fail=0
 if [[ -z $wire_bin ]]; then
     echo "could not build the two-host test"; fail=1
 else
@@ -119,6 +119,38 @@ else
         wire_ok=1
     else
         fail=1
+    fi
+    # The suites split across the hosts (rpc-core/tests/common/split.rs): each test's clients on
+    # host B, its servers on host A, started there by the agent when B's copy asks for them.
+    # Every test with a server runs that way; the few about one host (both ends on one core, a
+    # restart on the same address) run on host B alone. The conformance suite's cases about the
+    # wire (transport/tests/conformance/across.rs) run with their target on host A.
+    split_bins=$(cargo test --profile vm -p rdma-rpc-core -p rdma-rpc -p rdma-rpc-transport \
+          --test e2e --test service --test conformance --test split_agent \
+          --no-run --message-format=json 2>/dev/null |
+          sed -n 's/.*"executable":"\([^"]*\/deps\/[a-z0-9_]*-[0-9a-f]*\)".*/\1/p' | sort -u)
+    split_files=() split_names=()
+    for t in split_agent e2e service conformance; do
+        b=$(grep "/$t-" <<<"$split_bins" | tail -1)
+        [[ -n $b ]] || { echo "could not build $t for the split suites"; fail=1; continue; }
+        split_files+=(-f "$b"); split_names+=("$(basename "$b")")
+    done
+    # conformance: only its cases about the wire.
+    ((${#split_names[@]} == 4)) && split_names[3]+=":across::"
+    if ((${#split_names[@]} == 4)); then
+        RXE_VM_TIMEOUT=900 RXE_VM_MEM=3G scripts/rxe-wire.sh "${split_files[@]}" scripts/wire-suites.sh "${split_names[@]}" \
+            2>&1 | tee "$LOG/wire-suites.log"
+        split_rc=${PIPESTATUS[0]}
+        grep '^B|test result:' "$LOG/wire-suites.log" | sed 's/^B|//' > "$LOG/wire-suites-results.log"
+        read -r split_pass split_fail < <(count "$LOG/wire-suites-results.log")
+        halves=$(grep -c '^A|split_agent: .* server [0-9]*: process [0-9]*$' "$LOG/wire-suites.log")
+        echo "split suites: $split_pass passed, $split_fail failed; $halves servers run on host A"
+        if ((split_rc != 0)) || (($(wc -l < "$LOG/wire-suites-results.log") != 3)) || ((halves == 0)) ||
+            ! grep -q '^B|wire-suites: client: ok' "$LOG/wire-suites.log" || ! grep -q '^A|wire-suites: server: ok' "$LOG/wire-suites.log"; then
+            echo "the split suites failed (exit $split_rc)"; fail=1; split_fail=$((split_fail > 0 ? split_fail : 1))
+        fi
+    else
+        split_fail=1
     fi
 fi
 
@@ -312,7 +344,8 @@ printf 'provider shm:   conformance %d passed, %d failed; with the RPC end-to-en
     "$shmc_pass" "$shmc_fail" "$shm_pass" "$shm_fail"
 printf 'provider verbs: conformance %d passed, %d failed; with the RPC end-to-end, registered buffers, shutdown, isolation, receive pool, #[service] and examples suites %d passed, %d failed (rxe0, soft-RoCE in qemu)\n' \
     "$vconf_pass" "${vconf_fail:-0}" "$verbs_pass" "$verbs_fail"
-printf 'two hosts:      verbs across a wire between two VMs (wire suite, examples): %s\n' "$( ((wire_ok)) && echo "passed" || echo "FAILED (see the lane's output above)")"
+printf 'two hosts:      verbs across a wire between two VMs (wire suite, examples): %s; RPC end-to-end, #[service] and wire conformance suites split across them %d passed, %d failed\n' \
+    "$( ((wire_ok)) && echo "passed" || echo "FAILED (see the lane's output above)")" "$split_pass" "$split_fail"
 ((tcpc_pass == vconf_pass && tcpc_pass == shmc_pass)) || { echo "the providers passed different numbers of conformance cases"; fail=1; }
 # shm and verbs run the same suites: fewer tests on verbs means a binary that never finished
 # (the VM's timeout, a crash), whatever the counts of failures say.
@@ -321,5 +354,5 @@ if ((verbs_pass + verbs_fail != shm_pass + shm_fail)); then
     grep -m1 'run-rxe-vm: timeout' "$LOG/verbs.log" || true
     fail=1
 fi
-echo "$((tcp_pass + shm_pass + verbs_pass + wire_ok)) passed, $((tcp_fail + shm_fail + verbs_fail + 1 - wire_ok)) failed"
+echo "$((tcp_pass + shm_pass + verbs_pass + wire_ok + split_pass)) passed, $((tcp_fail + shm_fail + verbs_fail + 1 - wire_ok + split_fail)) failed"
 exit $fail

@@ -1,6 +1,7 @@
 //! `#[service]` end to end: a service with methods of every supported shape, served and called
 //! over the provider named by `RDMA_RPC_PROVIDER` (default `tcp`; in the VM lane `verbs` on
-//! rxe0, with `RDMA_RPC_TEST_IP`).
+//! rxe0, with `RDMA_RPC_TEST_IP`). Servers go through `split` (rpc-core's test helper), so the
+//! two-host lane runs every test that has one with its server on the other host.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -10,6 +11,19 @@ use std::time::Duration;
 use rdma_rpc::transport::Device;
 use rdma_rpc::{service, Bulk, CallOptions, Client, Config, RpcError, Server};
 use serde::{Deserialize, Serialize};
+
+#[path = "../rpc-core/tests/common/split.rs"]
+#[allow(dead_code)] // this file uses `serve` only
+mod split;
+
+impl split::Serve for Server {
+    fn addr(&self) -> SocketAddr {
+        self.local_addr().expect("the server's address")
+    }
+    fn start(self) {
+        tokio::spawn(self.serve());
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 struct Point {
@@ -137,8 +151,7 @@ async fn lab() -> (LabClient, Device) {
     let server = LabServer::new(LabImpl::default())
         .bind(&dev, SocketAddr::new(test_ip(), 0), Config::default())
         .expect("bind");
-    let addr = server.local_addr().expect("addr");
-    tokio::spawn(server.serve());
+    let addr = split::serve(server).await;
     let client = LabClient::connect(&dev, addr, Config::default())
         .await
         .expect("connect");
@@ -294,8 +307,7 @@ async fn two_services_share_one_server_and_one_connection() {
         .register(builder)
         .bind(&dev, SocketAddr::new(test_ip(), 0))
         .expect("bind");
-    let addr = server.local_addr().expect("addr");
-    tokio::spawn(server.serve());
+    let addr = split::serve(server).await;
     let raw = Client::connect(&dev, addr, Config::default()).await.expect("connect");
     let (lab, clock) = (LabClient::new(raw.clone()), ClockClient::new(raw));
     lab.ping().await.expect("Lab.ping");
@@ -336,7 +348,8 @@ async fn malformed_and_mismatched_calls_are_typed_errors() {
 }
 
 /// A typed client over a `Channel` outlives its server: after a graceful restart on the same
-/// address, its calls reach the new server.
+/// address, its calls reach the new server. Both ends stay in this process in every lane: the
+/// restart needs the first server's address and its shutdown here.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_typed_client_over_a_channel_reaches_a_restarted_server() {
     let dev = device();

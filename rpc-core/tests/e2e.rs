@@ -1,5 +1,7 @@
 //! End to end: client and server over a real transport provider (from `RDMA_RPC_PROVIDER`,
-//! default `tcp`; in the VM lane `verbs` on rxe0, with `RDMA_RPC_TEST_IP`).
+//! default `tcp`; in the VM lane `verbs` on rxe0, with `RDMA_RPC_TEST_IP`). Servers go through
+//! `common::split`, so the two-host lane runs every test that has one with its server on the
+//! other host.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -10,6 +12,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
+use common::split::{serve, serve_apart, serve_here, serve_on};
 use common::{bounded, device, test_ip};
 
 use rdma_rpc_core::proto::HEADER_LEN;
@@ -25,6 +28,8 @@ const SLOW: u32 = 3;
 const PANIC: u32 = 4;
 const CHECK: u32 = 5;
 const FAIL: u32 = 6;
+/// The standard server's counters ([`Counts`]): the server may be on another host.
+const COUNTS: u32 = 7;
 const THRESHOLD: usize = 16 * 1024;
 
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
@@ -54,13 +59,38 @@ fn is_intact(req: &[u8]) -> bool {
     }
 }
 
-struct Probe {
+/// What the standard server's handlers count, where the server runs.
+#[derive(Default)]
+struct Counters {
     started: AtomicUsize,
     dropped: AtomicUsize,
     corrupt: AtomicUsize,
 }
 
-struct DropFlag(Arc<Probe>);
+/// The standard server's counters, as read by a [`COUNTS`] call.
+#[derive(Debug, PartialEq)]
+struct Counts {
+    started: u64,
+    dropped: u64,
+    corrupt: u64,
+}
+
+/// Reads the standard server's counters over a connection of its own.
+struct Probe(Client);
+
+impl Probe {
+    async fn counts(&self) -> Counts {
+        let r = bounded(self.0.call(COUNTS, Vec::new())).await.expect("the counters");
+        let at = |i: usize| u64::from_le_bytes(r[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+        Counts {
+            started: at(0),
+            dropped: at(1),
+            corrupt: at(2),
+        }
+    }
+}
+
+struct DropFlag(Arc<Counters>);
 impl Drop for DropFlag {
     fn drop(&mut self) {
         self.0.dropped.fetch_add(1, Ordering::SeqCst);
@@ -76,21 +106,18 @@ fn config() -> Config {
 async fn serve_and_connect(builder: ServerBuilder, cfg: Config) -> (Client, SocketAddr) {
     let dev = device();
     let server = builder.bind(&dev, SocketAddr::new(test_ip(), 0)).expect("bind");
-    let addr = server.local_addr().expect("addr");
-    tokio::spawn(server.serve());
+    let addr = serve(server).await;
     let client = bounded(Client::connect(&dev, addr, cfg)).await.expect("connect");
     (client, addr)
 }
 
-async fn start(cfg: Config) -> (Client, Arc<Probe>) {
+/// The standard server (echo, sized, slow, panic, check, fail and its counters), bound on the
+/// test device and address.
+fn standard_server(cfg: &Config) -> Server {
     let dev = device();
-    let probe = Arc::new(Probe {
-        started: AtomicUsize::new(0),
-        dropped: AtomicUsize::new(0),
-        corrupt: AtomicUsize::new(0),
-    });
-    let (p1, p2) = (probe.clone(), probe.clone());
-    let server = Server::builder(cfg.clone())
+    let counters = Arc::new(Counters::default());
+    let (p1, p2, p3) = (counters.clone(), counters.clone(), counters);
+    Server::builder(cfg.clone())
         .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
         // request: [response length u64][anything]; response: pattern(len, len)
         .handler(SIZED, |req: Vec<u8>| async move {
@@ -128,12 +155,31 @@ async fn start(cfg: Config) -> (Client, Arc<Probe>) {
         .handler(FAIL, |_req: Vec<u8>| async move {
             Err::<Vec<u8>, _>(RpcError::Application("no such key".into()))
         })
+        .handler_sync(COUNTS, move |_req: &Body| {
+            let c = &p3;
+            Ok([&c.started, &c.dropped, &c.corrupt]
+                .iter()
+                .flat_map(|n| (n.load(Ordering::SeqCst) as u64).to_le_bytes())
+                .collect::<Vec<u8>>())
+        })
         .bind(&dev, SocketAddr::new(test_ip(), 0))
-        .expect("bind");
-    let addr = server.local_addr().expect("addr");
-    tokio::spawn(server.serve());
-    let client = Client::connect(&dev, addr, cfg).await.expect("connect");
-    (client, probe)
+        .expect("bind")
+}
+
+/// A client of the standard server with `cfg`, wherever the server runs (`common::split`), and
+/// a probe of its counters.
+async fn start(cfg: Config) -> (Client, Probe) {
+    let dev = device();
+    let addr = serve(standard_server(&cfg)).await;
+    connect_standard(&dev, addr, cfg).await
+}
+
+async fn connect_standard(dev: &Device, addr: SocketAddr, cfg: Config) -> (Client, Probe) {
+    let client = bounded(Client::connect(dev, addr, cfg.clone())).await.expect("connect");
+    let probe = bounded(Client::connect(dev, addr, cfg))
+        .await
+        .expect("connect the probe");
+    (client, Probe(probe))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -322,7 +368,7 @@ async fn more_rendezvous_transfers_than_the_send_queue_holds_wait_their_turn() {
         }
     });
     bounded(spawn_all(callers)).await;
-    assert_eq!(probe.corrupt.load(Ordering::SeqCst), 0);
+    assert_eq!(probe.counts().await.corrupt, 0);
     let got = bounded(client.call(CHECK, tagged(len, 7)))
         .await
         .expect("the connection lives on");
@@ -374,8 +420,7 @@ fn a_task_calling_in_a_loop_leaves_the_other_tasks_of_its_thread_their_turn() {
         .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
         .bind(&dev, SocketAddr::new(test_ip(), 0))
         .expect("bind");
-    let addr = server.local_addr().expect("addr");
-    server_rt.spawn(server.serve());
+    let addr = server_rt.block_on(serve(server));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -425,7 +470,10 @@ fn callers_and_server_on_one_core() {
             .build()
             .expect("a runtime");
         rt.block_on(async {
-            let (client, probe) = start(config()).await;
+            // Both ends here, whatever the lane: one core is the point.
+            let dev = device();
+            let addr = serve_here(standard_server(&config()));
+            let (client, probe) = connect_standard(&dev, addr, config()).await;
             for i in 0..300u64 {
                 let got = bounded(client.call(CHECK, tagged(64 + (i as usize * 13) % 5000, i)))
                     .await
@@ -450,7 +498,7 @@ fn callers_and_server_on_one_core() {
             for t in tasks {
                 bounded(t).await.expect("caller");
             }
-            assert_eq!(probe.corrupt.load(Ordering::SeqCst), 0);
+            assert_eq!(probe.counts().await.corrupt, 0);
         });
     })
     .join()
@@ -465,12 +513,12 @@ async fn dropping_a_call_cancels_the_handler() {
         let r = tokio::time::timeout(Duration::from_millis(300), call).await;
         assert!(r.is_err(), "the slow call does not finish");
         let t0 = Instant::now();
-        while probe.dropped.load(Ordering::SeqCst) <= i {
+        while probe.counts().await.dropped <= i as u64 {
             assert!(t0.elapsed() < Duration::from_secs(30), "the handler was not aborted");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
-    assert_eq!(probe.started.load(Ordering::SeqCst), 2);
+    assert_eq!(probe.counts().await.started, 2);
     // the connection still works
     assert_eq!(client.call(ECHO, b"after".to_vec()).await.expect("echo"), b"after");
 }
@@ -483,7 +531,7 @@ async fn deadline_exceeded_fails_the_call_and_stops_the_handler() {
     let r = bounded(client.with_options(opts).call(SLOW, vec![1; 64])).await;
     assert_eq!(r, Err(RpcError::DeadlineExceeded));
     assert!(t0.elapsed() < Duration::from_secs(30));
-    while probe.dropped.load(Ordering::SeqCst) < 1 {
+    while probe.counts().await.dropped < 1 {
         assert!(
             t0.elapsed() < Duration::from_secs(30),
             "the handler outlived the deadline"
@@ -626,8 +674,7 @@ async fn rings_of_different_depths_serve_every_call() {
             .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
             .bind(&dev, SocketAddr::new(test_ip(), 0))
             .expect("bind");
-        let addr = server.local_addr().expect("addr");
-        tokio::spawn(server.serve());
+        let addr = serve(server).await;
         let client = Arc::new(bounded(Client::connect(&dev, addr, client_cfg)).await.expect("connect"));
         let calls = async {
             for i in 0..60u64 {
@@ -669,8 +716,7 @@ async fn configurations_outside_the_protocol_are_refused_naming_the_field() {
         .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
         .bind(&dev, SocketAddr::new(test_ip(), 0))
         .expect("bind");
-    let addr = server.local_addr().expect("addr");
-    tokio::spawn(server.serve());
+    let addr = serve(server).await;
     let d = Config::default;
     let bad = [
         ("Config::ring", d().ring(0)),
@@ -811,14 +857,17 @@ async fn a_deadline_fires_while_another_call_sleeps_and_the_server_is_silent() {
             })
             .bind(&dev, SocketAddr::new(test_ip(), 0))
             .expect("bind");
-        let addr = server.local_addr().expect("addr");
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            let _ = rt.block_on(async move { tokio::time::timeout(Duration::from_secs(30), server.serve()).await });
-        });
+        // The server on a one-thread runtime of its own, which BLOCK blocks.
+        let addr = serve_on(server, |server| {
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                let _ = rt.block_on(async move { tokio::time::timeout(Duration::from_secs(30), server.serve()).await });
+            });
+        })
+        .await;
         let client = Client::connect(&dev, addr, cfg).await.expect("connect");
         let c = client.clone();
         let sleeper = tokio::spawn(async move { c.call(HANG, vec![2; 64]).await });
@@ -1001,7 +1050,7 @@ async fn random_drops_never_expose_a_reused_buffer() {
     }
     common::tally(tasks).await;
     assert_eq!(
-        probe.corrupt.load(Ordering::SeqCst),
+        probe.counts().await.corrupt,
         0,
         "a request was read from a reused or freed buffer"
     );
@@ -1033,53 +1082,20 @@ async fn drop_span(client: &Client) -> u64 {
 
 // ---- peer death ----
 
-const CHILD_ENV: &str = "RDMA_RPC_E2E_CHILD";
-
-/// Not a test: the server process of `a_dead_server_fails_every_pending_call`.
-#[test]
-#[ignore = "helper process for a_dead_server_fails_every_pending_call"]
-fn child_server() {
-    if std::env::var(CHILD_ENV).is_err() {
-        return;
-    }
-    let rt = tokio::runtime::Runtime::new().expect("runtime");
-    rt.block_on(async {
-        let server = Server::builder(config())
-            .handler(SLOW, |_: Vec<u8>| async {
-                tokio::time::sleep(Duration::from_secs(3600)).await;
-                Ok(Vec::new())
-            })
-            .handler(ECHO, |r: Vec<u8>| async move { Ok(r) })
-            .bind(&device(), SocketAddr::new(test_ip(), 0))
-            .expect("bind");
-        println!("LISTEN {}", server.local_addr().expect("addr"));
-        let _ = server.serve().await;
-    });
-}
-
+/// The server's process is killed (on the other host in the two-host lane) while calls of
+/// both kinds wait on it: every one fails as a lost connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_server_fails_every_pending_call() {
-    use tokio::io::AsyncBufReadExt;
-    let mut child = tokio::process::Command::new(std::env::current_exe().expect("exe"))
-        .args([
-            "--ignored",
-            "--exact",
-            "child_server",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, "1")
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn");
-    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let addr: SocketAddr = loop {
-        let line = bounded(lines.next_line()).await.expect("read").expect("a line");
-        if let Some(at) = line.find("LISTEN ") {
-            break line[at + 7..].trim().parse().expect("addr");
-        }
-    };
+    let server = Server::builder(config())
+        .handler(SLOW, |_: Vec<u8>| async {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            Ok(Vec::new())
+        })
+        .handler(ECHO, |r: Vec<u8>| async move { Ok(r) })
+        .bind(&device(), SocketAddr::new(test_ip(), 0))
+        .expect("bind");
+    let mut apart = serve_apart(server).await;
+    let addr = apart.addr;
     let client = Client::connect(&device(), addr, config()).await.expect("connect");
     assert_eq!(client.call(ECHO, b"hi".to_vec()).await.expect("echo"), b"hi");
     let pending: Vec<_> = (0..8)
@@ -1089,7 +1105,7 @@ async fn a_dead_server_fails_every_pending_call() {
         })
         .collect();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    child.start_kill().expect("kill");
+    apart.kill().await;
     let t0 = Instant::now();
     for p in pending {
         let r = bounded(p).await.expect("task");
@@ -1110,7 +1126,6 @@ async fn a_dead_server_fails_every_pending_call() {
         client.call(ECHO, vec![]).await,
         Err(RpcError::ConnectionLost(_))
     ));
-    let _ = child.wait().await;
 }
 
 /// A client of an echo server of its own on `dev`, both with [`config`].
@@ -1119,8 +1134,7 @@ async fn echo_client(dev: &Device) -> Client {
         .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
         .bind(dev, SocketAddr::new(test_ip(), 0))
         .expect("bind");
-    let addr = server.local_addr().expect("addr");
-    tokio::spawn(server.serve());
+    let addr = serve(server).await;
     Client::connect(dev, addr, config()).await.expect("connect")
 }
 
@@ -1226,8 +1240,7 @@ async fn free_buffers_kept_for_reuse_stay_within_the_configured_bytes() {
             .handler(ECHO, |req: Vec<u8>| async move { Ok(req) })
             .bind(&dev, SocketAddr::new(test_ip(), 0))
             .expect("bind");
-        let addr = server.local_addr().expect("addr");
-        tokio::spawn(server.serve());
+        let addr = serve(server).await;
         let client = Client::connect(&dev, addr, cfg).await.expect("connect");
         bounded(client.call(ECHO, vec![1; 10])).await.expect("a small call");
         let before = dev.registered_bytes();
@@ -1336,7 +1349,24 @@ struct Gauge {
     most: AtomicUsize,
 }
 
+/// A [`Gauge`]'s most handlers at once, read by a call (the server may be on another host).
+const MOST: u32 = 8;
+
 impl Gauge {
+    /// `builder` with a [`MOST`] handler that reports this gauge.
+    fn report(self: &Arc<Self>, builder: ServerBuilder) -> ServerBuilder {
+        let g = self.clone();
+        builder.handler_sync(MOST, move |_: &Body| {
+            Ok((g.most.load(Ordering::SeqCst) as u64).to_le_bytes().to_vec())
+        })
+    }
+
+    /// The most handlers seen at once by the server of `client`.
+    async fn most_at(client: &Client) -> u64 {
+        let r = bounded(client.call(MOST, Vec::new())).await.expect("the gauge");
+        u64::from_le_bytes(r[..].try_into().expect("8 bytes"))
+    }
+
     /// One handler's run: until `want` have been seen running at once (at most 5 s), then `d`
     /// more. The wait makes the overlap the tests ask for independent of how fast the
     /// provider moves requests: on rxe under emulation a body's Read can take longer than `d`,
@@ -1366,7 +1396,7 @@ async fn calls_beyond_the_servers_limit_wait_their_turn_in_the_client() {
         }
     });
     // The client's own limit is the default (1024): what it keeps is the server's.
-    let (client, _) = serve_and_connect(builder, config()).await;
+    let (client, _) = serve_and_connect(gauge.report(builder), config()).await;
     assert_eq!(client.call_limit(), Some(3), "the server's limit, from its hello");
     let calls: Vec<_> = (0..12u64)
         .map(|i| {
@@ -1392,7 +1422,7 @@ async fn calls_beyond_the_servers_limit_wait_their_turn_in_the_client() {
         assert_eq!(got.expect("every call is served, none refused"), sent);
     }
     assert_eq!(client.waiting_calls(), 0);
-    let most = gauge.most.load(Ordering::SeqCst);
+    let most = Gauge::most_at(&client).await;
     assert_eq!(most, 3, "the server ran at most its limit at once, and that many");
 }
 
@@ -1410,7 +1440,7 @@ async fn rendezvous_requests_beyond_the_byte_limit_wait_unread() {
             Ok(req[..8].to_vec())
         }
     });
-    let (client, _) = serve_and_connect(builder, config()).await;
+    let (client, _) = serve_and_connect(gauge.report(builder), config()).await;
     let calls = (0..8u64).map(|i| {
         let client = client.clone();
         let req = tagged(body, i);
@@ -1423,11 +1453,7 @@ async fn rendezvous_requests_beyond_the_byte_limit_wait_unread() {
     let big = tagged(body * 3, 99);
     let got = bounded(client.call(SLOW, big.clone())).await.expect("served alone");
     assert_eq!(got, big[..8]);
-    assert_eq!(
-        gauge.most.load(Ordering::SeqCst),
-        2,
-        "two bodies held at once, never three"
-    );
+    assert_eq!(Gauge::most_at(&client).await, 2, "two bodies held at once, never three");
 }
 
 /// Runs the futures at once, each in a task of its own, and gives their outputs in order.
@@ -1468,8 +1494,7 @@ fn a_client_whose_runtime_shut_down_fails_its_calls_at_once_saying_why() {
                 .bind(&dev, SocketAddr::new(test_ip(), 0))
         })
         .expect("bind");
-    let addr = server.local_addr().expect("addr");
-    serving.spawn(server.serve());
+    let addr = serving.block_on(serve(server));
     let first = rt(0);
     let client = first
         .block_on(bounded(Client::connect(&dev, addr, config())))

@@ -17,6 +17,10 @@ use rng::Rng;
 #[path = "conformance/srq.rs"]
 mod srq;
 
+/// The cases about what crosses the wire, with a target that may be on another host.
+#[path = "conformance/across.rs"]
+mod across;
+
 const WAIT: Duration = Duration::from_secs(60);
 const RW: AccessFlags = AccessFlags::ALL;
 

@@ -5,6 +5,19 @@ use std::time::Duration;
 
 use rdma_rpc_core::transport::Device;
 
+// Each test binary uses the part it needs.
+#[allow(dead_code)]
+pub mod split;
+
+impl split::Serve for rdma_rpc_core::Server {
+    fn addr(&self) -> std::net::SocketAddr {
+        self.local_addr().expect("the server's address")
+    }
+    fn start(self) {
+        tokio::spawn(self.serve());
+    }
+}
+
 /// The provider named by `RDMA_RPC_PROVIDER` (default `tcp`).
 pub fn device() -> Device {
     Device::open_default().expect("open the provider named by RDMA_RPC_PROVIDER")
