@@ -247,15 +247,28 @@ async fn flooder(dev: &Device, addr: SocketAddr, n: usize) -> (QueuePair, Comple
 /// Work request ids of the flooder's Sends (its receives are numbered from 0).
 const FLOOD_SENT: u64 = 1 << 32;
 
-/// A client that ignores its credits floods a pool (with room for the flood): the server drops
+/// A client that ignores its credits floods a pool with room for the flood: the server drops
 /// it at its first message beyond what it granted (at most `Config::ring`), a well-behaved
 /// client's calls made meanwhile all complete, and every slot the flood took comes back, so
 /// the server then takes its whole `max_connections` again, each connection answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_ignores_its_credits_is_dropped_and_the_others_are_served() {
+    flood_a_pool(512, 200).await;
+}
+
+/// The same with a flood three times the pool: the flood's messages take every receive of the
+/// pool before the server has looked at them, so the well-behaved client's Sends may wait for
+/// receives (RNR retries) until the server has dropped the flooder and posted the slots again;
+/// its calls still all complete, and every slot comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_larger_than_the_pool_is_dropped_and_the_others_are_served() {
+    flood_a_pool(64, 200).await;
+}
+
+async fn flood_a_pool(slots: u32, flood: usize) {
     let (server_dev, client_dev) = (device(), device());
     let max = 8;
-    let addr = serve(&server_dev, pooled(max, 512));
+    let addr = serve(&server_dev, pooled(max, slots));
     let good = Client::connect(&client_dev, addr, Config::default())
         .await
         .expect("connect");
@@ -267,7 +280,6 @@ async fn a_client_that_ignores_its_credits_is_dropped_and_the_others_are_served(
         }
         good
     });
-    let flood = 200;
     let (qp, cq) = flooder(&client_dev, addr, flood).await;
     // The server ends the flooder's connection: its QP goes to the error state (its sends
     // unreceived, its receives flushed).
