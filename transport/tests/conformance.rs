@@ -275,20 +275,28 @@ async fn both_sides_agree_the_path() {
     }
 }
 
+/// The zero-length Writes of `a_zero_length_write_needs_no_key`: ids and rkeys, none valid.
+const KEYLESS: [(u64, u32); 2] = [(1, 0), (2, 0xdead_beef)];
+
+/// A Write of no bytes to address 0 with `rkey`.
+fn keyless_write(id: u64, rkey: u32) -> SendWr {
+    SendWr::new(
+        id,
+        SendOp::Write {
+            remote: RemoteAddr { addr: 0, rkey },
+            imm: None,
+        },
+    )
+}
+
 /// A Write of no bytes touches no memory, so the target checks no key or address (IBA C9-88):
 /// it completes with any rkey, raises nothing at the target, and proves the peer's NIC
 /// answered (the keepalive probe of rdma-rpc's driver).
 #[tokio::test]
 async fn a_zero_length_write_needs_no_key() {
     let (c, s) = pair();
-    for (id, rkey) in [(1, 0), (2, 0xdead_beef)] {
-        c.post(SendWr::new(
-            id,
-            SendOp::Write {
-                remote: RemoteAddr { addr: 0, rkey },
-                imm: None,
-            },
-        ));
+    for (id, rkey) in KEYLESS {
+        c.post(keyless_write(id, rkey));
         let wc = c.one().await;
         ok(&wc);
         assert_eq!((wc.wr_id, wc.opcode, wc.byte_len), (id, WcOpcode::RdmaWrite, 0));

@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 
 use rdma_rpc_transport::*;
 
-use super::{device, ok, pattern, test_ip, WAIT};
+use super::{device, keyless_write, ok, pattern, test_ip, KEYLESS, WAIT};
 
 #[path = "../../../rpc-core/tests/common/split.rs"]
 #[allow(dead_code)] // this file uses `serve`
@@ -446,14 +446,8 @@ async fn atomics_return_the_old_value() {
 #[tokio::test]
 async fn a_zero_length_write_needs_no_key() {
     let mut c = Initiator::new(Ask::new(64)).await;
-    for (id, rkey) in [(1, 0), (2, 0xdead_beef)] {
-        c.post(SendWr::new(
-            id,
-            SendOp::Write {
-                remote: RemoteAddr { addr: 0, rkey },
-                imm: None,
-            },
-        ));
+    for (id, rkey) in KEYLESS {
+        c.post(keyless_write(id, rkey));
         let wc = c.done().await;
         ok(&wc);
         assert_eq!((wc.wr_id, wc.byte_len), (id, 0));
