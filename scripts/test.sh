@@ -99,7 +99,7 @@ fi
 
 step "two hosts over a wire (verbs): two VMs, each with rxe0 on a virtio-net NIC, joined by a qemu stream socket; calls across it, 2% packet loss, a link flap, and a pulled link that ends every call within the keepalive's bound (rpc-core/tests/wire.rs); the examples, the RPC end-to-end and #[service] suites and the conformance cases about the wire, with server and clients on different hosts"
 # A VM that does not boot, or a wire that does not come up, fails the lane: it never skips.
-wire_bin=$(cargo test --profile vm -p rdma-rpc-core --test wire --no-run --message-format=json 2>/dev/null |
+wire_bin=$(cargo test --profile vm -p rdma-rpc-transport -p rdma-rpc-core -p rdma-rpc --test wire --no-run --message-format=json 2>/dev/null |
       sed -n 's/.*"executable":"\([^"]*\/deps\/wire-[0-9a-f]*\)".*/\1/p' | tail -1)
 wire_ok=0 split_pass=0 split_fail=0
 if [[ -z $wire_bin ]]; then
