@@ -200,8 +200,7 @@ struct Initiator {
     cq: CompletionQueue,
     qp: QueuePair,
     /// The target region.
-    remote: RemoteAddr,
-    len: usize,
+    region: RemoteRegion,
     /// Completions taken while waiting for others.
     early: Vec<Completion>,
 }
@@ -238,11 +237,10 @@ impl Initiator {
             let (qp, reply) = connect_with_recvs(addr, &opts, &ask.encode(), WAIT, recvs).expect("connect");
             let at = |i: usize| u64::from_le_bytes(reply[i..i + 8].try_into().expect("8"));
             let rkey = u32::from_le_bytes(reply[8..12].try_into().expect("4"));
-            let len = u32::from_le_bytes(reply[12..16].try_into().expect("4")) as usize;
+            let len = u64::from(u32::from_le_bytes(reply[12..16].try_into().expect("4")));
             Initiator {
                 qp,
-                remote: RemoteAddr { addr: at(0), rkey },
-                len,
+                region: RemoteRegion { addr: at(0), len, rkey },
                 pd,
                 cq,
                 early: Vec::new(),
@@ -315,7 +313,7 @@ impl Initiator {
             SendWr::new(
                 7_000,
                 SendOp::Read {
-                    remote: self.remote.at(at),
+                    remote: self.region.at(at),
                 },
             )
             .buf(dst),
@@ -330,18 +328,6 @@ impl Initiator {
         self.post(SendWr::send(9_000, self.buf(data)));
         ok(&self.done().await);
         self.report().await
-    }
-}
-
-trait At {
-    fn at(self, offset: u64) -> RemoteAddr;
-}
-impl At for RemoteAddr {
-    fn at(self, offset: u64) -> RemoteAddr {
-        RemoteAddr {
-            addr: self.addr + offset,
-            rkey: self.rkey,
-        }
     }
 }
 
@@ -372,7 +358,7 @@ async fn send_with_immediate_and_zero_bytes() {
 async fn rdma_write_lands_silently() {
     let mut c = Initiator::new(Ask::new(4096)).await;
     let data: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
-    let remote = c.remote.at(100);
+    let remote = c.region.at(100);
     c.post(SendWr::new(3, SendOp::Write { remote, imm: None }).buf(c.buf(&data)));
     let wc = c.done().await;
     ok(&wc);
@@ -389,7 +375,7 @@ async fn rdma_write_lands_silently() {
 #[tokio::test]
 async fn rdma_write_with_immediate_consumes_a_receive() {
     let mut c = Initiator::new(Ask::new(64)).await;
-    let remote = c.remote;
+    let remote = c.region.at(0);
     c.post(SendWr::new(1, SendOp::Write { remote, imm: Some(42) }).buf(c.buf(b"payload!")));
     c.post(SendWr::new(2, SendOp::Write { remote, imm: Some(43) }));
     let (a, b) = (c.report().await, c.report().await);
@@ -413,7 +399,7 @@ async fn rdma_read_pulls_bytes() {
 async fn atomics_return_the_old_value() {
     let mut c = Initiator::new(Ask::new(16)).await;
     let start = u64::from_ne_bytes(pattern(16, 1)[8..].try_into().expect("8"));
-    let remote = c.remote.at(8);
+    let remote = c.region.at(8);
     let old = |wc: &Completion| u64::from_ne_bytes(wc.buf.as_ref().expect("buf").bytes()[..8].try_into().expect("8"));
     let word = || c.pd.register(8, AccessFlags::LOCAL_WRITE).expect("register");
     c.post(SendWr::new(1, SendOp::FetchAdd { remote, add: 5 }).buf(word()));
@@ -475,8 +461,8 @@ async fn expect_remote_error(ask: Ask, wr: impl FnOnce(&Initiator) -> SendWr) {
 async fn wrong_rkey_is_a_remote_access_error() {
     expect_remote_error(Ask::new(64), |c| {
         let bad = RemoteAddr {
-            addr: c.remote.addr,
-            rkey: c.remote.rkey ^ 0x5a5a_0001,
+            addr: c.region.addr,
+            rkey: c.region.rkey ^ 0x5a5a_0001,
         };
         SendWr::new(1, SendOp::Write { remote: bad, imm: None }).buf(c.buf(&[1; 16]))
     })
@@ -489,7 +475,7 @@ async fn out_of_bounds_is_a_remote_access_error() {
         SendWr::new(
             1,
             SendOp::Write {
-                remote: c.remote.at(60),
+                remote: c.region.at(60),
                 imm: None,
             },
         )
@@ -500,7 +486,7 @@ async fn out_of_bounds_is_a_remote_access_error() {
         SendWr::new(
             2,
             SendOp::Read {
-                remote: c.remote.at(32),
+                remote: c.region.at(32),
             },
         )
         .buf(c.buf(&[0; 64]))
@@ -520,7 +506,7 @@ async fn missing_access_flag_is_a_remote_access_error() {
         SendWr::new(
             1,
             SendOp::Write {
-                remote: c.remote,
+                remote: c.region.at(0),
                 imm: None,
             },
         )
@@ -528,14 +514,14 @@ async fn missing_access_flag_is_a_remote_access_error() {
     })
     .await;
     expect_remote_error(Ask::new(64).access(lw | w | a), |c| {
-        SendWr::new(1, SendOp::Read { remote: c.remote }).buf(c.buf(&[1; 8]))
+        SendWr::new(1, SendOp::Read { remote: c.region.at(0) }).buf(c.buf(&[1; 8]))
     })
     .await;
     expect_remote_error(Ask::new(64).access(lw | r | w), |c| {
         SendWr::new(
             1,
             SendOp::FetchAdd {
-                remote: c.remote,
+                remote: c.region.at(0),
                 add: 1,
             },
         )
@@ -568,7 +554,7 @@ async fn large_writes_land_intact_before_a_later_send() {
             SendWr::new(
                 i + 1,
                 SendOp::Write {
-                    remote: c.remote.at(at as u64),
+                    remote: c.region.at(at as u64),
                     imm: None,
                 },
             )
@@ -585,7 +571,7 @@ async fn large_writes_land_intact_before_a_later_send() {
         ok(&c.done().await);
     }
     assert_eq!(c.read(0, REGION).await, want);
-    assert_eq!(c.len, REGION);
+    assert_eq!(c.region.len, REGION as u64);
 }
 
 /// Both ends agree on the path: the same MTU, Read depths within the other side's, the ACK
