@@ -16,7 +16,6 @@ use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use rdma_rpc::transport::Device;
 use serde::Serialize;
@@ -254,7 +253,7 @@ fn measure_into(
     row.server_registered_per_conn = per_conn(idle.registered + before.at_bind, before.registered);
     row.server_threads = idle.threads;
     row.server_threads_before = before.threads;
-    let gate = load::Gate::new();
+    let gate = load::Gate::new(plan.client_threads);
     let tasks = {
         let _in = rt.enter();
         load::start(conns, s.in_flight, s.size, &gate)
@@ -269,13 +268,10 @@ fn measure_into(
     let elapsed = started.elapsed();
     let (server1, client_cpu) = (remote.stats()?, client0.elapsed());
     gate.stop.store(true, Ordering::Relaxed);
-    let mut h = Histogram::<u64>::new_with_bounds(1, 100_000_000_000, 3).map_err(|e| e.to_string())?;
     rt.block_on(async {
         for t in tasks {
             match tokio::time::timeout(Duration::from_secs(30), t).await {
-                Ok(Ok(part)) => {
-                    let _ = h.add(part);
-                }
+                Ok(Ok(())) => {}
                 Ok(Err(e)) => return Err(format!("a load task failed: {e}")),
                 Err(_) => return Err("a call did not end within 30 s of the row's end".to_owned()),
             }
@@ -285,6 +281,7 @@ fn measure_into(
     if let Some(e) = gate.error.lock().ok().and_then(|g| g.clone()) {
         return Err(e);
     }
+    let h = gate.latencies();
     let calls = gate.calls.load(Ordering::Relaxed);
     row.calls = calls;
     row.seconds = elapsed.as_secs_f64();
