@@ -28,6 +28,7 @@ use crate::proto::{
 use crate::stash::Stash;
 use crate::{RpcError, TransportError};
 
+mod group;
 mod keepalive;
 mod pool;
 mod post;
@@ -36,6 +37,7 @@ mod slots;
 mod task;
 mod wait;
 
+pub(crate) use group::{Groups, Member};
 pub(crate) use pool::{ReceivePool, FLOOR as POOL_FLOOR};
 
 use keepalive::Keepalive;
@@ -164,6 +166,10 @@ pub(crate) struct Conn {
     completions: u64,
     /// Probes a quiet peer now and then (`Config::keepalive`); `None` never does.
     keepalive: Option<Keepalive>,
+    /// A pooled server's connection takes its completions from its group's shared CQ
+    /// (`group.rs`), not from `cq` alone. After the QP, so that the QP is destroyed (and its
+    /// completions no longer handed out) before the connection leaves its group.
+    member: Option<Member>,
     /// The server's receive pool this connection's receives come from. Last, so that it is
     /// dropped after the QP, the CQ and every slot the connection held ([`Lease`]).
     lease: Option<Lease>,
@@ -319,6 +325,7 @@ impl Conn {
             starved: false,
             completions: 0,
             keepalive: None,
+            member: None,
             lease: None,
         }
     }
@@ -326,14 +333,16 @@ impl Conn {
     /// A server's connection over `qp`, whose receives come from `pool` (its shared receive
     /// queue, which `qp` takes them from) and whose Sends go from the pool's buffers. It holds
     /// no slot for the application (bodies are copied out) and lends nothing: the pool's
-    /// domain is every connection's.
+    /// domain is every connection's. Its completions come through `member`, from the CQ its
+    /// group shares.
     pub(crate) fn pooled(
         session: Session,
         qp: QueuePair,
-        cq: CompletionQueue,
+        member: Member,
         pool: &Arc<ReceivePool>,
         config: &crate::Config,
     ) -> Result<Self, RpcError> {
+        let cq = member.cq().clone();
         let mut conn = Self::build(
             session,
             &pool.pd,
@@ -345,6 +354,7 @@ impl Conn {
         );
         conn.stash.private_only();
         conn.keepalive = config.keepalive.map(Keepalive::new);
+        conn.member = Some(member);
         conn.lease = Some(Lease {
             pool: pool.clone(),
             window: pool::FLOOR,
@@ -512,13 +522,17 @@ impl Conn {
     /// Reaps completions without blocking; returns whether there were any.
     pub(crate) fn poll_cq(&mut self) -> bool {
         let mut done = std::mem::take(&mut self.scratch);
-        let n = match self.cq.poll(&mut done, 64) {
+        let polled = match &self.member {
+            Some(m) => m.poll(&mut done),
+            None => self
+                .cq
+                .poll(&mut done, 64)
+                .map_err(|e| format!("polling the CQ: {}", rdma_rpc_transport::Report(&e))),
+        };
+        let n = match polled {
             Ok(n) => n,
-            Err(e) => {
-                self.lose(local_loss(format!(
-                    "polling the CQ: {}",
-                    rdma_rpc_transport::Report(&e)
-                )));
+            Err(why) => {
+                self.lose(local_loss(why));
                 0
             }
         };

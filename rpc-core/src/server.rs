@@ -76,7 +76,7 @@ impl ServerBuilder {
                 device,
                 slots,
                 slot_size(&self.config.clone().on(device)),
-                self.config.max_connections,
+                (self.config.max_connections, self.config.ring * 4 + 64),
             )?),
             None => None,
         };
@@ -426,15 +426,15 @@ async fn serve_pooled(
         req.reject();
         return Err(RpcError::Protocol("connect request without an rdma-rpc hello".into()));
     };
-    let cq = match device.create_cq(config.ring * 4 + 64) {
-        Ok(cq) => cq,
+    // The connection's completions go to a CQ it shares with others of the pool's.
+    let seat = match pool.groups.place() {
+        Ok(seat) => seat,
         Err(e) => {
-            let e = RpcError::Transport(TransportError::with("creating a completion queue", e));
             req.reject_with(&format!("its set-up failed: {}", e.report()));
             return Err(e);
         }
     };
-    let opts = QpOptions::new(&pool.pd, &cq)
+    let opts = QpOptions::new(&pool.pd, seat.cq())
         .srq(&pool.srq)
         .caps(qp_caps(&device, &config));
     let mut link = Link::default();
@@ -446,9 +446,10 @@ async fn serve_pooled(
         .await
         .map_err(|e| RpcError::Transport(TransportError::new(format!("the accept task failed: {e}"))))?
         .map_err(|e| RpcError::Transport(TransportError::with("accepting a connection", e)))?;
+    let member = seat.join(qp.qp_num());
     let mut session = handshake::session(&config, &mine, &theirs);
     limit(&mut session, &config);
-    let mut conn = Conn::pooled(session, qp, cq, pool, &config)?;
+    let mut conn = Conn::pooled(session, qp, member, pool, &config)?;
     conn.link = link;
     run(conn, handlers, shutdown, &config).await;
     Ok(())

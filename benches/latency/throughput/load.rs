@@ -137,12 +137,7 @@ pub async fn connect(system: System, dev: &Device, addr: SocketAddr, n: usize, c
 }
 
 /// Starts the loops of a row on the current runtime; each ends when `gate.stop` is set.
-pub fn start(
-    conns: Conns,
-    in_flight: usize,
-    size: usize,
-    gate: &Arc<Gate>,
-) -> Vec<tokio::task::JoinHandle<()>> {
+pub fn start(conns: Conns, in_flight: usize, size: usize, gate: &Arc<Gate>) -> Vec<tokio::task::JoinHandle<()>> {
     let mut tasks = Vec::new();
     match conns {
         Conns::Rpc(clients) => {
@@ -200,12 +195,7 @@ pub fn start(
 /// One TCP connection: `in_flight` frames written ahead, each answer read in order. The
 /// writer and the reader run apart (both halves in this task), so a writer held up by a full
 /// socket never keeps the answers from being read.
-async fn tcp_loop(
-    s: TcpStream,
-    in_flight: usize,
-    size: usize,
-    gate: &Gate,
-) -> std::io::Result<()> {
+async fn tcp_loop(s: TcpStream, in_flight: usize, size: usize, gate: &Gate) -> std::io::Result<()> {
     let (r, mut w) = s.into_split();
     let mut r = BufReader::with_capacity(64 * 1024, r);
     let mut frame = (size as u32).to_le_bytes().to_vec();

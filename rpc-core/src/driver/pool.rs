@@ -35,13 +35,22 @@ pub(crate) struct ReceivePool {
     spare: AtomicU32,
     /// Send buffers for every connection of the server.
     pub(crate) send: BufferPool,
+    /// The completion queues the connections share.
+    pub(crate) groups: super::Groups,
     refilling: Mutex<()>,
 }
 
 impl ReceivePool {
     /// Registers and posts `slots` receive slots of `slot` bytes for up to `max_connections`
     /// connections, and a quarter as many send buffers (at least 64).
-    pub(crate) fn new(device: &Device, slots: u32, slot: usize, max_connections: u32) -> Result<Arc<Self>, RpcError> {
+    /// Each connection's completions go to a CQ shared with others, holding `per_connection`
+    /// entries for each of them.
+    pub(crate) fn new(
+        device: &Device,
+        slots: u32,
+        slot: usize,
+        (max_connections, per_connection): (u32, u32),
+    ) -> Result<Arc<Self>, RpcError> {
         let tr = |what: String| move |e| RpcError::Transport(TransportError::with(what, e));
         let pd = device
             .alloc_pd()
@@ -62,6 +71,7 @@ impl ReceivePool {
             slots: pools,
             spare: AtomicU32::new(slots.saturating_sub(max_connections.saturating_mul(FLOOR))),
             send,
+            groups: super::Groups::new(device, per_connection),
             refilling: Mutex::new(()),
         });
         pool.refill()?;
@@ -142,7 +152,7 @@ mod tests {
     #[test]
     fn slots_a_connection_dropped_are_posted_again() {
         let dev = Device::open("tcp").expect("tcp");
-        let pool = ReceivePool::new(&dev, 2, 64, 1).expect("pool");
+        let pool = ReceivePool::new(&dev, 2, 64, (1, 16)).expect("pool");
         let (cpd, ccq) = (dev.alloc_pd().expect("pd"), dev.create_cq(16).expect("cq"));
         for round in 0..2 {
             let listener = Listener::bind(&dev, "127.0.0.1:0".parse().expect("addr")).expect("bind");

@@ -128,12 +128,27 @@ pub(super) async fn wait<R: Role>(conn: &mut Conn, role: &mut R) {
             None => std::future::pending().await,
         }
     };
+    // A pooled connection waits for its group's poller to hand it completions; any other on
+    // its own CQ.
+    let inbox = conn.member.as_ref().map(super::Member::inbox);
     let cq = conn.cq.clone();
     let mut got = Vec::new();
+    let completions = async {
+        match &inbox {
+            Some(inbox) => {
+                inbox.notified().await;
+                Ok(0)
+            }
+            None => cq.wait(&mut got, 64).await,
+        }
+    };
     tokio::select! {
-        r = cq.wait(&mut got, 64) => {
+        r = completions => {
             if let Err(e) = r {
                 conn.lose(super::local_loss(format!("waiting on the CQ: {}", rdma_rpc_transport::Report(&e))));
+            }
+            if inbox.is_some() {
+                conn.poll_cq();
             }
             for c in got.drain(..) {
                 conn.on_completion(c);
