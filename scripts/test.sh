@@ -43,9 +43,9 @@ read -r tcp_pass tcp_fail < <(count "$LOG/tcp.log")
 grep -A200 'Running tests/conformance.rs' "$LOG/tcp.log" | grep -m1 '^test result:' > "$LOG/tcp-conf.log"
 read -r tcpc_pass tcpc_fail < <(count "$LOG/tcp-conf.log")
 
-step "conformance, RPC end-to-end, registered buffers, shutdown, isolation, receive pool, #[service] (with its Bulk), and examples suites on provider shm"
+step "conformance, RPC end-to-end, registered buffers, shutdown, isolation, receive pool, shared CQs, #[service] (with its Bulk), and examples suites on provider shm"
 RDMA_RPC_PROVIDER=shm cargo test -p rdma-rpc-transport -p rdma-rpc-core -p rdma-rpc \
-    --test conformance --test e2e --test deadlines --test reconnect --test registered --test shutdown --test isolation --test pool --test service --test bulk --test examples --test doctor 2>&1 | tee "$LOG/shm.log"
+    --test conformance --test e2e --test deadlines --test reconnect --test registered --test shutdown --test isolation --test pool --test connector --test service --test bulk --test examples --test doctor 2>&1 | tee "$LOG/shm.log"
 [[ ${PIPESTATUS[0]} == 0 ]] || fail=1
 read -r shm_pass shm_fail < <(count "$LOG/shm.log")
 grep -A200 'Running tests/conformance.rs' "$LOG/shm.log" | grep -m1 '^test result:' > "$LOG/shm-conf.log"
@@ -59,13 +59,13 @@ for p in tcp shm; do
     RDMA_RPC_PROGRESS_THREADS=2 RDMA_RPC_PROVIDER=$p cargo test -p rdma-rpc-transport --test conformance || fail=1
 done
 
-step "conformance, RPC end-to-end, registered buffers, shutdown, isolation, receive pool, #[service] and examples suites on provider verbs (rxe0, soft-RoCE in a qemu VM)"
+step "conformance, RPC end-to-end, registered buffers, shutdown, isolation, receive pool, shared CQs, #[service] and examples suites on provider verbs (rxe0, soft-RoCE in a qemu VM)"
 # One boot runs every test binary below (scripts/vm-lane.sh inside the guest); the examples'
 # binaries go to /examples, where tests/examples.rs looks for them (next to its own directory).
 # They are built with the `vm` profile (Cargo.toml: dev's checks, optimized): under emulation an
 # unoptimized build runs several times slower (docs/decisions.md).
 cargo build --quiet --profile vm --examples --bins || fail=1
-vm_tests=(conformance e2e deadlines reconnect registered shutdown isolation pool service bulk examples doctor)
+vm_tests=(conformance e2e deadlines reconnect registered shutdown isolation pool connector service bulk examples doctor)
 bins=$(cargo test --profile vm -p rdma-rpc-transport -p rdma-rpc-core -p rdma-rpc "${vm_tests[@]/#/--test=}" \
       --no-run --message-format=json 2>/dev/null |
       sed -n 's/.*"executable":"\([^"]*\/deps\/[a-z0-9_]*-[0-9a-f]*\)".*/\1/p' | sort -u)
@@ -343,9 +343,9 @@ fi
 step "summary"
 printf 'provider tcp:   conformance %d passed, %d failed; whole workspace %d passed, %d failed\n' \
     "$tcpc_pass" "$tcpc_fail" "$tcp_pass" "$tcp_fail"
-printf 'provider shm:   conformance %d passed, %d failed; with the RPC end-to-end, registered buffers, shutdown, isolation, receive pool, #[service] and examples suites %d passed, %d failed\n' \
+printf 'provider shm:   conformance %d passed, %d failed; with the RPC end-to-end, registered buffers, shutdown, isolation, receive pool, shared CQs, #[service] and examples suites %d passed, %d failed\n' \
     "$shmc_pass" "$shmc_fail" "$shm_pass" "$shm_fail"
-printf 'provider verbs: conformance %d passed, %d failed; with the RPC end-to-end, registered buffers, shutdown, isolation, receive pool, #[service] and examples suites %d passed, %d failed (rxe0, soft-RoCE in qemu)\n' \
+printf 'provider verbs: conformance %d passed, %d failed; with the RPC end-to-end, registered buffers, shutdown, isolation, receive pool, shared CQs, #[service] and examples suites %d passed, %d failed (rxe0, soft-RoCE in qemu)\n' \
     "$vconf_pass" "${vconf_fail:-0}" "$verbs_pass" "$verbs_fail"
 printf 'two hosts:      verbs across a wire between two VMs (wire suite, examples): %s; RPC end-to-end, #[service] and wire conformance suites split across them %d passed, %d failed\n' \
     "$( ((wire_ok)) && echo "passed" || echo "FAILED (see the lane's output above)")" "$split_pass" "$split_fail"

@@ -39,9 +39,9 @@ pub struct GuideDoctests;
 pub use rdma_rpc_core as core;
 pub use rdma_rpc_core::context;
 pub use rdma_rpc_core::{
-    AsyncHandler, Body, BodyRef, Buffers, Bulk, CallOptions, Channel, Client, CompletionMode, Config, HandlerInput,
-    HandlerOutput, Isolation, Lost, LostKind, Reconnect, RegisteredBuf, RpcError, Server, ServerBuilder, Status,
-    SyncHandler, TransportError, DEFAULT_EAGER_THRESHOLD, IN_SLOT_MIN,
+    AsyncHandler, Body, BodyRef, Buffers, Bulk, CallOptions, Channel, Client, CompletionMode, Config, Connector,
+    HandlerInput, HandlerOutput, Isolation, Lost, LostKind, Reconnect, RegisteredBuf, RpcError, Server, ServerBuilder,
+    Status, SyncHandler, TransportError, DEFAULT_EAGER_THRESHOLD, IN_SLOT_MIN,
 };
 pub use rdma_rpc_macros::service;
 pub use rdma_rpc_transport as transport;

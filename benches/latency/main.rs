@@ -218,7 +218,8 @@ struct Args {
     #[arg(long, default_value_t = 2)]
     conn_in_flight: usize,
     /// `throughput`: the servers, of rpc (rdma-rpc on the provider), rpc-pool (the same on a
-    /// receive pool: `Config::receive_pool`, 4 KiB pieces), tcp (a tokio TCP echo), tarpc.
+    /// receive pool: `Config::receive_pool`, 4 KiB pieces, its clients made by one
+    /// `Connector`), tcp (a tokio TCP echo), tarpc.
     #[arg(long, value_delimiter = ',', default_value = "rpc,rpc-pool,tcp,tarpc")]
     systems: Vec<String>,
     /// `throughput`: run every row without (0) and with (1) a busy process beside it.

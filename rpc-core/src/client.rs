@@ -31,8 +31,11 @@ use crate::spans::{self, How};
 use crate::{RpcError, TransportError};
 
 mod call;
+mod connector;
 mod drive;
 mod state;
+
+pub use connector::Connector;
 
 use call::{Call, Finish, Start};
 use drive::{drive, OnDriverGone};
@@ -135,14 +138,34 @@ impl Client {
     /// file descriptors); [`RpcError::Protocol`]
     /// when the peer is not an rdma-rpc server of this version.
     pub async fn connect(device: &Device, addr: SocketAddr, config: Config) -> Result<Client, RpcError> {
+        Self::connect_in(device, addr, config, None).await
+    }
+
+    /// [`Client::connect`], the connection's completions going to a CQ of `groups` when
+    /// given ([`Connector`]).
+    async fn connect_in(
+        device: &Device,
+        addr: SocketAddr,
+        config: Config,
+        groups: Option<&driver::Groups>,
+    ) -> Result<Client, RpcError> {
         config.validate()?;
         let config = config.on(device);
         let pd = device
             .alloc_pd()
             .map_err(|e| RpcError::Transport(TransportError::with("allocating a protection domain", e)))?;
-        let cq = device
-            .create_cq(config.ring * 4 + 64)
-            .map_err(|e| RpcError::Transport(TransportError::with("creating a completion queue", e)))?;
+        let (cq, seat) = match groups {
+            Some(groups) => {
+                let seat = groups.place()?;
+                (seat.cq().clone(), Some(seat))
+            }
+            None => (
+                device
+                    .create_cq(Self::cq_depth(&config))
+                    .map_err(|e| RpcError::Transport(TransportError::with("creating a completion queue", e)))?,
+                None,
+            ),
+        };
         let mine = Hello::from(&config);
         let slot = handshake::slot_size(&config);
         let recvs = Conn::ring(&pd, config.ring, slot)?;
@@ -174,6 +197,9 @@ impl Client {
             session.limit_call_bytes(theirs.max_request_bytes);
         }
         let mut conn = Conn::configured(session, &pd, qp, cq, slot, &config)?;
+        if let Some(seat) = seat {
+            conn.join(seat);
+        }
         link.pair(reply.get(Hello::LEN..));
         link.withdraw();
         conn.link = link;
@@ -201,6 +227,11 @@ impl Client {
             handle: Arc::new(Handle { shared }),
             opts: CallOptions::default(),
         })
+    }
+
+    /// Entries of a connection's CQ: its receives and its sends, with room to spare.
+    fn cq_depth(config: &Config) -> u32 {
+        config.ring * 4 + 64
     }
 
     /// Whether this connection takes no more calls because its server is shutting down

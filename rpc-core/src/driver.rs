@@ -362,6 +362,18 @@ impl Conn {
         Ok(conn)
     }
 
+    /// The connection's completions come through a shared CQ's group from now on: `seat`'s,
+    /// whose CQ its QP is on.
+    pub(crate) fn join(&mut self, seat: group::Seat) {
+        self.member = Some(seat.join(self.qp.qp_num()));
+    }
+
+    /// The inbox a connection of a group waits on ([`Member::inbox`]); `None` for one with a
+    /// CQ of its own.
+    pub(crate) fn inbox(&self) -> Option<Arc<group::Inbox>> {
+        self.member.as_ref().map(Member::inbox)
+    }
+
     /// Whether the connection's receives come from a server's pool ([`Conn::pooled`]).
     pub(crate) fn on_pool(&self) -> bool {
         self.lease.is_some()

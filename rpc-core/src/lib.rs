@@ -26,7 +26,7 @@ mod tasks;
 pub use buf::{Body, BodyRef, RegisteredBuf};
 pub use bulk::Bulk;
 pub use channel::{Channel, Reconnect};
-pub use client::{Client, Request};
+pub use client::{Client, Connector, Request};
 pub use config::{CallOptions, CompletionMode, Config, Isolation, DEFAULT_EAGER_THRESHOLD};
 pub use driver::IN_SLOT_MIN;
 pub use error::{RpcError, TransportError};

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use rdma_rpc::transport::Device;
-use rdma_rpc::{Client, Config};
+use rdma_rpc::{Client, Config, Connector};
 use tarpc::tokio_serde::formats::Bincode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -103,11 +103,25 @@ pub enum Conns {
 pub async fn connect(system: System, dev: &Device, addr: SocketAddr, n: usize, cfg: &Config) -> Result<Conns, String> {
     let err = |i: usize, e: String| format!("connection {} of {n}: {e}", i + 1);
     Ok(match system {
-        System::Rpc | System::RpcPool => {
+        System::Rpc => {
             let mut v = Vec::with_capacity(n);
             for i in 0..n {
                 v.push(
                     Client::connect(dev, addr, cfg.clone())
+                        .await
+                        .map_err(|e| err(i, e.report().to_string()))?,
+                );
+            }
+            Conns::Rpc(v)
+        }
+        System::RpcPool => {
+            // Clients of many connections share completion queues, as the server's do.
+            let connector = Connector::new(dev, cfg.clone()).map_err(|e| e.report().to_string())?;
+            let mut v = Vec::with_capacity(n);
+            for i in 0..n {
+                v.push(
+                    connector
+                        .connect(addr)
                         .await
                         .map_err(|e| err(i, e.report().to_string()))?,
                 );

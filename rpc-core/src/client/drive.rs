@@ -40,10 +40,10 @@ pub(super) async fn drive(gone: OnDriverGone) {
                 };
                 st.driver_on_cq = watch;
                 st.driver_until = deadline;
-                Some((watch, deadline))
+                Some((watch, deadline, st.conn.inbox()))
             }
         };
-        let Some((watch, deadline)) = next else {
+        let Some((watch, deadline, inbox)) = next else {
             crate::driver::reschedule().await;
             continue;
         };
@@ -53,8 +53,19 @@ pub(super) async fn drive(gone: OnDriverGone) {
                 None => std::future::pending().await,
             }
         };
+        // A connection of a group ([`Connector`](crate::Connector)) waits for the group's
+        // poller to hand it completions; any other on its own CQ.
+        let completions = async {
+            match &inbox {
+                Some(inbox) => {
+                    inbox.notified().await;
+                    Ok(())
+                }
+                None => cq.ready().await,
+            }
+        };
         tokio::select! {
-            r = cq.ready(), if watch => {
+            r = completions, if watch => {
                 if let Err(e) = r {
                     tracing::debug!(%e, "waiting on the CQ");
                     // The next progress polls the CQ and sees the error as the connection's loss.

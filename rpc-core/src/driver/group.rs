@@ -15,7 +15,7 @@
 //! [`Config::receive_pool`]: crate::Config::receive_pool
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -60,8 +60,10 @@ impl Inbox {
 struct Routes {
     inboxes: HashMap<u32, Arc<Inbox>>,
     strays: VecDeque<(Instant, Completion)>,
-    /// The group's waiter runs (it ends when the group has no connection).
+    /// The group's waiter runs (it ends when the group has no connection, or with its
+    /// runtime); which one, so that only the current one's end says none runs.
     waiting: bool,
+    waiter: u64,
 }
 
 /// One shared CQ and its connections.
@@ -76,6 +78,8 @@ pub(crate) struct Group {
     left: Notify,
     /// Why the CQ failed, once it did: every connection of the group is lost.
     failed: OnceLock<String>,
+    /// `Routes::waiting`, to look at without the lock.
+    waiting: AtomicBool,
 }
 
 /// A server's shared CQs, filled one after the other.
@@ -117,6 +121,7 @@ impl Groups {
                     seats: AtomicUsize::new(0),
                     left: Notify::new(),
                     failed: OnceLock::new(),
+                    waiting: AtomicBool::new(false),
                 });
                 groups.push(g.clone());
                 g
@@ -156,7 +161,7 @@ impl Seat {
     pub(crate) fn join(self, qp_num: u32) -> Member {
         let inbox = Arc::new(Inbox::default());
         let group = self.group.clone();
-        let start = {
+        {
             let mut r = group.routes.lock();
             let mut q = inbox.queue.lock();
             let mut i = 0;
@@ -173,10 +178,7 @@ impl Seat {
                 inbox.ready.notify_one();
             }
             r.inboxes.insert(qp_num, inbox.clone());
-            !std::mem::replace(&mut r.waiting, true)
-        };
-        if start {
-            tokio::spawn(wait_for(group));
+            group.start_waiter(&mut r);
         }
         Member {
             seat: self,
@@ -223,8 +225,14 @@ impl Member {
         Ok(n)
     }
 
-    /// The inbox, to wait on without holding the connection.
+    /// The inbox, to wait on without holding the connection. Starts the group's waiter if
+    /// none runs (the one that ran went with its runtime: a client kept from one runtime to
+    /// the next), so that what comes while the connection sleeps wakes it.
     pub(crate) fn inbox(&self) -> Arc<Inbox> {
+        let group = &self.seat.group;
+        if !group.waiting.load(Ordering::Acquire) {
+            group.start_waiter(&mut group.routes.lock());
+        }
         self.inbox.clone()
     }
 
@@ -235,6 +243,20 @@ impl Member {
 }
 
 impl Group {
+    /// Starts a waiter unless one runs (`r` is the group's routes, locked).
+    fn start_waiter(self: &Arc<Self>, r: &mut Routes) {
+        if r.waiting {
+            return;
+        }
+        r.waiting = true;
+        r.waiter += 1;
+        self.waiting.store(true, Ordering::Release);
+        tokio::spawn(wait_for(WaiterGuard {
+            group: self.clone(),
+            id: r.waiter,
+        }));
+    }
+
     /// Polls a batch and hands each completion to its connection's inbox (the caller holds
     /// `polling`); wakes each connection that had nothing waiting, once. Returns how many.
     fn route(&self, batch: &mut Vec<Completion>) -> usize {
@@ -288,13 +310,18 @@ impl Group {
 }
 
 /// The group's waiter: sleeps on the CQ while no connection polls it, and routes what wakes
-/// it. Ends when the group has no connection (the next to join starts another).
-async fn wait_for(group: Arc<Group>) {
+/// it. Ends when the group has no connection (the next to join starts another), or with its
+/// runtime (the next connection to sleep starts another, see [`Member::inbox`]).
+async fn wait_for(me: WaiterGuard) {
+    let group = &me.group;
     loop {
         {
             let mut r = group.routes.lock();
             if r.inboxes.is_empty() || group.failed.get().is_some() {
+                // None runs from now: said under the lock a joiner looks under.
                 r.waiting = false;
+                group.waiting.store(false, Ordering::Release);
+                r.waiter += 1;
                 return;
             }
         }
@@ -307,6 +334,22 @@ async fn wait_for(group: Arc<Group>) {
                 Err(e) => group.fail(format!("waiting on the shared CQ: {}", rdma_rpc_transport::Report(&e))),
             },
             () = group.left.notified() => {}
+        }
+    }
+}
+
+/// The running waiter: when it ends, however (its runtime may drop it), none runs.
+struct WaiterGuard {
+    group: Arc<Group>,
+    id: u64,
+}
+
+impl Drop for WaiterGuard {
+    fn drop(&mut self) {
+        let mut r = self.group.routes.lock();
+        if r.waiter == self.id {
+            r.waiting = false;
+            self.group.waiting.store(false, Ordering::Release);
         }
     }
 }
@@ -456,5 +499,36 @@ mod tests {
                 "round {round}: the waiter ended with the group"
             );
         }
+    }
+
+    /// A waiter that went with its runtime is started again by the next connection to sleep,
+    /// on the runtime it sleeps on: what comes then still wakes it.
+    #[test]
+    fn a_waiter_gone_with_its_runtime_is_started_again_by_the_next_sleeper() {
+        let dev = Device::open("tcp").expect("tcp");
+        let groups = Groups::new(&dev, 64);
+        let seat = groups.place().expect("seat");
+        let (qp, client, pd) = pair(&dev, &seat, 4);
+        let first = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+        let member = first.block_on(async { seat.join(qp.qp_num()) });
+        let group = member.seat.group.clone();
+        assert!(group.waiting.load(Ordering::Acquire), "the join started a waiter");
+        drop(first);
+        assert!(
+            !group.waiting.load(Ordering::Acquire) && !group.routes.lock().waiting,
+            "the waiter went with its runtime, and says so"
+        );
+        let second = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        second.block_on(async {
+            let inbox = member.inbox();
+            assert!(group.waiting.load(Ordering::Acquire), "a sleeper started another");
+            send(&client, &pd, 1);
+            tokio::time::timeout(Duration::from_secs(5), inbox.notified())
+                .await
+                .expect("woken within 5 s");
+        });
     }
 }

@@ -130,7 +130,7 @@ pub(super) async fn wait<R: Role>(conn: &mut Conn, role: &mut R) {
     };
     // A pooled connection waits for its group's poller to hand it completions; any other on
     // its own CQ.
-    let inbox = conn.member.as_ref().map(super::Member::inbox);
+    let inbox = conn.inbox();
     let cq = conn.cq.clone();
     let mut got = Vec::new();
     let completions = async {
