@@ -306,6 +306,8 @@ impl Group {
         for inbox in self.routes.lock().inboxes.values() {
             inbox.ready.notify_one();
         }
+        // The waiter ends.
+        self.left.notify_one();
     }
 }
 
@@ -530,5 +532,31 @@ mod tests {
                 .await
                 .expect("woken within 5 s");
         });
+    }
+
+    /// A CQ that failed fails every connection of its group, the sleeping ones woken to hear
+    /// it, and its waiter ends.
+    #[tokio::test]
+    async fn a_failed_cq_fails_every_connection_of_its_group() {
+        let dev = Device::open("tcp").expect("tcp");
+        let groups = Groups::new(&dev, 64);
+        let (a, b) = (groups.place().expect("seat"), groups.place().expect("seat"));
+        let (qa, _ca, _pa) = pair(&dev, &a, 4);
+        let (qb, _cb, _pb) = pair(&dev, &b, 4);
+        let (a, b) = (a.join(qa.qp_num()), b.join(qb.qp_num()));
+        let sleeping = b.inbox();
+        a.seat.group.fail("the CQ overran".into());
+        tokio::time::timeout(Duration::from_secs(5), sleeping.notified())
+            .await
+            .expect("the sleeper is woken");
+        for m in [&a, &b] {
+            let err = m.poll(&mut Vec::new()).expect_err("a failed group");
+            assert!(err.contains("overran"), "{err}");
+        }
+        let start = Instant::now();
+        while a.seat.group.waiting.load(Ordering::Acquire) && start.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(!a.seat.group.waiting.load(Ordering::Acquire), "the waiter ended");
     }
 }
