@@ -1,6 +1,8 @@
-//! Completion queues shared by a pooled server's connections ([`Config::receive_pool`]): each
-//! CQ serves up to [`GROUP`] connections, and whoever polls it routes every completion to its
-//! connection's inbox by QP number.
+//! Completion queues shared by connections, a pooled server's ([`Config::receive_pool`]) and a
+//! [`Connector`](crate::Connector)'s: each CQ serves up to [`GROUP`] connections, and whoever
+//! polls it routes every completion to its connection's inbox by QP number. A group's CQ stays
+//! when its connections leave, for the next ones: a server holds at most one per [`GROUP`] of
+//! `max_connections`.
 //!
 //! With a CQ per connection, each message woke its connection's task through that CQ's own
 //! doorbell: a system call to ring it, another to wait on it, and a turn of the runtime's IO
