@@ -161,7 +161,7 @@ impl Client {
             }
             None => (
                 device
-                    .create_cq(Self::cq_depth(&config))
+                    .create_cq(handshake::cq_depth(&config))
                     .map_err(|e| RpcError::Transport(TransportError::with("creating a completion queue", e)))?,
                 None,
             ),
@@ -227,11 +227,6 @@ impl Client {
             handle: Arc::new(Handle { shared }),
             opts: CallOptions::default(),
         })
-    }
-
-    /// Entries of a connection's CQ: its receives and its sends, with room to spare.
-    fn cq_depth(config: &Config) -> u32 {
-        config.ring * 4 + 64
     }
 
     /// Whether this connection takes no more calls because its server is shutting down

@@ -333,16 +333,16 @@ impl Conn {
     /// A server's connection over `qp`, whose receives come from `pool` (its shared receive
     /// queue, which `qp` takes them from) and whose Sends go from the pool's buffers. It holds
     /// no slot for the application (bodies are copied out) and lends nothing: the pool's
-    /// domain is every connection's. Its completions come through `member`, from the CQ its
-    /// group shares.
+    /// domain is every connection's. Its completions come through the CQ its `seat`'s group
+    /// shares, which `qp` is on.
     pub(crate) fn pooled(
         session: Session,
         qp: QueuePair,
-        member: Member,
+        seat: group::Seat,
         pool: &Arc<ReceivePool>,
         config: &crate::Config,
     ) -> Result<Self, RpcError> {
-        let cq = member.cq().clone();
+        let cq = seat.cq().clone();
         let mut conn = Self::build(
             session,
             &pool.pd,
@@ -354,7 +354,7 @@ impl Conn {
         );
         conn.stash.private_only();
         conn.keepalive = config.keepalive.map(Keepalive::new);
-        conn.member = Some(member);
+        conn.join(seat);
         conn.lease = Some(Lease {
             pool: pool.clone(),
             window: pool::FLOOR,

@@ -17,6 +17,12 @@ pub(crate) fn slot_size(c: &Config) -> usize {
     .slot_size()
 }
 
+/// Entries of a connection's CQ (or its share of a shared one): its receives and its sends
+/// (`qp_caps`), with room to spare.
+pub(crate) fn cq_depth(c: &Config) -> u32 {
+    c.ring * 4 + 64
+}
+
 pub(crate) fn qp_caps(device: &Device, c: &Config) -> QpCaps {
     QpCaps {
         max_send_wr: (c.ring * 2 + 64).min(device.caps().max_qp_wr),

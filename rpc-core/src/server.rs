@@ -76,7 +76,7 @@ impl ServerBuilder {
                 device,
                 slots,
                 slot_size(&self.config.clone().on(device)),
-                (self.config.max_connections, self.config.ring * 4 + 64),
+                (self.config.max_connections, handshake::cq_depth(&self.config)),
             )?),
             None => None,
         };
@@ -370,7 +370,7 @@ async fn serve_connection(
     let resources = (|| {
         let pd = device.alloc_pd().map_err(tr("allocating a protection domain"))?;
         let cq = device
-            .create_cq(config.ring * 4 + 64)
+            .create_cq(handshake::cq_depth(&config))
             .map_err(tr("creating a completion queue"))?;
         let recvs = Conn::ring(&pd, config.ring, slot_size(&config))?;
         Ok::<_, RpcError>((pd, cq, recvs))
@@ -446,10 +446,9 @@ async fn serve_pooled(
         .await
         .map_err(|e| RpcError::Transport(TransportError::new(format!("the accept task failed: {e}"))))?
         .map_err(|e| RpcError::Transport(TransportError::with("accepting a connection", e)))?;
-    let member = seat.join(qp.qp_num());
     let mut session = handshake::session(&config, &mine, &theirs);
     limit(&mut session, &config);
-    let mut conn = Conn::pooled(session, qp, member, pool, &config)?;
+    let mut conn = Conn::pooled(session, qp, seat, pool, &config)?;
     conn.link = link;
     run(conn, handlers, shutdown, &config).await;
     Ok(())

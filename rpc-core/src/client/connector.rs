@@ -57,7 +57,7 @@ impl Connector {
     /// [`RpcError::Config`] for a configuration outside what the protocol allows.
     pub fn new(device: &Device, config: Config) -> Result<Connector, RpcError> {
         config.validate()?;
-        let depth = Client::cq_depth(&config.clone().on(device));
+        let depth = crate::handshake::cq_depth(&config);
         Ok(Connector {
             device: device.clone(),
             config,

@@ -237,11 +237,6 @@ impl Member {
         }
         self.inbox.clone()
     }
-
-    /// The group's CQ (the connection's QP is on it).
-    pub(crate) fn cq(&self) -> &CompletionQueue {
-        &self.seat.group.cq
-    }
 }
 
 impl Group {
