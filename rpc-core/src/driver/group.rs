@@ -68,12 +68,20 @@ struct Routes {
     waiter: u64,
 }
 
+/// What a poller of a group reuses from batch to batch: the completions, and the inboxes to
+/// wake.
+#[derive(Default)]
+struct Batch {
+    completions: Vec<Completion>,
+    wake: Vec<Arc<Inbox>>,
+}
+
 /// One shared CQ and its connections.
 pub(crate) struct Group {
     cq: CompletionQueue,
     routes: Mutex<Routes>,
     /// Held while a batch is polled and routed: one poller at a time keeps the order.
-    polling: Mutex<Vec<Completion>>,
+    polling: Mutex<Batch>,
     /// Connections placed on the group: joined, or having their QP made on its CQ.
     seats: AtomicUsize,
     /// Rung when a connection leaves: the waiter looks whether it still has any.
@@ -119,7 +127,7 @@ impl Groups {
                 let g = Arc::new(Group {
                     cq,
                     routes: Mutex::new(Routes::default()),
-                    polling: Mutex::new(Vec::with_capacity(BATCH)),
+                    polling: Mutex::new(Batch::default()),
                     seats: AtomicUsize::new(0),
                     left: Notify::new(),
                     failed: OnceLock::new(),
@@ -256,8 +264,9 @@ impl Group {
 
     /// Polls a batch and hands each completion to its connection's inbox (the caller holds
     /// `polling`); wakes each connection that had nothing waiting, once. Returns how many.
-    fn route(&self, batch: &mut Vec<Completion>) -> usize {
-        let n = match self.cq.poll(batch, BATCH) {
+    fn route(&self, batch: &mut Batch) -> usize {
+        let Batch { completions, wake } = batch;
+        let n = match self.cq.poll(completions, BATCH) {
             Ok(n) => n,
             Err(e) => {
                 self.fail(format!("polling the shared CQ: {}", rdma_rpc_transport::Report(&e)));
@@ -267,7 +276,6 @@ impl Group {
         if n == 0 {
             return 0;
         }
-        let mut wake = Vec::new();
         {
             let mut r = self.routes.lock();
             let now = Instant::now();
@@ -278,7 +286,7 @@ impl Group {
             {
                 r.strays.pop_front();
             }
-            for c in batch.drain(..) {
+            for c in completions.drain(..) {
                 match r.inboxes.get(&c.qp_num) {
                     Some(inbox) => {
                         let mut q = inbox.queue.lock();
@@ -291,7 +299,7 @@ impl Group {
                 }
             }
         }
-        for inbox in wake {
+        for inbox in wake.drain(..) {
             inbox.ready.notify_one();
         }
         n
