@@ -188,8 +188,8 @@ impl Seat {
                 inbox.ready.notify_one();
             }
             r.inboxes.insert(qp_num, inbox.clone());
-            group.start_waiter(&mut r);
         }
+        group.start_waiter();
         Member {
             seat: self,
             qp_num,
@@ -241,25 +241,35 @@ impl Member {
     pub(crate) fn inbox(&self) -> Arc<Inbox> {
         let group = &self.seat.group;
         if !group.waiting.load(Ordering::Acquire) {
-            group.start_waiter(&mut group.routes.lock());
+            group.start_waiter();
         }
         self.inbox.clone()
     }
 }
 
 impl Group {
-    /// Starts a waiter unless one runs (`r` is the group's routes, locked).
-    fn start_waiter(self: &Arc<Self>, r: &mut Routes) {
-        if r.waiting {
+    /// Starts a waiter unless one runs, on the caller's runtime (none outside one: the next
+    /// connection to sleep starts it).
+    fn start_waiter(self: &Arc<Self>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
-        }
-        r.waiting = true;
-        r.waiter += 1;
-        self.waiting.store(true, Ordering::Release);
-        tokio::spawn(wait_for(WaiterGuard {
-            group: self.clone(),
-            id: r.waiter,
-        }));
+        };
+        let guard = {
+            let mut r = self.routes.lock();
+            if r.waiting {
+                return;
+            }
+            r.waiting = true;
+            r.waiter += 1;
+            self.waiting.store(true, Ordering::Release);
+            WaiterGuard {
+                group: self.clone(),
+                id: r.waiter,
+            }
+        };
+        // Spawned with the routes unlocked: a runtime that is shutting down drops the task at
+        // once, and the guard's drop takes the lock.
+        runtime.spawn(wait_for(guard));
     }
 
     /// Polls a batch and hands each completion to its connection's inbox (the caller holds
@@ -537,6 +547,47 @@ mod tests {
                 .await
                 .expect("woken within 5 s");
         });
+    }
+
+    /// A connection that joins while its runtime shuts down (a task dropped at the shutdown
+    /// whose drop makes the join): the waiter it starts is dropped at once, and that neither
+    /// deadlocks nor leaves the group believing a waiter runs.
+    #[test]
+    fn a_join_during_its_runtimes_shutdown_leaves_no_waiter_said_to_run() {
+        struct JoinOnDrop(Option<(Seat, u32)>, std::sync::mpsc::Sender<Member>);
+        impl Drop for JoinOnDrop {
+            fn drop(&mut self) {
+                if let Some((seat, qp_num)) = self.0.take() {
+                    let _ = self.1.send(seat.join(qp_num));
+                }
+            }
+        }
+        let dev = Device::open("tcp").expect("tcp");
+        let groups = Groups::new(&dev, 64);
+        let seat = groups.place().expect("seat");
+        let (qp, _client, _pd) = pair(&dev, &seat, 4);
+        let (tx, members) = std::sync::mpsc::channel();
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let qp_num = qp.qp_num();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+            let on_drop = JoinOnDrop(Some((seat, qp_num)), tx);
+            runtime.spawn(async move {
+                let _held = on_drop;
+                std::future::pending::<()>().await;
+            });
+            runtime.block_on(tokio::task::yield_now());
+            drop(runtime);
+            let _ = done_tx.send(());
+        });
+        done.recv_timeout(Duration::from_secs(10))
+            .expect("the runtime shut down within 10 s (no deadlock in the join)");
+        let member = members.recv().expect("joined");
+        let group = member.seat.group.clone();
+        assert!(
+            !group.waiting.load(Ordering::Acquire) && !group.routes.lock().waiting,
+            "no waiter runs, and the group says so"
+        );
     }
 
     /// A CQ that failed fails every connection of its group, the sleeping ones woken to hear
