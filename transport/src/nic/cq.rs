@@ -18,9 +18,14 @@ use crate::cq::RawWc;
 /// before each poll.
 pub(crate) trait CqSource: Send + Sync {
     fn drain(self: Arc<Self>);
-    /// The CQ waits: have the next completion rung for.
-    fn arm(&self);
+    /// The CQ waits: have the next completion rung for. `watched`: the CQ's waiter watches
+    /// the sockets of many QPs itself ([`Cq::watches_many`]).
+    fn arm(&self, watched: bool);
 }
+
+/// QPs on one CQ from which its waiter's watch of their sockets stands in for their readers'
+/// (see [`Cq::watches_many`]).
+const WATCHED_MANY: usize = 8;
 
 /// Nanoseconds on the clock of poll stamps (never 0: 0 stands for "never").
 pub(crate) fn now_nanos() -> u64 {
@@ -31,7 +36,15 @@ pub(crate) fn now_nanos() -> u64 {
 
 /// A software completion queue.
 pub(crate) struct Cq {
+    /// Sources asked at every poll: those no socket announces (shm).
     sources: Mutex<Vec<Source>>,
+    /// Sources with a socket in `sockets` (tcp), by their key there: a poll drains only those
+    /// its sockets or a nudge name ([`Cq::nudge`]), so that a CQ many QPs share costs a poll
+    /// what has arrived, not a look at every QP.
+    watched: Mutex<HashMap<u64, Watched>>,
+    /// Keys of watched sources to drain at the next poll; `due_any` says there are some.
+    due: Mutex<Vec<u64>>,
+    due_any: AtomicBool,
     queue: Mutex<VecDeque<RawWc>>,
     /// Completions in `queue`, so that an empty poll takes no lock.
     queued: AtomicUsize,
@@ -46,11 +59,10 @@ pub(crate) struct Cq {
     sockets: Sockets,
 }
 
-/// An epoll set of QP sockets, each with the flag its CQ source looks at.
+/// An epoll set of QP sockets, keyed as their sources in `Cq::watched`.
 struct Sockets {
     /// Shared with its registration in a waiter's runtime (`watch.rs`).
     epoll: Arc<OwnedFd>,
-    flags: Mutex<HashMap<u64, Weak<AtomicBool>>>,
     next: AtomicU64,
     /// Sockets were added: polls ask the set, and a waiter watches it too.
     any: AtomicBool,
@@ -63,10 +75,20 @@ struct Source {
     has_some: Box<dyn Fn() -> bool + Send + Sync>,
 }
 
+/// A source with a socket, and whether it still has something once drained (frames read
+/// ahead, an acknowledgement owed): it is drained again at the next poll then.
+struct Watched {
+    source: Weak<dyn CqSource>,
+    left: Arc<dyn Fn() -> bool + Send + Sync>,
+}
+
 impl Cq {
     pub(crate) fn new(depth: u32) -> crate::Result<Self> {
         Ok(Self {
             sources: Mutex::new(Vec::new()),
+            watched: Mutex::new(HashMap::new()),
+            due: Mutex::new(Vec::new()),
+            due_any: AtomicBool::new(false),
             queue: Mutex::new(VecDeque::with_capacity(depth.min(4096) as usize)),
             queued: AtomicUsize::new(0),
             armed: AtomicBool::new(false),
@@ -78,7 +100,6 @@ impl Cq {
                     epoll::create(epoll::CreateFlags::CLOEXEC)
                         .map_err(|e| crate::Error::io("creating a CQ's socket set (epoll)", e.into()))?,
                 ),
-                flags: Mutex::new(HashMap::new()),
                 next: AtomicU64::new(0),
                 any: AtomicBool::new(false),
                 watch: watch::Watch::new(),
@@ -86,17 +107,40 @@ impl Cq {
         })
     }
 
-    /// Has polls raise `flag` whenever `socket` has something to read (level-triggered).
-    pub(crate) fn add_socket(&self, socket: BorrowedFd<'_>, flag: &Arc<AtomicBool>) -> crate::Result<()> {
+    /// Adds a source whose `socket` says when it has something (level-triggered): polls drain
+    /// it when the socket has something to read, when it is nudged ([`Cq::nudge`]), and again
+    /// after a drain that left something (`left`). Returns its key, to nudge it by.
+    pub(crate) fn add_watched(
+        &self,
+        socket: BorrowedFd<'_>,
+        source: Weak<dyn CqSource>,
+        left: Arc<dyn Fn() -> bool + Send + Sync>,
+    ) -> crate::Result<u64> {
         let s = &self.sockets;
         let key = s.next.fetch_add(1, Ordering::Relaxed);
-        let mut flags = s.flags.lock();
-        flags.retain(|_, f| f.strong_count() > 0);
+        let mut watched = self.watched.lock();
+        watched.retain(|_, w| w.source.strong_count() > 0);
         epoll::add(&s.epoll, socket, epoll::EventData::new_u64(key), epoll::EventFlags::IN)
             .map_err(|e| crate::Error::io("adding a QP's socket to its CQ's set (epoll)", e.into()))?;
-        flags.insert(key, Arc::downgrade(flag));
+        // A waiter armed the CQ before this source came: it must be woken by this source's
+        // completions too, as a NIC's armed CQ is by any QP's (see `add_source`).
+        if self.armed.load(Ordering::SeqCst) {
+            if let Some(src) = source.upgrade() {
+                src.arm(self.watches_many(watched.len() + 1));
+            }
+        }
+        watched.insert(key, Watched { source, left });
+        drop(watched);
         s.any.store(true, Ordering::Release);
-        Ok(())
+        // Its first poll looks, whatever the socket says.
+        self.nudge(key);
+        Ok(key)
+    }
+
+    /// The watched source `key` has something no socket announces: the next poll drains it.
+    pub(crate) fn nudge(&self, key: u64) {
+        self.due.lock().push(key);
+        self.due_any.store(true, Ordering::SeqCst);
     }
 
     /// When the CQ was last polled ([`now_nanos`]; 0: never).
@@ -104,7 +148,7 @@ impl Cq {
         self.last_poll.load(Ordering::Relaxed)
     }
 
-    /// Raises the flags of the sockets that have something to read.
+    /// Marks due the watched sources whose sockets have something to read.
     fn mark_readable(&self) {
         let s = &self.sockets;
         // On the stack: this runs on every poll.
@@ -112,18 +156,40 @@ impl Cq {
         let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
         let Ok((events, _)) = epoll::wait(&s.epoll, &mut buf[..], Some(&zero)) else {
             // Cannot tell: every source looks.
-            for f in s.flags.lock().values().filter_map(Weak::upgrade) {
-                f.store(true, Ordering::Release);
-            }
+            let keys: Vec<u64> = self.watched.lock().keys().copied().collect();
+            self.due.lock().extend(keys);
+            self.due_any.store(true, Ordering::SeqCst);
             return;
         };
         if events.is_empty() {
             return;
         }
-        let flags = s.flags.lock();
-        for e in events.iter() {
-            if let Some(f) = flags.get(&e.data.u64()).and_then(Weak::upgrade) {
-                f.store(true, Ordering::Release);
+        self.due.lock().extend(events.iter().map(|e| e.data.u64()));
+        self.due_any.store(true, Ordering::SeqCst);
+    }
+
+    /// Drains the watched sources due; those that still have something stay due.
+    fn drain_due(&self) {
+        if !self.due_any.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        let mut keys = std::mem::take(&mut *self.due.lock());
+        keys.sort_unstable();
+        keys.dedup();
+        let due: Vec<(u64, Arc<dyn CqSource>, Arc<dyn Fn() -> bool + Send + Sync>)> = {
+            let watched = self.watched.lock();
+            keys.iter()
+                .filter_map(|k| {
+                    let w = watched.get(k)?;
+                    Some((*k, w.source.upgrade()?, w.left.clone()))
+                })
+                .collect()
+        };
+        // No lock of the CQ's held: a drain takes the engine's and pushes completions.
+        for (key, src, left) in due {
+            src.drain();
+            if left() {
+                self.nudge(key);
             }
         }
     }
@@ -148,7 +214,7 @@ impl Cq {
         // sources' lock, against `arm`: it stores the flag, then arms what is listed.
         if self.armed.load(Ordering::SeqCst) {
             if let Some(src) = source.upgrade() {
-                src.arm();
+                src.arm(false);
             }
         }
         s.push(Source { source, has_some });
@@ -160,7 +226,8 @@ impl Cq {
             self.last_poll.store(now_nanos(), Ordering::Relaxed);
             self.mark_readable();
         }
-        // Lock order: sources, then a source's engine state, then the queue (as push takes it).
+        // Lock order: sources, then a source's engine state, then the queue (as push takes it);
+        // watched sources are drained with no lock of the CQ's held.
         let mut sources = self.sources.lock();
         let mut gone = false;
         for s in sources.iter() {
@@ -176,6 +243,7 @@ impl Cq {
             sources.retain(|s| s.source.strong_count() > 0);
         }
         drop(sources);
+        self.drain_due();
         if self.queued.load(Ordering::SeqCst) == 0 {
             return 0;
         }
@@ -205,8 +273,33 @@ impl Cq {
     pub(crate) fn arm(&self) {
         self.armed.store(true, Ordering::SeqCst);
         for s in self.sources.lock().iter().filter_map(|s| s.source.upgrade()) {
-            s.arm();
+            s.arm(false);
         }
+        // Under the lock `add_watched` looks at the flag under.
+        let watched = self.watched.lock();
+        if self.watches_many(watched.len()) {
+            // The waiter watches their sockets: only the sources with something no socket
+            // announces (due) need their readers.
+            let due = self.due.lock().clone();
+            for src in due.iter().filter_map(|k| watched.get(k)?.source.upgrade()) {
+                src.arm(true);
+            }
+        } else {
+            for src in watched.values().filter_map(|w| w.source.upgrade()) {
+                src.arm(false);
+            }
+        }
+    }
+
+    /// Whether a waiter on this CQ, with `sources` tcp QPs on it, watches their sockets in
+    /// their readers' stead: more than [`WATCHED_MANY`] (a CQ a server or a `Connector`
+    /// shares), and its next wait watches them (not the doorbell alone, `watch.rs`). Its
+    /// waiter then wakes on their arrivals and its poll reads them; a QP's reader takes its
+    /// socket back by what a poll hands it, or at its grace timer. Waking every reader at
+    /// every arm, as for a CQ of one connection, would cost a turn of the progress thread
+    /// per QP each time the waiter slept.
+    fn watches_many(&self, sources: usize) -> bool {
+        sources > WATCHED_MANY && self.sockets.watch.will_watch()
     }
 
     /// Sleeps until the doorbell rings, or (tcp QPs attached) until one of their sockets has
@@ -240,12 +333,28 @@ mod tests {
 
     use super::*;
 
+    /// A source that counts its drains.
+    #[derive(Default)]
+    struct Counted(AtomicUsize);
+
+    impl CqSource for Counted {
+        fn drain(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+        fn arm(&self, _watched: bool) {}
+    }
+
     #[tokio::test]
     async fn a_waiter_on_a_cq_with_sockets_wakes_when_one_has_something_to_read() {
         let cq = Cq::new(16).expect("cq");
         let (ours, mut theirs) = std::os::unix::net::UnixStream::pair().expect("socket pair");
-        let flag = Arc::new(AtomicBool::new(false));
-        cq.add_socket(ours.as_fd(), &flag).expect("add");
+        let source = Arc::new(Counted::default());
+        let weak = Arc::downgrade(&source) as Weak<dyn CqSource>;
+        cq.add_watched(ours.as_fd(), weak, Arc::new(|| false)).expect("add");
+        cq.poll(&mut Vec::new(), 1);
+        assert_eq!(source.0.load(Ordering::SeqCst), 1, "its first poll drains it");
+        cq.poll(&mut Vec::new(), 1);
+        assert_eq!(source.0.load(Ordering::SeqCst), 1, "nothing to read, nothing drained");
         cq.arm();
         let waiting = tokio::time::timeout(Duration::from_millis(100), cq.wait_bell()).await;
         assert!(waiting.is_err(), "nothing came, nothing rang");
@@ -256,6 +365,53 @@ mod tests {
             .expect("woken by the socket")
             .expect("no error");
         cq.poll(&mut Vec::new(), 1);
-        assert!(flag.load(Ordering::Acquire), "the poll marks the socket readable");
+        assert_eq!(source.0.load(Ordering::SeqCst), 2, "the poll drains the readable one");
+    }
+
+    /// Of many watched sources, a poll drains those whose sockets have something, those
+    /// nudged, and again those a drain left something in.
+    #[test]
+    fn a_poll_drains_only_the_sources_readable_nudged_or_left_with_something() {
+        let cq = Cq::new(16).expect("cq");
+        let left = Arc::new(AtomicBool::new(false));
+        let mut ends = Vec::new();
+        let mut sources = Vec::new();
+        let mut keys = Vec::new();
+        for i in 0..20 {
+            let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("socket pair");
+            let source = Arc::new(Counted::default());
+            let weak = Arc::downgrade(&source) as Weak<dyn CqSource>;
+            let l = left.clone();
+            let sticky: Arc<dyn Fn() -> bool + Send + Sync> = if i == 7 {
+                Arc::new(move || l.load(Ordering::SeqCst))
+            } else {
+                Arc::new(|| false)
+            };
+            keys.push(cq.add_watched(ours.as_fd(), weak, sticky).expect("add"));
+            sources.push(source);
+            ends.push((ours, theirs));
+        }
+        let counts = |sources: &[Arc<Counted>]| sources.iter().map(|s| s.0.load(Ordering::SeqCst)).collect::<Vec<_>>();
+        cq.poll(&mut Vec::new(), 1);
+        assert_eq!(counts(&sources), vec![1; 20], "each is drained at its first poll");
+        ends[3].1.write_all(b"x").expect("write");
+        cq.nudge(keys[11]);
+        left.store(true, Ordering::SeqCst);
+        cq.nudge(keys[7]);
+        cq.poll(&mut Vec::new(), 1);
+        cq.poll(&mut Vec::new(), 1);
+        let mut want = vec![1; 20];
+        // 3 is readable at both polls (nobody reads it); 11 was nudged once; 7 still has
+        // something after each drain.
+        (want[3], want[11], want[7]) = (3, 2, 3);
+        assert_eq!(counts(&sources), want);
+        left.store(false, Ordering::SeqCst);
+        cq.poll(&mut Vec::new(), 1);
+        want[3] += 1;
+        want[7] += 1;
+        assert_eq!(counts(&sources), want, "7 had nothing left after its last drain");
+        cq.poll(&mut Vec::new(), 1);
+        want[3] += 1;
+        assert_eq!(counts(&sources), want);
     }
 }

@@ -133,6 +133,8 @@ struct Engine {
     /// The shared receive queue the responder takes receives from, if the QP has one (then it
     /// has none of its own, and on shm the peer delivers nothing directly).
     srq: Option<Arc<srq::Srq>>,
+    /// tcp: this QP's key in each of its CQs' socket sets, to nudge them by (`Cq::nudge`).
+    watch_keys: OnceLock<Vec<(Arc<Cq>, u64)>>,
     /// The read side of the link, held by whoever reads: the reader thread or a poller.
     reader: Mutex<reader::Reader>,
     /// Frames that polls of the QP's CQs handled so far (tcp).
@@ -221,6 +223,7 @@ impl Qp {
             direct,
             own_rq,
             srq,
+            watch_keys: OnceLock::new(),
         });
         let source = || -> Weak<dyn super::CqSource> { Arc::downgrade(&engine) as Weak<Engine> };
         if let Some(rq) = &engine.own_rq {
@@ -233,26 +236,18 @@ impl Qp {
             if !Arc::ptr_eq(&engine.send_cq, &engine.recv_cq) {
                 cqs.push(&engine.recv_cq);
             }
+            let mut keys = Vec::new();
             for cq in cqs {
-                let flag = Arc::new(AtomicBool::new(true));
-                let always = match engine.link.socket() {
+                match engine.link.socket() {
                     Some(fd) => {
-                        cq.add_socket(fd, &flag)?;
-                        false
+                        let (buffered, owed) = (engine.buffered.clone(), engine.ack_owed.clone());
+                        let left = Arc::new(move || buffered.load(Ordering::Acquire) || owed.load(Ordering::Acquire));
+                        keys.push((cq.clone(), cq.add_watched(fd, source(), left)?));
                     }
-                    None => true,
-                };
-                let (buffered, owed) = (engine.buffered.clone(), engine.ack_owed.clone());
-                cq.add_source(
-                    source(),
-                    Box::new(move || {
-                        always
-                            || flag.swap(false, Ordering::AcqRel)
-                            || buffered.load(Ordering::Acquire)
-                            || owed.load(Ordering::Acquire)
-                    }),
-                );
+                    None => cq.add_source(source(), Box::new(|| true)),
+                }
             }
+            let _ = engine.watch_keys.set(keys);
         }
         let task: Arc<dyn Task> = Arc::new(Turns(engine.clone()));
         let handle = progress.register(task, Some(engine.link.event_fd()))?;
@@ -592,6 +587,16 @@ impl Engine {
         self.ack_owed.store(true, Ordering::SeqCst);
         if self.reader_untimed.load(Ordering::SeqCst) {
             self.flush_ack(st);
+        } else {
+            self.nudge();
+        }
+    }
+
+    /// Something no socket announces waits for a poll (frames read ahead, an acknowledgement
+    /// owed): the next poll of each of the QP's CQs drains it.
+    pub(super) fn nudge(&self) {
+        for (cq, key) in self.watch_keys.get().into_iter().flatten() {
+            cq.nudge(*key);
         }
     }
 
@@ -1276,7 +1281,7 @@ impl Engine {
 }
 
 impl super::CqSource for Engine {
-    fn arm(&self) {
+    fn arm(&self, watched: bool) {
         if let Some(rq) = &self.own_rq {
             rq.arm();
         }
@@ -1284,8 +1289,11 @@ impl super::CqSource for Engine {
         // wait has no timeout, which watches the socket already (or waits out a stall), and no
         // poll left frames read ahead, which no socket readiness announces. Missing a wait it
         // is just entering with a timeout costs at most that timeout (`POLLER_GRACE`), and the
-        // waiter watches the socket itself meanwhile (`watch.rs`).
-        if !self.reader_untimed.load(Ordering::SeqCst) || self.buffered.load(Ordering::Acquire) {
+        // waiter watches the socket itself meanwhile (`watch.rs`). A waiter that watches the
+        // sockets of many QPs (`watched`) reads what arrives itself: their readers come back
+        // by what its polls hand them, or at their timeout.
+        let timed = !self.reader_untimed.load(Ordering::SeqCst);
+        if (timed && !watched) || self.buffered.load(Ordering::Acquire) {
             self.wake_reader();
         }
     }

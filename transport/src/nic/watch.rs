@@ -44,6 +44,11 @@ impl Watch {
         }
     }
 
+    /// Whether the next wait watches the sockets (not the doorbell alone).
+    pub(super) fn will_watch(&self) -> bool {
+        !self.woke_on_sockets.load(Ordering::Relaxed)
+    }
+
     /// A poll returned completions: the next wait watches the sockets again.
     pub(super) fn polled_some(&self) {
         // A load first: the store only after a wake-up by the sockets.

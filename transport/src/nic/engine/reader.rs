@@ -305,6 +305,9 @@ impl Engine {
         // thread is empty: that thread takes them.
         let left = r.inbox.has_frame();
         self.buffered.store(left, Ordering::Release);
+        if left {
+            self.nudge();
+        }
         if left && self.waiter_sleeps() {
             drop(r);
             self.wake_reader();
