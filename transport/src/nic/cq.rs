@@ -75,6 +75,9 @@ struct Source {
     has_some: Box<dyn Fn() -> bool + Send + Sync>,
 }
 
+/// Whether a watched source still has something once drained.
+type Left = Arc<dyn Fn() -> bool + Send + Sync>;
+
 /// A source with a socket, and whether it still has something once drained (frames read
 /// ahead, an acknowledgement owed): it is drained again at the next poll then.
 struct Watched {
@@ -176,7 +179,7 @@ impl Cq {
         let mut keys = std::mem::take(&mut *self.due.lock());
         keys.sort_unstable();
         keys.dedup();
-        let due: Vec<(u64, Arc<dyn CqSource>, Arc<dyn Fn() -> bool + Send + Sync>)> = {
+        let due: Vec<(u64, Arc<dyn CqSource>, Left)> = {
             let watched = self.watched.lock();
             keys.iter()
                 .filter_map(|k| {
