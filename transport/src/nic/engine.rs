@@ -152,9 +152,6 @@ struct Engine {
     /// The held frames reached [`stall::STALL_CAP`]: nobody reads the link until the stall
     /// ends, which wakes the engine.
     throttle: AtomicBool,
-    /// tcp: application threads polling the QP's CQs read the link too. shm: the engine
-    /// alone reads it.
-    pollers_read: bool,
     /// Turns the QP on its device's progress engine (a poller hands it a frame, a CQ was
     /// armed, an RNR stall began or ended).
     waker: OnceLock<Waker>,
@@ -198,8 +195,6 @@ impl Qp {
             Some((p, rq)) => (Some(p), Some(rq)),
             None => (None, None),
         };
-        // tcp: the application's polls read the socket too; shm: the engine alone.
-        let pollers_read = direct.is_none();
         let engine = Arc::new(Engine {
             qp_num,
             pd,
@@ -212,7 +207,6 @@ impl Qp {
             ack_owed: Arc::new(AtomicBool::new(false)),
             reader_untimed: AtomicBool::new(false),
             taken: AtomicU64::new(0),
-            pollers_read,
             waker: OnceLock::new(),
             turns: Mutex::new(reader::ReadLoop::default()),
             link,
@@ -227,8 +221,23 @@ impl Qp {
         });
         let source = || -> Weak<dyn super::CqSource> { Arc::downgrade(&engine) as Weak<Engine> };
         if let Some(rq) = &engine.own_rq {
-            let rq = rq.clone();
-            engine.recv_cq.add_source(source(), Box::new(move || rq.has_taken()));
+            // shm: a poll of either CQ drains what the peer completed in our receive queue, and
+            // reads the ring when bytes wait there or the last poll left frames read ahead.
+            let (link, buffered, owed) = (engine.link.clone(), engine.buffered.clone(), engine.ack_owed.clone());
+            let framed = move || link.has_bytes() || buffered.load(Ordering::Acquire) || owed.load(Ordering::Acquire);
+            if Arc::ptr_eq(&engine.send_cq, &engine.recv_cq) {
+                let rq = rq.clone();
+                engine
+                    .recv_cq
+                    .add_source(source(), Box::new(move || rq.has_taken() || framed()));
+            } else {
+                let rq = rq.clone();
+                let f = framed.clone();
+                engine
+                    .recv_cq
+                    .add_source(source(), Box::new(move || rq.has_taken() || f()));
+                engine.send_cq.add_source(source(), Box::new(framed));
+            }
         } else {
             // A poll of either CQ reads the socket when its epoll set says it has something,
             // or when the last poll left whole frames read ahead.
@@ -1263,7 +1272,8 @@ impl Engine {
                 };
                 continue;
             }
-            return match self.pollers_read {
+            return match self.link.socket().is_some() {
+                // A socket: readable and writable as itself.
                 true => Next {
                     read: read.watch,
                     write: full,
@@ -1305,8 +1315,7 @@ impl super::CqSource for Engine {
             if self.drain_rq(&mut st) && !st.stalled.is_empty() {
                 self.drain_stalled(&mut st);
             }
-        } else {
-            self.poll_link();
         }
+        self.poll_link();
     }
 }

@@ -21,6 +21,12 @@ pub(crate) trait Link: Send + Sync + 'static {
     fn socket(&self) -> Option<BorrowedFd<'_>> {
         None
     }
+    /// Whether bytes wait to be read, for a link whose readiness no socket tells (shm's
+    /// rings): asked at each poll of the QP's CQs, so it must cost a load or two, no system
+    /// call. A socket says so through its CQ's epoll set instead.
+    fn has_bytes(&self) -> bool {
+        false
+    }
     /// The engine is about to wait for something to read: has [`event_fd`](Self::event_fd)
     /// rung when it comes. True when it is there already (do not wait). Sockets need nothing.
     fn arm_read(&self) -> bool {

@@ -149,6 +149,10 @@ impl Link for ShmLink {
         true
     }
 
+    fn has_bytes(&self) -> bool {
+        self.rx.has_bytes()
+    }
+
     fn arm_read(&self) -> bool {
         self.rx.arm_read()
     }

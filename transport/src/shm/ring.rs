@@ -173,6 +173,11 @@ impl Ring {
         ready
     }
 
+    /// Consumer: whether bytes wait (a corrupt ring says yes: the read that follows finds it).
+    pub(crate) fn has_bytes(&self) -> bool {
+        !matches!(self.used(), Ok((_, 0)))
+    }
+
     /// Producer, about to wait for room without blocking: has the consumer ring the doorbell
     /// when it frees some. True when there is room (or the end) already.
     pub(crate) fn arm_write(&self) -> bool {

@@ -1,10 +1,12 @@
 //! How the engine reads its link: one resumable step at a time, never waiting, so that whoever
 //! holds the reader can stop at any byte and the next holder goes on from there.
 //!
-//! Two kinds of holder take turns. While the application spins on one of the QP's CQs (tcp),
-//! the polling thread reads the socket itself: the payload lands on the core that consumes it,
-//! with no thread in between, and the device's progress engine (`nic/progress.rs`) leaves the
-//! socket alone. The engine watches the socket when nobody has polled for [`SPIN_GAP`], when a
+//! Two kinds of holder take turns. While the application spins on one of the QP's CQs,
+//! the polling thread reads the link itself (a tcp socket; on shm the ring of frames, which
+//! carries what the peer could not deliver into our receive queue: Sends into a shared receive
+//! queue, acknowledgements): the payload lands on the core that consumes it, with no thread in
+//! between, and the device's progress engine (`nic/progress.rs`) leaves the link alone. The
+//! engine watches the link when nobody has polled for [`SPIN_GAP`], when a
 //! CQ is armed (its waiter sleeps), when a grace period passes with frames waiting that the
 //! pollers did not take, and for a while after that happened twice in a row (an application
 //! spinning on memory that RDMA Writes fill): as a NIC keeps answering one-sided requests
@@ -260,10 +262,10 @@ impl Engine {
         ReadNext { watch: !leave, at }
     }
 
-    /// Whether the socket is the pollers' at `t`: they spin, no waiter sleeps on a CQ, and they
-    /// have not been found waiting for something else lately (tcp).
+    /// Whether the link is the pollers' at `t`: they spin, no waiter sleeps on a CQ, and they
+    /// have not been found waiting for something else lately.
     fn leave(&self, t: Instant, distrust_until: Option<Instant>) -> bool {
-        self.pollers_read && self.spinning() && !self.waiter_sleeps() && distrust_until.is_none_or(|d| t >= d)
+        self.spinning() && !self.waiter_sleeps() && distrust_until.is_none_or(|d| t >= d)
     }
 
     /// Whether a waiter sleeps on one of the QP's CQs (armed, and no completion since).
@@ -277,7 +279,7 @@ impl Engine {
         last != 0 && now_nanos().saturating_sub(last) < nanos(SPIN_GAP)
     }
 
-    /// A polling thread's turn (tcp): sends an acknowledgement the last turn left owed (no
+    /// A polling thread's turn: sends an acknowledgement the last turn left owed (no
     /// request took it along meanwhile), and takes what has arrived, if the reader is free.
     pub(super) fn poll_link(self: &Arc<Self>) {
         if self.ack_owed.load(Ordering::Acquire) {
