@@ -224,9 +224,10 @@ impl Cq {
     }
 
     pub(crate) fn poll(&self, out: &mut Vec<RawWc>, max: usize) -> usize {
+        // Its QPs learn that this CQ is polled (their pollers read their links).
+        self.last_poll.store(now_nanos(), Ordering::Relaxed);
         if self.sockets.any.load(Ordering::Acquire) {
-            // tcp QPs attached: they learn that this CQ is polled, and which of them to read.
-            self.last_poll.store(now_nanos(), Ordering::Relaxed);
+            // tcp QPs attached: which of them to read.
             self.mark_readable();
         }
         // Lock order: sources, then a source's engine state, then the queue (as push takes it);

@@ -111,6 +111,8 @@ struct Shared {
     ready: Mutex<VecDeque<u64>>,
     timers: Mutex<BinaryHeap<Reverse<(Instant, u64, u64)>>>,
     stop: AtomicBool,
+    /// Turns run so far, of every task (what the engine costs, for tests).
+    turns: AtomicU64,
 }
 
 const WAKE_TOKEN: u64 = u64::MAX;
@@ -188,10 +190,17 @@ impl Progress {
                 ready: Mutex::new(VecDeque::new()),
                 timers: Mutex::new(BinaryHeap::new()),
                 stop: AtomicBool::new(false),
+                turns: AtomicU64::new(0),
             }),
             threads: threads.clamp(1, MAX_THREADS),
             started: OnceLock::new(),
         })
+    }
+
+    /// Turns run so far, of every task.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn turns(&self) -> u64 {
+        self.shared.turns.load(Ordering::Relaxed)
     }
 
     /// The thread count asked for by [`THREADS_ENV`] (1 when unset or not a number).
@@ -443,6 +452,7 @@ impl Shared {
             }
             let bits = cell.pending.swap(0, Ordering::SeqCst);
             if bits != 0 {
+                self.turns.fetch_add(1, Ordering::Relaxed);
                 let outer = TURNING.with(|t| t.replace(token));
                 // A task that panics is a bug of its own: it is taken off the engine, and every
                 // other task of the device goes on.

@@ -5,12 +5,14 @@
 //! the polling thread reads the link itself (a tcp socket; on shm the ring of frames, which
 //! carries what the peer could not deliver into our receive queue: Sends into a shared receive
 //! queue, acknowledgements): the payload lands on the core that consumes it, with no thread in
-//! between, and the device's progress engine (`nic/progress.rs`) leaves the link alone. The
-//! engine watches the link when nobody has polled for [`SPIN_GAP`], when a
-//! CQ is armed (its waiter sleeps), when a grace period passes with frames waiting that the
-//! pollers did not take, and for a while after that happened twice in a row (an application
-//! spinning on memory that RDMA Writes fill): as a NIC keeps answering one-sided requests
-//! whatever the host's CPUs do. Neither holder ever waits for a lock another thread may hold
+//! between, and the device's progress engine (`nic/progress.rs`) leaves the link alone while
+//! frames flow, looking again after each grace period ([`POLLER_GRACE`]). The engine watches
+//! the link when nobody has polled for [`SPIN_GAP`], when a CQ is armed (its waiter sleeps),
+//! when a grace period passes with frames waiting that the pollers did not take, and for a
+//! while after that happened twice in a row (an application spinning on memory that RDMA
+//! Writes fill): as a NIC keeps answering one-sided requests whatever the host's CPUs do. It
+//! watches a quiet link too (a grace period in which nothing came), and leaves what then
+//! arrives to the pollers while they spin: a QP with nothing coming costs no turns. Neither holder ever waits for a lock another thread may hold
 //! (an application may hold a buffer's lock while it polls, or for as long as it likes): a
 //! frame whose memory is held waits in the reader, a poller hands it to the engine, and the
 //! engine looks again after [`RECHECK`](crate::nic::sender::RECHECK).
@@ -196,6 +198,7 @@ impl Engine {
         let arrived_to_spinners = !graced && self.leave(now, rl.distrust_until);
         let elsewhere = graced && !spinning;
         let mut found_silent = false;
+        let mut frames = 0;
         if rung || !(keeping_up || arrived_to_spinners) {
             let mut r = self.reader.lock();
             if r.stopped {
@@ -204,7 +207,7 @@ impl Engine {
             let silent_before = r.silent;
             loop {
                 match self.step(&mut r, Who::Thread) {
-                    Ok(Outcome::Frame) => {}
+                    Ok(Outcome::Frame) => frames += 1,
                     Ok(Outcome::Blocked) => break,
                     Ok(Outcome::HandOff) => {
                         rl.retry = true;
@@ -241,8 +244,16 @@ impl Engine {
             }
             rl.last_strike = Some(now);
         }
-        rl.taken = self.taken.load(Ordering::Relaxed);
-        let leave = self.leave(now, rl.distrust_until);
+        // A grace period in which nothing came, the pollers still spinning: the link is quiet.
+        // The engine watches it from now, as the pollers do, instead of looking again after
+        // each grace period: what comes next wakes it, and it leaves that to the pollers if
+        // they still spin (a quiet QP costs no turn at all, where a grace timer cost a turn a
+        // millisecond for each QP whose CQ is polled, at 4,096 connections more turns than
+        // the progress thread could run).
+        let taken = self.taken.load(Ordering::Relaxed);
+        let quiet = graced && spinning && taken == rl.taken && frames == 0 && !rl.retry;
+        rl.taken = taken;
+        let leave = !quiet && self.leave(now, rl.distrust_until);
         rl.left = leave && !rl.retry;
         // An acknowledgement a poller left owed goes out at the latest at the next turn; a
         // wait without a timeout first tells the pollers to send theirs themselves (see
@@ -589,4 +600,93 @@ fn nanos(d: Duration) -> u64 {
 /// waits for an application).
 fn lock(region: &Region, off: usize, len: usize) -> Option<crate::BufMut<'_>> {
     region.try_lock_range(off, len)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+    use std::time::{Duration, Instant};
+
+    use super::SPIN_GAP;
+    use crate::{connect, AccessFlags, Device, Listener, QpOptions, RecvWr, SendOp, SendWr};
+
+    /// A QP whose CQ is polled without a pause while nothing comes costs its device's progress
+    /// engine no turns once its link is found quiet (a grace timer cost one a millisecond), and
+    /// what then comes is still taken by the spinning poller.
+    #[test]
+    fn a_quiet_link_whose_cq_spins_costs_no_turns() {
+        const SENDS: u32 = 30;
+        for provider in ["tcp", "shm"] {
+            let dev = Device::open(provider).expect("device");
+            let listener = Listener::bind(&dev, "127.0.0.1:0".parse::<SocketAddr>().expect("addr")).expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(16).expect("cq"));
+            let recvs = (0..=SENDS)
+                .map(|_| RecvWr::new(7, pd.register(64, AccessFlags::LOCAL_WRITE).expect("register")))
+                .collect();
+            let opts = QpOptions::new(&pd, &cq);
+            let accept = std::thread::spawn(move || {
+                listener
+                    .accept(None)
+                    .expect("accept")
+                    .accept_with_recvs(&opts, b"", recvs)
+            });
+            let cdev = Device::open(provider).expect("device");
+            let (cpd, ccq) = (cdev.alloc_pd().expect("pd"), cdev.create_cq(16).expect("cq"));
+            let (client, _) = connect(addr, &QpOptions::new(&cpd, &ccq), b"", Duration::from_secs(5)).expect("connect");
+            let _qp = accept.join().expect("accept thread").expect("accept");
+            let progress = dev.inner.imp.progress().expect("a software device");
+            let mut got = Vec::new();
+            let spin = |d: Duration, got: &mut Vec<crate::Completion>| {
+                let start = Instant::now();
+                while start.elapsed() < d {
+                    cq.poll(got, 16).expect("poll");
+                }
+            };
+            let send = |imm: u32| {
+                let b = cpd.register(8, AccessFlags::NONE).expect("register");
+                client
+                    .post_send(SendWr::new(1, SendOp::Send { imm: Some(imm) }).buf(b))
+                    .map_err(|e| e.error)
+                    .expect("send");
+            };
+            // Messages that come while the poller pauses for less than `SPIN_GAP` (it still
+            // counts as spinning): the engine's turn for each leaves it to the poller, which
+            // takes it at its next poll.
+            spin(Duration::from_millis(5), &mut got);
+            for i in 0..SENDS {
+                send(i);
+                let pause = Instant::now();
+                while pause.elapsed() < SPIN_GAP / 2 {
+                    std::hint::spin_loop();
+                }
+                spin(Duration::from_millis(1), &mut got);
+            }
+            spin(Duration::from_millis(20), &mut got);
+            let imms: Vec<_> = got.iter().map(|c| c.imm.expect("imm")).collect();
+            assert_eq!(
+                imms,
+                (0..SENDS).collect::<Vec<_>>(),
+                "{provider}: every Send came, in order"
+            );
+            got.clear();
+            let before = progress.turns();
+            spin(Duration::from_millis(200), &mut got);
+            let turns = progress.turns() - before;
+            assert!(
+                turns <= 10,
+                "{provider}: {turns} turns in 200 ms of polling a quiet QP (one a grace period is 200)"
+            );
+            send(SENDS);
+            let start = Instant::now();
+            while got.is_empty() && start.elapsed() < Duration::from_secs(5) {
+                cq.poll(&mut got, 16).expect("poll");
+            }
+            assert_eq!(
+                got.first().and_then(|c| c.imm),
+                Some(SENDS),
+                "{provider}: the last Send came"
+            );
+        }
+    }
 }
