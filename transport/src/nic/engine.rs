@@ -1315,6 +1315,14 @@ impl super::CqSource for Engine {
             if self.drain_rq(&mut st) && !st.stalled.is_empty() {
                 self.drain_stalled(&mut st);
             }
+            drop(st);
+            // Most polls find only the queue's completions: the ring of frames is not touched.
+            if !self.link.has_bytes()
+                && !self.buffered.load(Ordering::Acquire)
+                && !self.ack_owed.load(Ordering::Acquire)
+            {
+                return;
+            }
         }
         self.poll_link();
     }
