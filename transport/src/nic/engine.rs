@@ -222,21 +222,24 @@ impl Qp {
         let source = || -> Weak<dyn super::CqSource> { Arc::downgrade(&engine) as Weak<Engine> };
         if let Some(rq) = &engine.own_rq {
             // shm: a poll of either CQ drains what the peer completed in our receive queue, and
-            // reads the ring when bytes wait there or the last poll left frames read ahead.
+            // reads the ring when bytes wait there or the last poll left frames read ahead (on
+            // a CQ of a few QPs: `Cq::reads_frames`).
             let (link, buffered, owed) = (engine.link.clone(), engine.buffered.clone(), engine.ack_owed.clone());
             let framed = move || link.has_bytes() || buffered.load(Ordering::Acquire) || owed.load(Ordering::Acquire);
+            let rq = rq.clone();
             if Arc::ptr_eq(&engine.send_cq, &engine.recv_cq) {
-                let rq = rq.clone();
                 engine
                     .recv_cq
-                    .add_source(source(), Box::new(move || rq.has_taken() || framed()));
+                    .add_framed_source(source(), Box::new(move || rq.has_taken()), Some(Box::new(framed)));
             } else {
-                let rq = rq.clone();
-                let f = framed.clone();
+                engine.recv_cq.add_framed_source(
+                    source(),
+                    Box::new(move || rq.has_taken()),
+                    Some(Box::new(framed.clone())),
+                );
                 engine
-                    .recv_cq
-                    .add_source(source(), Box::new(move || rq.has_taken() || f()));
-                engine.send_cq.add_source(source(), Box::new(framed));
+                    .send_cq
+                    .add_framed_source(source(), Box::new(|| false), Some(Box::new(framed)));
             }
         } else {
             // A poll of either CQ reads the socket when its epoll set says it has something,
@@ -1316,11 +1319,11 @@ impl super::CqSource for Engine {
                 self.drain_stalled(&mut st);
             }
             drop(st);
-            // Most polls find only the queue's completions: the ring of frames is not touched.
-            if !self.link.has_bytes()
-                && !self.buffered.load(Ordering::Acquire)
-                && !self.ack_owed.load(Ordering::Acquire)
-            {
+            // Most polls find only the queue's completions: the ring of frames is not touched,
+            // nor ever on a CQ of many QPs (their progress thread reads it).
+            let framed =
+                self.link.has_bytes() || self.buffered.load(Ordering::Acquire) || self.ack_owed.load(Ordering::Acquire);
+            if !framed || !self.pollers_read() {
                 return;
             }
         }

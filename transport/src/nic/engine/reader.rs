@@ -276,7 +276,13 @@ impl Engine {
     /// Whether the link is the pollers' at `t`: they spin, no waiter sleeps on a CQ, and they
     /// have not been found waiting for something else lately.
     fn leave(&self, t: Instant, distrust_until: Option<Instant>) -> bool {
-        self.spinning() && !self.waiter_sleeps() && distrust_until.is_none_or(|d| t >= d)
+        self.spinning() && !self.waiter_sleeps() && self.pollers_read() && distrust_until.is_none_or(|d| t >= d)
+    }
+
+    /// Whether polls of the QP's CQs read its link: always a socket (its CQ's epoll set says
+    /// which to read), shm's ring on CQs of a few QPs ([`Cq::reads_frames`](crate::nic::cq::Cq::reads_frames)).
+    pub(super) fn pollers_read(&self) -> bool {
+        self.link.socket().is_some() || (self.send_cq.reads_frames() && self.recv_cq.reads_frames())
     }
 
     /// Whether a waiter sleeps on one of the QP's CQs (armed, and no completion since).
