@@ -23,9 +23,13 @@ pub(crate) trait CqSource: Send + Sync {
     fn arm(&self, watched: bool);
 }
 
-/// QPs on one CQ from which its waiter's watch of their sockets stands in for their readers'
-/// (see [`Cq::watches_many`]).
-const WATCHED_MANY: usize = 8;
+/// QPs on one CQ beyond which many share it (a pooled server's, a `Connector`'s): its waiter
+/// watches their tcp sockets in their readers' stead ([`Cq::watches_many`]), and its polls
+/// leave their shm rings of frames to the progress thread ([`Cq::reads_frames`]). On such a
+/// CQ every poll looking at every ring (a cache line or two each, of memory the peers write)
+/// cost more than it saved: a pooled server's 2,048 connections gave 14% of its samples to
+/// the look and fewer calls/s.
+const MANY: usize = 8;
 
 /// Nanoseconds on the clock of poll stamps (never 0: 0 stands for "never").
 pub(crate) fn now_nanos() -> u64 {
@@ -38,7 +42,7 @@ pub(crate) fn now_nanos() -> u64 {
 pub(crate) struct Cq {
     /// Sources asked at every poll: those no socket announces (shm).
     sources: Mutex<Vec<Source>>,
-    /// At most [`FRAMED_MANY`] sources: polls read their links.
+    /// At most [`MANY`] sources: polls read their links.
     reads_frames: AtomicBool,
     /// Sources with a socket in `sockets` (tcp), by their key there: a poll drains only those
     /// its sockets or a nudge name ([`Cq::nudge`]), so that a CQ many QPs share costs a poll
@@ -77,17 +81,10 @@ struct Sockets {
 struct Source {
     source: Weak<dyn CqSource>,
     has_some: Box<dyn Fn() -> bool + Send + Sync>,
-    /// A look at its link (shm's ring of frames), taken while the CQ has at most
-    /// [`FRAMED_MANY`] sources.
+    /// A look at its link (shm's ring of frames), taken while the CQ has at most [`MANY`]
+    /// sources.
     framed: Option<Box<dyn Fn() -> bool + Send + Sync>>,
 }
-
-/// The most sources on a CQ whose polls read their links (shm's rings of frames). On a CQ
-/// that many shm QPs share, every poll looking at every ring (a cache line or two each, of
-/// memory the peers write) cost more than it saved: a pooled server's 2,048 connections gave
-/// 14% of its samples to the look and fewer calls/s. Their progress thread reads them, as
-/// it reads the rings of QPs whose CQ sleeps.
-const FRAMED_MANY: usize = 8;
 
 /// Whether a watched source still has something once drained.
 type Left = Arc<dyn Fn() -> bool + Send + Sync>;
@@ -96,7 +93,7 @@ type Left = Arc<dyn Fn() -> bool + Send + Sync>;
 /// ahead, an acknowledgement owed): it is drained again at the next poll then.
 struct Watched {
     source: Weak<dyn CqSource>,
-    left: Arc<dyn Fn() -> bool + Send + Sync>,
+    left: Left,
 }
 
 impl Cq {
@@ -133,7 +130,7 @@ impl Cq {
         &self,
         socket: BorrowedFd<'_>,
         source: Weak<dyn CqSource>,
-        left: Arc<dyn Fn() -> bool + Send + Sync>,
+        left: Left,
     ) -> crate::Result<u64> {
         let s = &self.sockets;
         let key = s.next.fetch_add(1, Ordering::Relaxed);
@@ -163,7 +160,7 @@ impl Cq {
     }
 
     /// Whether its polls read the links of its sources that have one (shm's rings): while it
-    /// has at most [`FRAMED_MANY`] sources.
+    /// has at most [`MANY`] sources.
     pub(crate) fn reads_frames(&self) -> bool {
         self.reads_frames.load(Ordering::Acquire)
     }
@@ -258,7 +255,7 @@ impl Cq {
             has_some,
             framed,
         });
-        self.reads_frames.store(s.len() <= FRAMED_MANY, Ordering::Release);
+        self.reads_frames.store(s.len() <= MANY, Ordering::Release);
     }
 
     pub(crate) fn poll(&self, out: &mut Vec<RawWc>, max: usize) -> usize {
@@ -281,7 +278,7 @@ impl Cq {
         // watched sources are drained with no lock of the CQ's held.
         let mut sources = self.sources.lock();
         let mut gone = false;
-        let framed = sources.len() <= FRAMED_MANY;
+        let framed = sources.len() <= MANY;
         for s in sources.iter() {
             if (s.has_some)() || (framed && s.framed.as_ref().is_some_and(|f| f())) {
                 match s.source.upgrade() {
@@ -293,7 +290,7 @@ impl Cq {
         if gone {
             // The QP was destroyed: drop its queue (and the mapping the look holds).
             sources.retain(|s| s.source.strong_count() > 0);
-            self.reads_frames.store(sources.len() <= FRAMED_MANY, Ordering::Release);
+            self.reads_frames.store(sources.len() <= MANY, Ordering::Release);
         }
         drop(sources);
         self.drain_due();
@@ -345,14 +342,14 @@ impl Cq {
     }
 
     /// Whether a waiter on this CQ, with `sources` tcp QPs on it, watches their sockets in
-    /// their readers' stead: more than [`WATCHED_MANY`] (a CQ a server or a `Connector`
+    /// their readers' stead: more than [`MANY`] (a CQ a server or a `Connector`
     /// shares), and its next wait watches them (not the doorbell alone, `watch.rs`). Its
     /// waiter then wakes on their arrivals and its poll reads them; a QP's reader takes its
     /// socket back by what a poll hands it, or at its grace timer. Waking every reader at
     /// every arm, as for a CQ of one connection, would cost a turn of the progress thread
     /// per QP each time the waiter slept.
     fn watches_many(&self, sources: usize) -> bool {
-        sources > WATCHED_MANY && self.sockets.watch.will_watch()
+        sources > MANY && self.sockets.watch.will_watch()
     }
 
     /// Sleeps until the doorbell rings, or (tcp QPs attached) until one of their sockets has
