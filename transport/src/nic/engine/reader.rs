@@ -12,10 +12,11 @@
 //! while after that happened twice in a row (an application spinning on memory that RDMA
 //! Writes fill): as a NIC keeps answering one-sided requests whatever the host's CPUs do. It
 //! watches a quiet link too (a grace period in which nothing came), and leaves what then
-//! arrives to the pollers while they spin: a QP with nothing coming costs no turns. Neither holder ever waits for a lock another thread may hold
-//! (an application may hold a buffer's lock while it polls, or for as long as it likes): a
-//! frame whose memory is held waits in the reader, a poller hands it to the engine, and the
-//! engine looks again after [`RECHECK`](crate::nic::sender::RECHECK).
+//! arrives to the pollers while they spin: a QP with nothing coming costs no turns. Neither
+//! holder ever waits for a lock another thread may hold (an application may hold a buffer's
+//! lock while it polls, or for as long as it likes): a frame whose memory is held waits in the
+//! reader, a poller hands it to the engine, and the engine looks again after
+//! [`RECHECK`](crate::nic::sender::RECHECK).
 //!
 //! A task that sleeps on an armed CQ watches the socket too (`tcp/watch.rs`): an arrival wakes
 //! it and the engine at once, and its next poll reads the socket when the reader is free
@@ -694,5 +695,58 @@ mod tests {
                 "{provider}: the last Send came"
             );
         }
+    }
+
+    /// On shm, Sends into a shared receive queue come as frames on the ring: a poller that spins
+    /// on a CQ of a few QPs takes them itself, without a turn of the progress thread for each
+    /// (which cost a thread switch a message).
+    #[test]
+    fn a_spinning_poller_takes_shm_frames_itself() {
+        const SENDS: u64 = 200;
+        let dev = Device::open("shm").expect("device");
+        let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(64).expect("cq"));
+        let srq = pd.create_srq(64).expect("srq");
+        let listener = Listener::bind(&dev, "127.0.0.1:0".parse::<SocketAddr>().expect("addr")).expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let opts = QpOptions::new(&pd, &cq).srq(&srq);
+        let accept = std::thread::spawn(move || listener.accept(None).expect("accept").accept(&opts, b""));
+        let cdev = Device::open("shm").expect("device");
+        let (cpd, ccq) = (cdev.alloc_pd().expect("pd"), cdev.create_cq(64).expect("cq"));
+        let (client, _) = connect(addr, &QpOptions::new(&cpd, &ccq), b"", Duration::from_secs(5)).expect("connect");
+        let _qp = accept.join().expect("accept thread").expect("accept");
+        let progress = dev.inner.imp.progress().expect("a software device");
+        let (mut got, mut sent) = (Vec::new(), Vec::new());
+        let mut recvs: Vec<_> = (0..SENDS)
+            .rev()
+            .map(|i| RecvWr::new(i, pd.register(64, AccessFlags::LOCAL_WRITE).expect("register")))
+            .collect();
+        let mut bufs: Vec<_> = (0..SENDS)
+            .map(|_| cpd.register(8, AccessFlags::NONE).expect("register"))
+            .collect();
+        let before = progress.turns();
+        for i in 0..SENDS {
+            srq.post_recv(recvs.pop().expect("a receive"))
+                .map_err(|e| e.error)
+                .expect("post");
+            let b = bufs.pop().expect("a buffer");
+            client
+                .post_send(SendWr::new(i, SendOp::Send { imm: None }).buf(b))
+                .map_err(|e| e.error)
+                .expect("send");
+            let start = Instant::now();
+            while got.len() as u64 <= i && start.elapsed() < Duration::from_secs(5) {
+                cq.poll(&mut got, 16).expect("poll");
+                ccq.poll(&mut sent, 16).expect("poll");
+            }
+        }
+        let turns = progress.turns() - before;
+        assert_eq!(
+            got.iter().map(|c| c.wr_id).collect::<Vec<_>>(),
+            (0..SENDS).collect::<Vec<_>>()
+        );
+        assert!(
+            turns < SENDS / 3,
+            "{turns} turns of the progress thread for {SENDS} Sends taken by a spinning poller"
+        );
     }
 }
