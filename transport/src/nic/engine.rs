@@ -1305,10 +1305,24 @@ impl super::CqSource for Engine {
         // waiter watches the socket itself meanwhile (`watch.rs`). A waiter that watches the
         // sockets of many QPs (`watched`) reads what arrives itself: their readers come back
         // by what its polls hand them, or at their timeout.
-        let timed = !self.reader_untimed.load(Ordering::SeqCst);
-        if (timed && !watched) || self.buffered.load(Ordering::Acquire) {
-            self.wake_reader();
+        //
+        // On a link whose descriptor the engine always watches (shm), arming the ring for
+        // reading is all a turn would do: its producer rings that descriptor when the next
+        // frame comes, and the engine turns then. A wake-up here cost a progress-thread turn
+        // per sleep of an event-mode waiter, on the path of every call (a pooled shm server).
+        // A turn under way disarms first and then sees the CQ armed, so it arms again.
+        if self.buffered.load(Ordering::Acquire) {
+            return self.wake_reader();
         }
+        let timed = !self.reader_untimed.load(Ordering::SeqCst);
+        if !timed || watched {
+            return;
+        }
+        let armed_ring = self.link.always_watched() && !self.ack_owed.load(Ordering::SeqCst);
+        if armed_ring && !self.link.arm_read() {
+            return;
+        }
+        self.wake_reader();
     }
 
     fn drain(self: Arc<Self>) {

@@ -518,15 +518,12 @@ impl Shared {
             timer.1 = next.at;
             timer.0
         };
+        // No thread is rung for a deadline earlier than the ones they sleep until: turns run
+        // on an engine thread only, and this one reckons its next wait from the heap after
+        // its turns (a ring cost a write, and a read and a re-arm on the next round, on most
+        // turns: a QP's grace timer moves at each).
         if let Some(at) = next.at {
-            let mut t = self.timers.lock();
-            let earlier = t.peek().is_none_or(|Reverse((first, _, _))| at < *first);
-            t.push(Reverse((at, token, gen)));
-            drop(t);
-            if earlier {
-                // A thread asleep until a later deadline looks again.
-                crate::nic::bell::ring(&self.wake);
-            }
+            self.timers.lock().push(Reverse((at, token, gen)));
         }
     }
 }

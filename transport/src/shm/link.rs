@@ -106,16 +106,21 @@ impl Link for ShmLink {
         // error, or a broken message ends the connection. Read only when the engine saw it
         // readable (its one-shot interest reports what comes meanwhile): no system call for
         // a turn something else caused.
+        // A read that came back short took what was there: the engine's interest, armed again
+        // after this turn, fires at once for what came since (a read to `EAGAIN` cost a
+        // second system call on every doorbell).
+        const MAX: usize = 64 * MSG;
         let mut more = readable;
         while more {
-            more = match sys::recv_with_fds_now(&self.sock, 64 * MSG) {
+            more = match sys::recv_with_fds_now(&self.sock, MAX) {
                 Ok(Some((bytes, fds))) => {
+                    let full = bytes.len() == MAX;
                     let taken = w.inbound.take(&bytes, fds, &self.sock, &self.server, &self.grants);
                     if let Err(e) = &taken {
                         tracing::warn!("shm peer dropped: {}", crate::Report(e));
                     }
                     dead = taken.is_err();
-                    !dead
+                    !dead && full
                 }
                 Ok(None) => false,
                 Err(_) => {
@@ -168,6 +173,10 @@ impl Link for ShmLink {
 
     fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
         self.tx.try_write(buf).map_err(io_err)
+    }
+
+    fn try_write2(&self, a: &[u8], b: &[u8]) -> io::Result<usize> {
+        self.tx.try_write2(a, b).map_err(io_err)
     }
 
     fn shutdown_write(&self) {

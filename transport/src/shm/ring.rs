@@ -266,25 +266,28 @@ impl Ring {
 
     /// Producer: writes as much of `bytes` as fits now; returns how much.
     pub(crate) fn try_write(&self, bytes: &[u8]) -> Result<usize, RingError> {
+        self.try_write2(bytes, &[])
+    }
+
+    /// Producer: writes as much of `a`, then of `b`, as fits now, as one write: the consumer
+    /// sees both parts at once and is woken once (a frame's head and its payload, written
+    /// apart, rang the peer's doorbell twice). Returns how much of both it took.
+    pub(crate) fn try_write2(&self, a: &[u8], b: &[u8]) -> Result<usize, RingError> {
         let h = self.header();
         if h.gone.load(Ordering::Acquire) != 0 || self.dead() {
             return Err(RingError::Closed);
         }
         let (head, used) = self.used()?;
-        let n = bytes.len().min(CAP - used as usize);
-        if n == 0 {
+        let room = CAP - used as usize;
+        let tail = head.wrapping_add(used);
+        let n_a = a.len().min(room);
+        let n_b = if n_a == a.len() { b.len().min(room - n_a) } else { 0 };
+        if n_a + n_b == 0 {
             return Ok(0);
         }
-        let tail = head.wrapping_add(used);
-        let at = (tail % CAP as u64) as usize;
-        let first = n.min(CAP - at);
-        // SAFETY: `at + first <= CAP` and `n - first <= CAP`: both copies stay inside the data
-        // area; the consumer does not read these bytes until `tail` moves past them.
-        unsafe {
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data().add(at), first);
-            std::ptr::copy_nonoverlapping(bytes.as_ptr().add(first), self.data(), n - first);
-        }
-        h.tail.store(tail.wrapping_add(n as u64), Ordering::Release);
+        self.copy_in(tail, &a[..n_a]);
+        self.copy_in(tail.wrapping_add(n_a as u64), &b[..n_b]);
+        h.tail.store(tail.wrapping_add((n_a + n_b) as u64), Ordering::Release);
         // Pairs with the fence in `wait`: either the consumer, about to sleep, sees these
         // bytes, or this sees it sleeping and wakes it.
         fence(Ordering::SeqCst);
@@ -292,7 +295,23 @@ impl Ring {
             h.data_seq.fetch_add(1, Ordering::AcqRel);
             self.wake_peer(&h.data_seq);
         }
-        Ok(n)
+        Ok(n_a + n_b)
+    }
+
+    /// Producer: copies `bytes` (at most the room left) to the data area from stream position
+    /// `at`, wrapping around its end; `tail` is not moved.
+    fn copy_in(&self, at: u64, bytes: &[u8]) {
+        let n = bytes.len();
+        debug_assert!(n <= CAP);
+        let at = (at % CAP as u64) as usize;
+        let first = n.min(CAP - at);
+        // SAFETY: `at + first <= CAP` and `n - first <= CAP`: both copies stay inside the data
+        // area; the consumer does not read these bytes until `tail` moves past them (the
+        // caller passes positions at or past `tail`, within the room left).
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data().add(at), first);
+            std::ptr::copy_nonoverlapping(bytes.as_ptr().add(first), self.data(), n - first);
+        }
     }
 
     /// Producer: writes all of `bytes`, waiting for space (the tests' writer; the engine never
@@ -434,6 +453,47 @@ mod tests {
             rx.read_exact(&mut back).expect("read");
             assert_eq!(back, chunk);
         }
+    }
+
+    /// A frame's head and payload written together ring a sleeping consumer once, arrive
+    /// whole and in order across the wrap, and a part that does not fit is cut where the room
+    /// ends (the payload only once the head went whole).
+    #[test]
+    fn two_parts_go_as_one_write_with_one_wake() {
+        let (tx, rx) = ring();
+        let rings = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let tx = tx.with_peer_wake({
+            let rings = rings.clone();
+            Arc::new(move || {
+                rings.fetch_add(1, Ordering::SeqCst);
+            })
+        });
+        // Near the end of the data area, so that the parts wrap.
+        let pad = vec![0u8; CAP - 10];
+        tx.write_all(&pad).expect("write");
+        rx.read_exact(&mut vec![0u8; pad.len()]).expect("read");
+        let (head, payload): (Vec<u8>, Vec<u8>) = ((0..16).collect(), (100..140).collect());
+        for round in 1..=3 {
+            assert!(!rx.arm_read(), "nothing waits yet");
+            assert_eq!(tx.try_write2(&head, &payload), Ok(56));
+            assert_eq!(rings.load(Ordering::SeqCst), round, "one wake for both parts");
+            rx.disarm_read();
+            let mut back = vec![0u8; 56];
+            rx.read_exact(&mut back).expect("read");
+            assert_eq!(back, [head.clone(), payload.clone()].concat());
+        }
+        // Room for the head and part of the payload: the write stops where the room ends.
+        tx.write_all(&vec![1u8; CAP - 20]).expect("write");
+        assert_eq!(tx.try_write2(&head, &payload), Ok(20));
+        // No room for all of the head: nothing of the payload goes.
+        let (tx2, rx2) = ring();
+        tx2.write_all(&vec![1u8; CAP - 8]).expect("write");
+        assert_eq!(tx2.try_write2(&head, &payload), Ok(8));
+        rx2.read_exact(&mut vec![0u8; CAP - 8]).expect("read");
+        let mut back = [0u8; 8];
+        rx2.read_exact(&mut back).expect("read");
+        assert_eq!(back[..], head[..8]);
+        drop(rx);
     }
 
     #[test]
