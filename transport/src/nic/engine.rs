@@ -595,9 +595,12 @@ impl Engine {
         if st.ack_due.is_none() {
             return;
         }
-        // Either this thread sees the reader's flag or the reader sees this one (both SeqCst).
+        // Either this thread sees the reader's flag or the reader sees this one (both SeqCst);
+        // likewise a waiter's arm (which wakes the reader for an acknowledgement owed) and
+        // this thread: a poll after the arm (drain, arm, drain) sends it itself, as no turn of
+        // the reader thread may come before its timer (`CqSource::arm` on shm arms the ring).
         self.ack_owed.store(true, Ordering::SeqCst);
-        if self.reader_untimed.load(Ordering::SeqCst) {
+        if self.reader_untimed.load(Ordering::SeqCst) || self.waiter_sleeps() {
             self.flush_ack(st);
         } else {
             self.nudge();

@@ -287,7 +287,7 @@ impl Engine {
     }
 
     /// Whether a waiter sleeps on one of the QP's CQs (armed, and no completion since).
-    fn waiter_sleeps(&self) -> bool {
+    pub(super) fn waiter_sleeps(&self) -> bool {
         self.send_cq.is_armed() || self.recv_cq.is_armed()
     }
 
