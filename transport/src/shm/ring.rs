@@ -298,16 +298,18 @@ impl Ring {
         Ok(n_a + n_b)
     }
 
-    /// Producer: copies `bytes` (at most the room left) to the data area from stream position
-    /// `at`, wrapping around its end; `tail` is not moved.
+    /// Producer: copies `bytes` to the data area from stream position `at`, wrapping around its
+    /// end; `tail` is not moved. The caller passes positions at or past `tail` and at most the
+    /// room left (so at most `CAP` bytes), which the consumer does not read until `tail` moves
+    /// past them. A longer slice copies nothing (no caller passes one).
     fn copy_in(&self, at: u64, bytes: &[u8]) {
         let n = bytes.len();
-        debug_assert!(n <= CAP);
+        if n > CAP {
+            return;
+        }
         let at = (at % CAP as u64) as usize;
         let first = n.min(CAP - at);
-        // SAFETY: `at + first <= CAP` and `n - first <= CAP`: both copies stay inside the data
-        // area; the consumer does not read these bytes until `tail` moves past them (the
-        // caller passes positions at or past `tail`, within the room left).
+        // SAFETY: `at + first <= CAP` and `n - first <= CAP` (n <= CAP): both copies stay inside the data area.
         unsafe {
             std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data().add(at), first);
             std::ptr::copy_nonoverlapping(bytes.as_ptr().add(first), self.data(), n - first);
