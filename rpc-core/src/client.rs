@@ -581,6 +581,51 @@ mod tests {
             .expect("bind")
     }
 
+    /// The most requests that waited unsent while `n` calls started behind a spinner.
+    fn most_unsent_behind_a_spinner(provider: &str, n: usize) -> usize {
+        let dev = rdma_rpc_transport::Device::open(provider).expect("a software provider");
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let server = rt.block_on(async { echo(&dev) });
+        let addr = server.local_addr().expect("an address");
+        rt.spawn(server.serve());
+        rt.block_on(async {
+            let client = Client::connect(&dev, addr, Config::default()).await.expect("connect");
+            let mut st = client.handle.shared.state.lock();
+            // A call that spins for the others (none: nothing polls while the lock is held).
+            st.spinner = Some(u32::MAX);
+            let mut most = 0;
+            for _ in 0..n {
+                let start = st.start(1, state::Outgoing::Vec(b"ab".to_vec()), CallOptions::default());
+                start.expect("the call starts");
+                most = most.max(st.conn.session.unsent());
+            }
+            st.spinner = None;
+            most
+        })
+    }
+
+    #[test]
+    fn calls_started_behind_a_spinner_go_out_in_parts_where_sends_are_cheap() {
+        let most = most_unsent_behind_a_spinner("shm", 64);
+        assert!(
+            (state::PART_MIN..=64 / state::PARTS).contains(&most),
+            "shm: 64 calls started behind a spinner leave at most a quarter unsent at once, in parts \
+             of at least {}; the most unsent was {most}",
+            state::PART_MIN
+        );
+        // Each Send costs the provider's threads CPU on tcp: one Send for all, when the spinner
+        // next polls.
+        assert_eq!(
+            most_unsent_behind_a_spinner("tcp", 64),
+            64,
+            "tcp: all 64 wait for the spinner"
+        );
+    }
+
     #[test]
     fn a_server_on_the_callers_thread_is_seen_there_and_one_elsewhere_is_not() {
         for provider in ["tcp", "shm"] {

@@ -48,6 +48,11 @@ pub(super) struct Slot {
 /// ([`State::may_post`]).
 pub(super) const HOLD_BACK_POLLS: u32 = 4;
 
+/// The parts the requests of calls in flight on a connection go out in, behind a spinner
+/// ([`State::part_due`]); at least [`PART_MIN`] requests a part.
+pub(super) const PARTS: usize = 4;
+pub(super) const PART_MIN: usize = 8;
+
 /// A request's bytes as the caller hands them over.
 pub(super) enum Outgoing {
     Vec(Vec<u8>),
@@ -186,8 +191,9 @@ impl State {
                 // The request goes out first: nothing polls in between, so its slot in the
                 // call table can come after, off the round trip's path. With another call
                 // spinning, its next poll posts it instead, in one Send with the other short
-                // messages queued by then (the calls its last results let start).
-                if self.spinner.is_none() {
+                // messages queued by then (the calls its last results let start), unless
+                // enough wait for a part of its own ([`State::part_due`]).
+                if self.spinner.is_none() || self.part_due() {
                     self.conn.flush();
                 }
                 self.calls.insert(call, Slot::default());
@@ -203,6 +209,18 @@ impl State {
                 Err(e)
             }
         }
+    }
+
+    /// Whether the requests queued behind a spinner make a part of their own: a quarter of the
+    /// calls in flight, at least [`PART_MIN`]. One Send for all the calls a batch of results
+    /// let start has the server wait until the client has run every one of them, then the
+    /// client wait while the server answers them all: each side's core idles half the time.
+    /// In parts the server answers the first while the client starts the rest (on `shm` at 64
+    /// in flight, 1.3 M calls/s against 1.0 M in one Send). Not where the provider moves each
+    /// Send on threads of its own (`tcp`): there a Send costs the host's CPU more than the
+    /// overlap saves (at 64 in flight, 0.1-0.35 M calls/s in parts against 0.4-0.6 M).
+    pub(super) fn part_due(&self) -> bool {
+        !self.conn.yield_cpu && self.conn.session.unsent() >= (self.calls.len() / PARTS).max(PART_MIN)
     }
 
     /// Polls the connection once and hands finished calls their results; posts what is

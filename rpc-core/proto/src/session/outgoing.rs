@@ -69,6 +69,12 @@ impl Session {
         })
     }
 
+    /// Messages made and not handed to the driver yet: the one ready to go and those queued
+    /// behind it (short ones go together, in one Send, when the driver next asks).
+    pub fn unsent(&self) -> usize {
+        self.queue.len() + usize::from(self.ready.is_some())
+    }
+
     /// False when [`Session::poll_transmit`] would give nothing now: a cheap look for drivers
     /// that poll often (true does not promise work: credits may still be short).
     pub fn has_transmit(&self) -> bool {
