@@ -216,6 +216,7 @@ impl Client {
                 spin_token: None,
                 woken: 0,
                 held_back: 0,
+                driver_posts: false,
                 epoch: Instant::now(),
                 closed: false,
             }),
@@ -624,6 +625,71 @@ mod tests {
             64,
             "tcp: all 64 wait for the spinner"
         );
+    }
+
+    #[test]
+    fn requests_of_calls_woken_together_wait_for_the_driver_which_posts_them_together() {
+        let dev = rdma_rpc_transport::Device::open("tcp").expect("a software provider");
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let server = rt.block_on(async { echo(&dev) });
+        let addr = server.local_addr().expect("an address");
+        rt.spawn(server.serve());
+        rt.block_on(async {
+            let config = Config::default().mode(CompletionMode::Event);
+            let client = Client::connect(&dev, addr, config).await.expect("connect");
+            let shared = &client.handle.shared;
+            let mut calls = Vec::new();
+            {
+                let mut st = shared.state.lock();
+                // Two calls woken with their results, not run yet (their tasks would start
+                // calls as they run): the driver is to post after them.
+                st.woken = 2;
+                assert!(st.commit_driver(), "the driver takes the posting over");
+                for _ in 0..8 {
+                    let start = st.start(1, state::Outgoing::Vec(b"ab".to_vec()), CallOptions::default());
+                    calls.push(start.expect("the call starts").0);
+                    // Its future sleeps until the driver wakes it (there is none here).
+                    st.sleeping += 1;
+                }
+                assert_eq!(
+                    st.conn.session.unsent(),
+                    8,
+                    "no request went alone: all wait for the driver"
+                );
+            }
+            shared.kick.notify_one();
+            // The driver gives way a few turns, then posts all eight (the woken calls never
+            // run here): each gets its answer.
+            let answered = tokio::time::timeout(std::time::Duration::from_secs(20), async {
+                loop {
+                    {
+                        let st = shared.state.lock();
+                        if calls
+                            .iter()
+                            .all(|&c| st.calls.get(c).is_some_and(|s| s.result.is_some()))
+                        {
+                            break;
+                        }
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+            })
+            .await;
+            let mut st = shared.state.lock();
+            st.woken = 0;
+            st.sleeping -= calls.len();
+            for c in calls {
+                st.calls.remove(c);
+            }
+            assert!(
+                answered.is_ok(),
+                "the driver posted the held requests, and the answers came"
+            );
+        });
     }
 
     #[test]

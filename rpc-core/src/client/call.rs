@@ -152,6 +152,9 @@ impl<T> Call<'_, T> {
             if st.spinner.is_none_or(|c| c == self.call) {
                 st.progress();
             }
+            if st.commit_driver() {
+                shared.kick.notify_one();
+            }
         }
         st.conn.link.driven_here();
         // A server driven by this very thread cannot answer while this call spins.

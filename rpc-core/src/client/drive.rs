@@ -11,6 +11,8 @@ pub(super) async fn drive(gone: OnDriverGone) {
     let cq = shared.state.lock().conn.cq().clone();
     // The last wait ended at its deadline: the keepalive may be due.
     let mut timed_out = false;
+    // Turns given way to woken calls in a row ([`State::driver_posts`]).
+    let mut held = 0;
     loop {
         let next = {
             let mut st = shared.state.lock();
@@ -21,13 +23,27 @@ pub(super) async fn drive(gone: OnDriverGone) {
             }
             let lost = st.conn.lost().is_some();
             if st.closed && (lost || !st.conn.has_work()) {
+                st.driver_posts = false;
                 return;
             }
             // What the flush left (a long message's further pieces) goes before any sleep,
             // unless a spinning call posts it.
             if st.driver_must_post() {
                 None
+            } else if st.woken >= 2 && st.spinner.is_none() && held < super::state::HOLD_BACK_POLLS {
+                // Calls woken with their results (by this task, or by a call's poll) have not
+                // run yet: each may start its next call. Their requests go out together when
+                // this task runs again, after them, in one Send where each went alone (a
+                // system call and a loopback TCP round of the kernel each on `tcp`).
+                st.driver_posts = true;
+                held += 1;
+                None
             } else {
+                held = 0;
+                // What it held back for the calls it gave way to.
+                if std::mem::take(&mut st.driver_posts) {
+                    st.conn.flush();
+                }
                 let watch = st.needs_watch();
                 let deadline = if lost {
                     None
