@@ -628,7 +628,7 @@ mod tests {
     }
 
     #[test]
-    fn requests_of_calls_woken_together_wait_for_the_driver_which_posts_them_together() {
+    fn requests_of_calls_woken_together_wait_for_the_driver_on_tcp_and_go_at_once_on_shm() {
         let dev = rdma_rpc_transport::Device::open("tcp").expect("a software provider");
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -689,6 +689,21 @@ mod tests {
                 answered.is_ok(),
                 "the driver posted the held requests, and the answers came"
             );
+        });
+        // Where a Send is cheap, each call posts its own at once: the server starts on the
+        // first without waiting for the others.
+        let shm = rdma_rpc_transport::Device::open("shm").expect("a software provider");
+        let server = rt.block_on(async { echo(&shm) });
+        let addr = server.local_addr().expect("an address");
+        rt.spawn(server.serve());
+        rt.block_on(async {
+            let config = Config::default().mode(CompletionMode::Event);
+            let client = Client::connect(&shm, addr, config).await.expect("connect");
+            let mut st = client.handle.shared.state.lock();
+            st.woken = 2;
+            let committed = st.commit_driver();
+            st.woken = 0;
+            assert!(!committed, "shm: calls woken together post their own requests");
         });
     }
 

@@ -30,7 +30,7 @@ pub(super) async fn drive(gone: OnDriverGone) {
             // unless a spinning call posts it.
             if st.driver_must_post() {
                 None
-            } else if st.woken >= 2 && st.spinner.is_none() && held < super::state::HOLD_BACK_POLLS {
+            } else if (st.driver_posts || st.commit_driver()) && st.woken >= 2 && held < super::state::HOLD_BACK_POLLS {
                 // Calls woken with their results (by this task, or by a call's poll) have not
                 // run yet: each may start its next call. Their requests go out together when
                 // this task runs again, after them, in one Send where each went alone (a
