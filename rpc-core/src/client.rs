@@ -582,17 +582,30 @@ mod tests {
             .expect("bind")
     }
 
-    /// The most requests that waited unsent while `n` calls started behind a spinner.
-    fn most_unsent_behind_a_spinner(provider: &str, n: usize) -> usize {
+    /// A runtime of one worker serving an echo on `provider`: the device, the runtime and the
+    /// server's address.
+    fn served(provider: &str) -> (rdma_rpc_transport::Device, tokio::runtime::Runtime, SocketAddr) {
         let dev = rdma_rpc_transport::Device::open(provider).expect("a software provider");
+        let (rt, addr) = served_on(&dev);
+        (dev, rt, addr)
+    }
+
+    /// An echo on `dev`, served by a runtime of one worker (on a thread of its own).
+    fn served_on(dev: &rdma_rpc_transport::Device) -> (tokio::runtime::Runtime, SocketAddr) {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
             .build()
             .expect("a runtime");
-        let server = rt.block_on(async { echo(&dev) });
+        let server = rt.block_on(async { echo(dev) });
         let addr = server.local_addr().expect("an address");
         rt.spawn(server.serve());
+        (rt, addr)
+    }
+
+    /// The most requests that waited unsent while `n` calls started behind a spinner.
+    fn most_unsent_behind_a_spinner(provider: &str, n: usize) -> usize {
+        let (dev, rt, addr) = served(provider);
         rt.block_on(async {
             let client = Client::connect(&dev, addr, Config::default()).await.expect("connect");
             let mut st = client.handle.shared.state.lock();
@@ -629,15 +642,7 @@ mod tests {
 
     #[test]
     fn requests_of_calls_woken_together_wait_for_the_driver_on_tcp_and_go_at_once_on_shm() {
-        let dev = rdma_rpc_transport::Device::open("tcp").expect("a software provider");
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .expect("a runtime");
-        let server = rt.block_on(async { echo(&dev) });
-        let addr = server.local_addr().expect("an address");
-        rt.spawn(server.serve());
+        let (dev, rt, addr) = served("tcp");
         rt.block_on(async {
             let config = Config::default().mode(CompletionMode::Event);
             let client = Client::connect(&dev, addr, config).await.expect("connect");
@@ -692,10 +697,7 @@ mod tests {
         });
         // Where a Send is cheap, each call posts its own at once: the server starts on the
         // first without waiting for the others.
-        let shm = rdma_rpc_transport::Device::open("shm").expect("a software provider");
-        let server = rt.block_on(async { echo(&shm) });
-        let addr = server.local_addr().expect("an address");
-        rt.spawn(server.serve());
+        let (shm, rt, addr) = served("shm");
         rt.block_on(async {
             let config = Config::default().mode(CompletionMode::Event);
             let client = Client::connect(&shm, addr, config).await.expect("connect");
@@ -723,14 +725,7 @@ mod tests {
             });
             assert!(here, "{provider}: the server's connection runs on this thread");
             // The server on a runtime of its own, on another thread.
-            let other = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()
-                .expect("a runtime");
-            let server = other.block_on(async { echo(&dev) });
-            let addr = server.local_addr().expect("an address");
-            other.spawn(server.serve());
+            let (_other, addr) = served_on(&dev);
             assert!(
                 !one.block_on(server_seen_here(&dev, addr)),
                 "{provider}: the server's connection runs on another thread"
