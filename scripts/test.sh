@@ -196,6 +196,18 @@ for p in shm tcp; do
         echo "provider $p: $rows rows with calls, summary, JSON and SVG written"
     fi
 done
+step "rate harness smoke run: 1 MiB Sends 256 deep on shm and tcp (the first Send waits until the receiver's 512 MiB of receives are posted; posted before them, tcp's failed with RnrRetryExcErr)"
+for p in shm tcp; do
+    if [[ -z $bench_bin ]]; then break; fi
+    "$bench_bin" --provider "$p" --sweep rate --ops send --sizes 1048576 --depths 256 --post-lists 16 \
+        --seconds 2 > "$LOG/rate-$p.txt" 2>&1
+    rc=$?
+    if ((rc != 0)) || ! grep -Eq '^ +1048576 +256 +16 +[1-9][0-9]* ' "$LOG/rate-$p.txt"; then
+        echo "the rate smoke run on $p failed (exit $rc):"; tail -20 "$LOG/rate-$p.txt"; fail=1
+    else
+        echo "provider $p: the 1 MiB Send row completed"
+    fi
+done
 # The buffer-cache bench: one short row per bound on shm (a run, not a measurement), each
 # with its figures.
 cache=$(cargo bench --quiet --bench buffer_cache -- --provider shm --sizes 65536 --caps 1048576,0 --rounds 1 2>&1)
