@@ -81,7 +81,7 @@ impl AsFd for SharedFd {
 }
 
 /// A descriptor's registration for readability with the runtime of the first wait: the CQ
-/// doorbells, and tcp's socket sets (`nic/watch.rs`).
+/// doorbells, and tcp's socket sets (`tcp/watch.rs`).
 #[derive(Default)]
 pub(crate) struct Registration {
     slot: OnceLock<AsyncFd<SharedFd>>,

@@ -19,11 +19,12 @@ use crate::cq::RawWc;
 pub(crate) trait CqSource: Send + Sync {
     fn drain(self: Arc<Self>);
     /// The CQ waits: have the next completion rung for. `watched`: the CQ's waiter watches
-    /// the QPs' sockets itself ([`Cq::watches_sockets`]).
+    /// the sockets of many QPs itself ([`Cq::watches_many`]).
     fn arm(&self, watched: bool);
 }
 
-/// QPs on one CQ beyond which many share it (a pooled server's, a `Connector`'s): its polls
+/// QPs on one CQ beyond which many share it (a pooled server's, a `Connector`'s): its waiter
+/// watches their tcp sockets in their readers' stead ([`Cq::watches_many`]), and its polls
 /// leave their shm rings of frames to the progress thread ([`Cq::reads_frames`]). On such a
 /// CQ every poll looking at every ring (a cache line or two each, of memory the peers write)
 /// cost more than it saved: a pooled server's 2,048 connections gave 14% of its samples to
@@ -141,7 +142,7 @@ impl Cq {
         // completions too, as a NIC's armed CQ is by any QP's (see `add_source`).
         if self.armed.load(Ordering::SeqCst) {
             if let Some(src) = source.upgrade() {
-                src.arm(self.watches_sockets(watched.len() + 1));
+                src.arm(self.watches_many(watched.len() + 1));
             }
         }
         watched.insert(key, Watched { source, left });
@@ -319,12 +320,6 @@ impl Cq {
         self.armed.load(Ordering::SeqCst)
     }
 
-    /// Whether a waiter sleeps on the CQ watching its QPs' sockets: what arrives on them wakes
-    /// it, and its next poll reads it.
-    pub(crate) fn waiter_watches(&self) -> bool {
-        self.is_armed() && self.sockets.watch.watching()
-    }
-
     pub(crate) fn arm(&self) {
         self.armed.store(true, Ordering::SeqCst);
         for s in self.sources.lock().iter().filter_map(|s| s.source.upgrade()) {
@@ -332,7 +327,7 @@ impl Cq {
         }
         // Under the lock `add_watched` looks at the flag under.
         let watched = self.watched.lock();
-        if self.watches_sockets(watched.len()) {
+        if self.watches_many(watched.len()) {
             // The waiter watches their sockets: only the sources with something no socket
             // announces (due) need their readers.
             let due = self.due.lock().clone();
@@ -347,14 +342,14 @@ impl Cq {
     }
 
     /// Whether a waiter on this CQ, with `sources` tcp QPs on it, watches their sockets in
-    /// their readers' stead: it has some, and its next wait watches them (not the doorbell
-    /// alone, `watch.rs`). Its waiter then wakes on their arrivals and its poll reads them; a
-    /// QP's reader takes its socket back by what a poll hands it, or at its grace timer, and
-    /// is not woken at the arm. Waking the readers at every arm cost a turn of the progress
-    /// thread per QP each time the waiter slept: on a CQ of one connection, a thread woken
-    /// per message more than a plain tokio echo.
-    fn watches_sockets(&self, sources: usize) -> bool {
-        sources > 0 && self.sockets.watch.will_watch()
+    /// their readers' stead: more than [`MANY`] (a CQ a server or a `Connector`
+    /// shares), and its next wait watches them (not the doorbell alone, `watch.rs`). Its
+    /// waiter then wakes on their arrivals and its poll reads them; a QP's reader takes its
+    /// socket back by what a poll hands it, or at its grace timer. Waking every reader at
+    /// every arm, as for a CQ of one connection, would cost a turn of the progress thread
+    /// per QP each time the waiter slept.
+    fn watches_many(&self, sources: usize) -> bool {
+        sources > MANY && self.sockets.watch.will_watch()
     }
 
     /// Sleeps until the doorbell rings, or (tcp QPs attached) until one of their sockets has
@@ -363,12 +358,7 @@ impl Cq {
     pub(crate) async fn wait_bell(&self) -> crate::Result<()> {
         let s = &self.sockets;
         if s.any.load(Ordering::Acquire) {
-            let woke = s.watch.wait(&s.epoll, &self.bell).await;
-            // Awake, the waiter polls next and arms again before it sleeps: a completion its
-            // own poll makes needs no ring (a doorbell write, a read, and a wake-up for nothing
-            // at its next wait, on the path of each message a socket woke it for).
-            self.armed.store(false, Ordering::SeqCst);
-            woke
+            s.watch.wait(&s.epoll, &self.bell).await
         } else {
             self.bell.wait().await
         }

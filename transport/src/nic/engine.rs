@@ -1306,7 +1306,7 @@ impl super::CqSource for Engine {
         // poll left frames read ahead, which no socket readiness announces. Missing a wait it
         // is just entering with a timeout costs at most that timeout (`POLLER_GRACE`), and the
         // waiter watches the socket itself meanwhile (`watch.rs`). A waiter that watches the
-        // QPs' sockets (`watched`) reads what arrives itself: their readers come back
+        // sockets of many QPs (`watched`) reads what arrives itself: their readers come back
         // by what its polls hand them, or at their timeout.
         //
         // On a link whose descriptor the engine always watches (shm), arming the ring for

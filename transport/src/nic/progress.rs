@@ -113,8 +113,6 @@ struct Shared {
     stop: AtomicBool,
     /// Turns run so far, of every task (what the engine costs, for tests).
     turns: AtomicU64,
-    /// Of those, turns its descriptor woke (readable or writable).
-    descriptor_turns: AtomicU64,
 }
 
 const WAKE_TOKEN: u64 = u64::MAX;
@@ -193,7 +191,6 @@ impl Progress {
                 timers: Mutex::new(BinaryHeap::new()),
                 stop: AtomicBool::new(false),
                 turns: AtomicU64::new(0),
-                descriptor_turns: AtomicU64::new(0),
             }),
             threads: threads.clamp(1, MAX_THREADS),
             started: OnceLock::new(),
@@ -204,12 +201,6 @@ impl Progress {
     #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn turns(&self) -> u64 {
         self.shared.turns.load(Ordering::Relaxed)
-    }
-
-    /// Turns run so far that a task's descriptor woke.
-    #[cfg_attr(not(test), allow(dead_code))]
-    pub(crate) fn descriptor_turns(&self) -> u64 {
-        self.shared.descriptor_turns.load(Ordering::Relaxed)
     }
 
     /// The thread count asked for by [`THREADS_ENV`] (1 when unset or not a number).
@@ -462,9 +453,6 @@ impl Shared {
             let bits = cell.pending.swap(0, Ordering::SeqCst);
             if bits != 0 {
                 self.turns.fetch_add(1, Ordering::Relaxed);
-                if bits & (READABLE | WRITABLE) != 0 {
-                    self.descriptor_turns.fetch_add(1, Ordering::Relaxed);
-                }
                 let outer = TURNING.with(|t| t.replace(token));
                 // A task that panics is a bug of its own: it is taken off the engine, and every
                 // other task of the device goes on.

@@ -9,12 +9,9 @@
 //! frame yet (`engine/progress.rs`: a polling thread reads the link when the reader is free).
 //! One wake-up per message instead of two (docs/decisions.md).
 //!
-//! While frames come often, the QP's reader thread leaves the socket to a task that sleeps
-//! watching it ([`Watch::watching`]): an arrival wakes that task alone. Where they come seldom,
-//! the reader watches too, and whichever wakes first takes the frame. The reader still handles
-//! what a poll hands it (frames for a registration the application holds, long bodies), and
-//! takes the socket back after a grace period in which the task took nothing, so that
-//! one-sided requests are served whatever the task does (`engine/reader.rs`).
+//! The reader thread still watches the socket while a CQ is armed, as before: it handles what
+//! a poll may not (frames for a registration the application holds, long bodies), and it
+//! serves one-sided requests whatever the task does.
 
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -37,19 +34,6 @@ pub(super) struct Watch {
     /// which it does while a CQ is armed, and rings the doorbell), and waking again at each
     /// further arrival would only have the two threads take turns on the socket.
     woke_on_sockets: AtomicBool,
-    /// A wait watches the sockets now: what arrives wakes its task, whose next poll reads it
-    /// (the QPs' readers leave a busy socket to it, `engine/reader.rs`). Cleared as the wait
-    /// ends, or is dropped.
-    watching: AtomicBool,
-}
-
-/// Clears [`Watch::watching`] when a wait that watches the sockets ends or is dropped.
-struct Watching<'a>(&'a AtomicBool);
-
-impl Drop for Watching<'_> {
-    fn drop(&mut self) {
-        self.0.store(false, Ordering::SeqCst);
-    }
 }
 
 impl Watch {
@@ -57,13 +41,7 @@ impl Watch {
         Self {
             fd: Registration::default(),
             woke_on_sockets: AtomicBool::new(false),
-            watching: AtomicBool::new(false),
         }
-    }
-
-    /// Whether a wait watches the sockets now.
-    pub(super) fn watching(&self) -> bool {
-        self.watching.load(Ordering::SeqCst)
     }
 
     /// Whether the next wait watches the sockets (not the doorbell alone).
@@ -106,8 +84,6 @@ impl Watch {
                 }
             }
         };
-        self.watching.store(true, Ordering::SeqCst);
-        let _watching = Watching(&self.watching);
         tokio::select! {
             // The doorbell first: a ring means a completion is there.
             biased;

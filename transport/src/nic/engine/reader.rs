@@ -18,11 +18,9 @@
 //! reader, a poller hands it to the engine, and the engine looks again after
 //! [`RECHECK`](crate::nic::sender::RECHECK).
 //!
-//! A task that sleeps on an armed CQ watches the socket too (`nic/watch.rs`), and its next poll
-//! reads what woke it when the reader is free (payloads over [`POLLER_LANDS_MAX`] excepted).
-//! While frames come often (two within a grace period, or some taken in the last one), the
-//! engine leaves the socket to that task as it does to spinning pollers, so that an arrival
-//! wakes one thread, not two; where they come seldom it watches as well.
+//! A task that sleeps on an armed CQ watches the socket too (`tcp/watch.rs`): an arrival wakes
+//! it and the engine at once, and its next poll reads the socket when the reader is free
+//! (payloads over [`POLLER_LANDS_MAX`] excepted).
 //!
 //! A CQ keeps the sockets of its tcp QPs in an epoll set: a poll asks it once (one system call
 //! however many QPs share the CQ) and reads only the sockets that have something, plus any QP
@@ -63,7 +61,7 @@ const STRIKES_WITHIN: Duration = Duration::from_millis(10);
 const DISTRUST: Duration = Duration::from_secs(1);
 
 /// The longest payload a poll lands while a waiter sleeps on one of the QP's CQs (it woke
-/// because the socket had something: `nic/watch.rs`); a longer one is the progress engine's,
+/// because the socket had something: `tcp/watch.rs`); a longer one is the progress engine's,
 /// which watches the socket then too: the waiter's thread landing long payloads as well slowed
 /// large Reads that wait.
 const POLLER_LANDS_MAX: usize = 64 << 10;
@@ -140,11 +138,6 @@ pub(super) struct ReadLoop {
     throttled: bool,
     /// The last turn met memory the application holds: look again soon.
     retry: bool,
-    /// When the last turn the link woke came.
-    arrived: Option<Instant>,
-    /// Until when frames count as coming often: two arrivals within a grace period, or frames
-    /// pollers took in the last one.
-    busy_until: Option<Instant>,
 }
 
 /// What the reader waits for after a turn.
@@ -201,30 +194,9 @@ impl Engine {
         // when it arrived while they spin and nobody woke the engine. Pollers not spinning at
         // the end of a grace period were busy, or wait for something else than a CQ (see
         // STRIKES_WITHIN).
-        //
-        // A waiter asleep on one of the QP's CQs that watches the socket itself (`watch.rs`)
-        // wakes at what arrives, and its next poll takes it: while frames come often, the link
-        // is that waiter's as it is spinning pollers', and an arrival wakes one thread, not
-        // two. A link where they come seldom stays watched (a turn a frame, as before: leaving
-        // it would cost a grace timer's turns per frame as well, and a server of thousands of
-        // connections has thousands of such links).
         let spinning = self.spinning();
-        let taken_since = self.taken.load(Ordering::Relaxed) != rl.taken;
-        if why.readable && !graced {
-            if rl
-                .arrived
-                .is_some_and(|a| now.saturating_duration_since(a) < POLLER_GRACE)
-            {
-                rl.busy_until = Some(now + POLLER_GRACE);
-            }
-            rl.arrived = Some(now);
-        }
-        if graced && taken_since {
-            rl.busy_until = Some(now + POLLER_GRACE);
-        }
-        let watched = rl.busy_until.is_some_and(|b| now < b) && self.waiter_watches();
-        let keeping_up = graced && (spinning || watched) && taken_since;
-        let arrived_to_spinners = !graced && self.leave(now, rl.distrust_until, watched);
+        let keeping_up = graced && spinning && self.taken.load(Ordering::Relaxed) != rl.taken;
+        let arrived_to_spinners = !graced && self.leave(now, rl.distrust_until);
         let elsewhere = graced && !spinning;
         let mut found_silent = false;
         let mut frames = 0;
@@ -282,7 +254,7 @@ impl Engine {
         let taken = self.taken.load(Ordering::Relaxed);
         let quiet = graced && spinning && taken == rl.taken && frames == 0 && !rl.retry;
         rl.taken = taken;
-        let leave = !quiet && self.leave(now, rl.distrust_until, watched);
+        let leave = !quiet && self.leave(now, rl.distrust_until);
         rl.left = leave && !rl.retry;
         // An acknowledgement a poller left owed goes out at the latest at the next turn; a
         // wait without a timeout first tells the pollers to send theirs themselves (see
@@ -302,17 +274,10 @@ impl Engine {
         ReadNext { watch: !leave, at }
     }
 
-    /// Whether the link is the pollers' at `t`: they spin and no waiter sleeps on a CQ, or
-    /// (`watched`) a waiter that watches the socket sleeps while frames come often; and they
+    /// Whether the link is the pollers' at `t`: they spin, no waiter sleeps on a CQ, and they
     /// have not been found waiting for something else lately.
-    fn leave(&self, t: Instant, distrust_until: Option<Instant>, watched: bool) -> bool {
-        let theirs = (self.spinning() && !self.waiter_sleeps()) || watched;
-        theirs && self.pollers_read() && distrust_until.is_none_or(|d| t >= d)
-    }
-
-    /// Whether a waiter sleeps on one of the QP's CQs watching its socket (tcp, `watch.rs`).
-    fn waiter_watches(&self) -> bool {
-        self.send_cq.waiter_watches() || self.recv_cq.waiter_watches()
+    fn leave(&self, t: Instant, distrust_until: Option<Instant>) -> bool {
+        self.spinning() && !self.waiter_sleeps() && self.pollers_read() && distrust_until.is_none_or(|d| t >= d)
     }
 
     /// Whether polls of the QP's CQs read its link: always a socket (its CQ's epoll set says
@@ -649,7 +614,7 @@ mod tests {
     use std::net::SocketAddr;
     use std::time::{Duration, Instant};
 
-    use super::{POLLER_GRACE, SPIN_GAP};
+    use super::SPIN_GAP;
     use crate::{connect, AccessFlags, Device, Listener, QpOptions, RecvWr, SendOp, SendWr};
 
     /// A QP whose CQ is polled without a pause while nothing comes costs its device's progress
@@ -730,92 +695,6 @@ mod tests {
                 "{provider}: the last Send came"
             );
         }
-    }
-
-    /// A task that sleeps on the CQ of one tcp QP, watching its socket itself, has that socket
-    /// to itself while messages come often: what arrives wakes that task alone, whose poll
-    /// takes it. (With the reader watching as well, each message woke two threads, the task
-    /// and the progress thread: beside a busy process that held an event-mode echo to a
-    /// quarter of a plain tokio echo's calls/s.) A socket where messages come seldom stays
-    /// the reader's to watch too.
-    #[test]
-    fn a_task_asleep_on_the_cq_of_one_tcp_qp_is_the_only_thread_frequent_messages_wake() {
-        const SENDS: u32 = 120;
-        let dev = Device::open("tcp").expect("device");
-        let listener = Listener::bind(&dev, "127.0.0.1:0".parse::<SocketAddr>().expect("addr")).expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let (pd, cq) = (dev.alloc_pd().expect("pd"), dev.create_cq(256).expect("cq"));
-        let recvs = (0..SENDS)
-            .map(|_| RecvWr::new(7, pd.register(64, AccessFlags::LOCAL_WRITE).expect("register")))
-            .collect();
-        let opts = QpOptions::new(&pd, &cq);
-        let accept = std::thread::spawn(move || {
-            listener
-                .accept(None)
-                .expect("accept")
-                .accept_with_recvs(&opts, b"", recvs)
-        });
-        let cdev = Device::open("tcp").expect("device");
-        let (cpd, ccq) = (cdev.alloc_pd().expect("pd"), cdev.create_cq(256).expect("cq"));
-        let (client, _) = connect(addr, &QpOptions::new(&cpd, &ccq), b"", Duration::from_secs(5)).expect("connect");
-        let _qp = accept.join().expect("accept thread").expect("accept");
-        let progress = dev.inner.imp.progress().expect("a software device");
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let send = |imm: u32| {
-            let b = cpd.register(8, AccessFlags::NONE).expect("register");
-            client
-                .post_send(SendWr::new(1, SendOp::Send { imm: Some(imm) }).buf(b))
-                .map_err(|e| e.error)
-                .expect("send");
-        };
-        // Messages `gap` apart from a thread of their own, taken by a task that waits on the
-        // CQ; the turns of the receiver's progress thread its socket woke meanwhile.
-        let mut next = 0;
-        let mut run = |n: u32, gap: Duration| {
-            let (first, mut got) = (next, Vec::new());
-            next += n;
-            let before = progress.descriptor_turns();
-            std::thread::scope(|s| {
-                s.spawn(|| {
-                    for i in first..first + n {
-                        std::thread::sleep(gap);
-                        send(i);
-                    }
-                });
-                rt.block_on(async {
-                    while got.len() < n as usize {
-                        tokio::time::timeout(Duration::from_secs(10), cq.wait(&mut got, 16))
-                            .await
-                            .expect("a message within 10 s")
-                            .expect("wait");
-                    }
-                });
-            });
-            let imms: Vec<_> = got.iter().map(|c| c.imm.expect("imm")).collect();
-            assert_eq!(
-                imms,
-                (first..first + n).collect::<Vec<_>>(),
-                "every Send came, in order"
-            );
-            progress.descriptor_turns() - before
-        };
-        // Half a `SPIN_GAP` apart: the task sleeps, armed, when each comes (its wait returns
-        // at once, and it waits again before the next).
-        let woke = run(100, SPIN_GAP / 2);
-        assert!(
-            woke <= 15,
-            "the socket woke the receiver's progress thread {woke} times for 100 messages to a task asleep on its CQ"
-        );
-        // Ten grace periods apart: each wakes the reader as well.
-        let woke = run(SENDS - 100, POLLER_GRACE * 10);
-        assert!(
-            woke >= u64::from(SENDS - 100) / 2,
-            "the socket woke the receiver's progress thread {woke} times for {} seldom messages",
-            SENDS - 100
-        );
     }
 
     /// On shm, Sends into a shared receive queue come as frames on the ring: a poller that spins
