@@ -37,7 +37,14 @@ use super::wire::Encoder;
 use crate::mr::{Region, Rmw};
 use crate::nic::progress::Waker;
 
-/// The largest emptied backlog buffer kept for reuse.
+/// The most bytes a piece of the backlog holds: what is queued beyond it goes into the next
+/// piece. The writer moves past what the link took without moving the rest, and an emptied
+/// piece is kept for reuse, so that a backlog of many long frames costs a copy in and a copy
+/// out per byte, whatever its length (a backlog in one buffer, drained at its front, moves
+/// all of its rest at each write). As large as `shm`'s ring, so that one write fills it.
+const CHUNK: usize = 1 << 20;
+
+/// The most capacity of emptied pieces kept for reuse.
 const SPARE_MAX: usize = 4 << 20;
 
 /// The longest part of a read response: the writer copies one out of registered memory at a
@@ -52,8 +59,9 @@ pub(crate) const RECHECK: Duration = Duration::from_micros(200);
 enum Piece {
     /// Frames as bytes. `request`: all of them are this side's requests, which may pass a
     /// response waiting for memory. (The first piece may be the rest of a frame already begun;
-    /// it is at the front, so it goes before anything can pass it.)
-    Bytes { bytes: Vec<u8>, request: bool },
+    /// it is at the front, so it goes before anything can pass it.) `at`: how many of them
+    /// went out already (only at the front).
+    Bytes { bytes: Vec<u8>, at: usize, request: bool },
     /// What is left of the response to Read `ssn`: `len` bytes of `region` from `off`, read
     /// as they go out, a part at a time.
     Memory {
@@ -86,9 +94,9 @@ enum Step {
 #[derive(Default)]
 struct State {
     backlog: VecDeque<Piece>,
-    /// The writer's last piece of bytes, emptied, kept for the next backlog (no allocation per
-    /// piece).
-    spare: Vec<u8>,
+    /// Pieces of bytes the writer emptied, kept for the next ones (no allocation per piece);
+    /// their capacity in all at most [`SPARE_MAX`].
+    spares: Vec<Vec<u8>>,
     /// Frames to go out ahead of the next one sent, in its write ([`Sender::ahead`]): responses.
     ahead: Vec<u8>,
     /// Close the sending side once the backlog is out.
@@ -117,23 +125,37 @@ impl State {
         joined
     }
 
-    fn push_bytes(&mut self, bytes: &[u8], request: bool) {
-        if bytes.is_empty() {
-            return;
-        }
-        if let Some(Piece::Bytes {
-            bytes: last,
-            request: r,
-        }) = self.backlog.back_mut()
-        {
-            if *r == request {
-                last.extend_from_slice(bytes);
-                return;
+    fn push_bytes(&mut self, mut bytes: &[u8], request: bool) {
+        while !bytes.is_empty() {
+            if let Some(Piece::Bytes {
+                bytes: last,
+                request: r,
+                ..
+            }) = self.backlog.back_mut()
+            {
+                if *r == request && last.len() < CHUNK {
+                    let n = (CHUNK - last.len()).min(bytes.len());
+                    last.extend_from_slice(&bytes[..n]);
+                    bytes = &bytes[n..];
+                    continue;
+                }
             }
+            let b = self.spares.pop().unwrap_or_default();
+            self.backlog.push_back(Piece::Bytes {
+                bytes: b,
+                at: 0,
+                request,
+            });
         }
-        let mut b = std::mem::take(&mut self.spare);
-        b.extend_from_slice(bytes);
-        self.backlog.push_back(Piece::Bytes { bytes: b, request });
+    }
+
+    /// Keeps an emptied piece's buffer for the next ones, while the kept ones hold little.
+    fn recycle(&mut self, mut bytes: Vec<u8>) {
+        let kept: usize = self.spares.iter().map(Vec::capacity).sum();
+        if bytes.capacity() <= CHUNK && kept + bytes.capacity() <= SPARE_MAX {
+            bytes.clear();
+            self.spares.push(bytes);
+        }
     }
 
     /// What waits to go ahead of the next frame, queued as the responses it is.
@@ -152,7 +174,9 @@ impl State {
         let mut rest = VecDeque::with_capacity(self.backlog.len());
         for piece in self.backlog.drain(..) {
             match piece {
-                Piece::Bytes { bytes, request: true } => requests.push(bytes),
+                Piece::Bytes {
+                    bytes, request: true, ..
+                } => requests.push(bytes),
                 other => rest.push_back(other),
             }
         }
@@ -399,20 +423,16 @@ impl Sender {
             return Ok(Step::Done);
         };
         match piece {
-            Piece::Bytes { mut bytes, request } => {
-                let n = self.try_now(st, &bytes, &[])?;
-                if n == bytes.len() {
-                    // Kept for the next backlog unless it grew past what is worth holding on to.
-                    if bytes.capacity() <= SPARE_MAX {
-                        bytes.clear();
-                        st.spare = bytes;
-                    }
+            Piece::Bytes { bytes, at, request } => {
+                let n = self.try_now(st, &bytes[at..], &[])?;
+                if at + n == bytes.len() {
+                    st.recycle(bytes);
                     return Ok(Step::Done);
                 }
-                bytes.drain(..n);
+                let at = at + n;
                 // Begun, it must go first: nothing passes it any more.
-                let request = request && n == 0;
-                st.backlog.push_front(Piece::Bytes { bytes, request });
+                let request = request && at == 0;
+                st.backlog.push_front(Piece::Bytes { bytes, at, request });
                 Ok(Step::Full)
             }
             Piece::Memory { ssn, region, off, len } => {
@@ -439,6 +459,7 @@ impl Sender {
                     rest.extend_from_slice(&bytes[d..]);
                     st.backlog.push_front(Piece::Bytes {
                         bytes: rest,
+                        at: 0,
                         request: false,
                     });
                     return Ok(Step::Full);
@@ -461,6 +482,7 @@ impl Sender {
                 if sent < frame.len() {
                     st.backlog.push_front(Piece::Bytes {
                         bytes: frame[sent..].to_vec(),
+                        at: 0,
                         request: false,
                     });
                     return Ok(Step::Full);
@@ -482,15 +504,18 @@ impl Sender {
                 for later in rest.into_iter().rev() {
                     st.backlog.push_front(Piece::Bytes {
                         bytes: later,
+                        at: 0,
                         request: true,
                     });
                 }
                 st.backlog.push_front(Piece::Bytes {
-                    bytes: r[n..].to_vec(),
+                    bytes: r,
+                    at: n,
                     request: n == 0,
                 });
                 return Ok(true);
             }
+            st.recycle(r);
         }
         Ok(false)
     }
@@ -502,5 +527,94 @@ fn part_head(ssn: u64, n: usize, left: usize) -> Vec<u8> {
     match n < left {
         true => Encoder::read_part(ssn).head(n),
         false => Encoder::read_resp(ssn).head(n),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// A link that takes at most `room` bytes until given more, and keeps what it took.
+    struct Narrow {
+        room: AtomicUsize,
+        took: Mutex<Vec<u8>>,
+        fd: OwnedFd,
+    }
+
+    impl Narrow {
+        fn new() -> Arc<Self> {
+            let fd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC).expect("eventfd");
+            Arc::new(Self {
+                room: AtomicUsize::new(0),
+                took: Mutex::new(Vec::new()),
+                fd,
+            })
+        }
+    }
+
+    impl Link for Narrow {
+        fn try_read(&self, _buf: &mut [u8]) -> std::io::Result<usize> {
+            Ok(0)
+        }
+        fn event_fd(&self) -> BorrowedFd<'_> {
+            self.fd.as_fd()
+        }
+        fn try_write(&self, buf: &[u8]) -> std::io::Result<usize> {
+            let n = buf.len().min(self.room.load(Ordering::Relaxed));
+            self.room.fetch_sub(n, Ordering::Relaxed);
+            self.took.lock().extend_from_slice(&buf[..n]);
+            Ok(n)
+        }
+        fn shutdown_write(&self) {}
+        fn shutdown(&self) {}
+    }
+
+    fn longest_piece(s: &Sender) -> usize {
+        let st = s.state.lock();
+        st.backlog
+            .iter()
+            .map(|p| match p {
+                Piece::Bytes { bytes, .. } => bytes.len(),
+                _ => 0,
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Many long requests queued behind a link that takes little at a time: they go out whole
+    /// and in order, while the backlog holds them in pieces of at most `CHUNK` bytes, so that
+    /// a write moves nothing it did not send (one piece holding the whole backlog, drained at
+    /// its front, moved the rest at every write).
+    #[test]
+    fn a_long_backlog_goes_out_in_order_from_bounded_pieces() {
+        let link = Narrow::new();
+        let s = Sender::new(link.clone());
+        let mut want = Vec::new();
+        for i in 0..24u64 {
+            let data: Vec<u8> = (0..300_000u32).map(|b| (b as u64 * 7 + i) as u8).collect();
+            let head = Encoder::send(i, None, true).head(data.len());
+            s.request(&head, &data).expect("queued");
+            want.extend_from_slice(&head);
+            want.extend_from_slice(&data);
+        }
+        assert!(longest_piece(&s) <= CHUNK, "a piece of {} bytes", longest_piece(&s));
+        let mut turns = 0;
+        loop {
+            link.room.store(100_000, Ordering::Relaxed);
+            let (again, _) = s.write_turn(Instant::now());
+            turns += 1;
+            assert!(longest_piece(&s) <= CHUNK);
+            if !again {
+                break;
+            }
+            assert!(turns < 10_000, "the backlog never emptied");
+        }
+        assert!(*link.took.lock() == want, "the bytes went out as queued");
+        let kept: usize = s.state.lock().spares.iter().map(Vec::capacity).sum();
+        assert!(kept <= SPARE_MAX, "{kept} bytes of spare pieces kept");
+        assert!(!s.state.lock().spares.is_empty(), "an emptied piece is kept for reuse");
     }
 }
