@@ -532,6 +532,21 @@ impl Conn {
     }
 
     /// Reaps completions without blocking; returns whether there were any.
+    /// A round of polls of a spinning connection: on a shared CQ, its group's waiter leaves
+    /// the CQ to it until [`spin_end`](Self::spin_end).
+    pub(crate) fn spin_round(&self) {
+        if let Some(m) = &self.member {
+            m.spin_round();
+        }
+    }
+
+    /// The connection stops spinning: it sleeps, or nothing of it is in flight.
+    pub(crate) fn spin_end(&self) {
+        if let Some(m) = &self.member {
+            m.spin_end();
+        }
+    }
+
     pub(crate) fn poll_cq(&mut self) -> bool {
         let mut done = std::mem::take(&mut self.scratch);
         let polled = match &self.member {

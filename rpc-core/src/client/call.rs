@@ -171,6 +171,7 @@ impl<T> Call<'_, T> {
             } && !st.conn.peer_on_this_thread(shared.mode)
                 && crate::driver::Conn::may_spin(shared.mode, &mut st.spin_token);
         if spin {
+            st.conn.spin_round();
             st.spinner = Some(self.call);
             if self.sleeping {
                 self.sleeping = false;
@@ -225,6 +226,7 @@ impl<T> Call<'_, T> {
         }
         if st.spinner.is_none() {
             st.spin_token = None;
+            st.conn.spin_end();
         }
         let Some(slot) = st.calls.get_mut(self.call) else {
             // Only a finished call leaves the table, and only here.
@@ -253,6 +255,7 @@ impl<T> Call<'_, T> {
             let handed = st.pass_turn(self.call);
             if st.spinner.is_none() {
                 st.spin_token = None;
+                st.conn.spin_end();
             }
             let kick = (!handed && !st.driver_on_cq && st.needs_watch()) || st.driver_must_post();
             drop(st);
@@ -333,6 +336,10 @@ impl<T> Drop for Call<'_, T> {
         }
         st.ran(self.call);
         st.pass_turn(self.call);
+        if st.spinner.is_none() {
+            st.spin_token = None;
+            st.conn.spin_end();
+        }
         if let Some(slot) = st.calls.remove(self.call) {
             if slot.result.is_none() {
                 st.conn.session.cancel(self.call);

@@ -54,6 +54,7 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
             // Poll a while before giving way: a turn through the runtime costs more than the
             // polls, and a message usually comes within them.
             let mut found = false;
+            conn.spin_round();
             for _ in 0..INNER_SPINS {
                 std::hint::spin_loop();
                 if conn.poll_cq() {
@@ -105,6 +106,7 @@ pub(crate) async fn run<R: Role + Send>(mut conn: Conn, mut role: R, mode: Compl
 
 /// Sleeps until a completion, a command or a deadline.
 pub(super) async fn wait<R: Role>(conn: &mut Conn, role: &mut R) {
+    conn.spin_end();
     let mut deadline = conn.session.poll_timeout();
     let soon = if conn.starved() {
         // No completion of ours may say a shared send buffer is free: look again soon.
