@@ -6,10 +6,10 @@
 //!
 //! With a CQ per connection, each message woke its connection's task through that CQ's own
 //! doorbell: a system call to ring it, another to wait on it, and a turn of the runtime's IO
-//! driver, per message and per connection. A shared CQ is polled in batches: while its
-//! connections run, its doorbell is not armed and nothing rings it; a connection that polls
-//! hands the others what it found and wakes each once per batch, in the process. Only when all
-//! of a group's connections sleep does one task (the group's waiter) sleep on the doorbell.
+//! driver, per message and per connection. A shared CQ is polled in batches: while one of its
+//! connections spins on it, its doorbell is not armed and nothing rings it; a connection that
+//! polls hands the others what it found and wakes each once per batch, in the process. Only
+//! when none spins does one task (the group's waiter) sleep on the doorbell.
 //!
 //! Order: a connection's completions reach it in the CQ's order, as every completion goes
 //! through its connection's inbox, pushed under one lock in the order polls return them.
