@@ -531,7 +531,6 @@ impl Conn {
         self.qp.leave_peer_cpu()
     }
 
-    /// Reaps completions without blocking; returns whether there were any.
     /// A round of polls of a spinning connection: on a shared CQ, its group's waiter leaves
     /// the CQ to it until [`spin_end`](Self::spin_end).
     pub(crate) fn spin_round(&self) {
@@ -547,6 +546,7 @@ impl Conn {
         }
     }
 
+    /// Reaps completions without blocking; returns whether there were any.
     pub(crate) fn poll_cq(&mut self) -> bool {
         let mut done = std::mem::take(&mut self.scratch);
         let polled = match &self.member {

@@ -96,10 +96,9 @@ pub(crate) struct Group {
     /// `Routes::waiting`, to look at without the lock.
     waiting: AtomicBool,
     /// Members spinning on the CQ now ([`Member::spin_round`]): their polls route every
-    /// member's completions, so the waiter leaves the CQ unarmed. An armed CQ under spinning
-    /// pollers cost a doorbell and a turn of the waiter per completion, and woke the QPs'
-    /// readers at each arm: a pooled server's client with 4 calls in flight made fewer calls a
-    /// second than with 1.
+    /// member's completions, so the waiter leaves the CQ unarmed. Armed under spinning pollers,
+    /// the CQ would ring its doorbell and wake the waiter at each completion, and each arm
+    /// would wake the QPs' readers (docs/decisions.md).
     spinners: AtomicUsize,
     /// A member polled since the waiter last looked.
     spun: AtomicBool,
